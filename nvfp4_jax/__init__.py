@@ -1,0 +1,39 @@
+"""nvfp4_jax: NVFP4 quantization for JAX and Flax, bit-exact with TransformerEngine.
+
+Example:
+  >>> import jax, jax.numpy as jnp, nvfp4_jax
+  >>> x = jax.random.normal(jax.random.key(0), (32, 64), jnp.bfloat16)
+  >>> q = nvfp4_jax.quantize(x)
+  >>> q.dequantize(jnp.bfloat16).shape
+  (32, 64)
+
+"""
+
+from nvfp4_jax.array import NVFP4Array, is_nvfp4_array
+from nvfp4_jax.formats import BLOCK_SIZE, E4M3_MAX, FP4_MAX
+from nvfp4_jax.hadamard import (
+    apply_rht,
+    get_hadamard_matrix,
+    get_rht_matrix,
+    get_sign_from_vector,
+    get_wgrad_sign_vector,
+)
+from nvfp4_jax.quantize import dequantize, fake_quantize, quantize
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BLOCK_SIZE",
+    "E4M3_MAX",
+    "FP4_MAX",
+    "NVFP4Array",
+    "apply_rht",
+    "dequantize",
+    "fake_quantize",
+    "get_hadamard_matrix",
+    "get_rht_matrix",
+    "get_sign_from_vector",
+    "get_wgrad_sign_vector",
+    "is_nvfp4_array",
+    "quantize",
+]
