@@ -9,7 +9,9 @@ Example:
 
 """
 
+from nvfp4_jax import linen, nnx
 from nvfp4_jax.array import NVFP4Array, is_nvfp4_array
+from nvfp4_jax.dot_general import dot_general, nvfp4_dot_general
 from nvfp4_jax.formats import BLOCK_SIZE, E4M3_MAX, FP4_MAX
 from nvfp4_jax.hadamard import (
     apply_rht,
@@ -18,7 +20,8 @@ from nvfp4_jax.hadamard import (
     get_sign_from_vector,
     get_wgrad_sign_vector,
 )
-from nvfp4_jax.quantize import dequantize, fake_quantize, quantize
+from nvfp4_jax.quantize import dequantize, fake_quantize, quantize, tensor_amax
+from nvfp4_jax.recipe import NVFP4Recipe
 
 __version__ = "0.1.0"
 
@@ -27,13 +30,19 @@ __all__ = [
     "E4M3_MAX",
     "FP4_MAX",
     "NVFP4Array",
+    "NVFP4Recipe",
     "apply_rht",
     "dequantize",
+    "dot_general",
     "fake_quantize",
     "get_hadamard_matrix",
     "get_rht_matrix",
     "get_sign_from_vector",
     "get_wgrad_sign_vector",
     "is_nvfp4_array",
+    "linen",
+    "nnx",
+    "nvfp4_dot_general",
     "quantize",
+    "tensor_amax",
 ]

@@ -145,6 +145,29 @@ def _stored_amax(max_abs, amax):
     return jnp.where(jnp.isfinite(max_abs) & jnp.isfinite(amax), amax, _F32(jnp.nan))
 
 
+def tensor_amax(
+    x: jax.Array, *, axis: int = -1, rht: bool = False, implementation: str | None = None
+) -> jax.Array:
+    """Returns the f32 tensor amax `max |x|` that `quantize` would use, NaN if x holds NaN/inf.
+
+    With `rht`, the amax of the transformed tensor (the RHT applied along `axis`). Pass the
+    result (or its maximum over devices) as `quantize(..., amax=...)`.
+
+    Example:
+      >>> float(tensor_amax(jnp.array([1.0, -3.0] * 8)))
+      3.0
+    """
+    x = jnp.asarray(x)
+    axis = _check_quantize_args(x, axis, False, False, None, None, "tensor_amax")
+    stored = jnp.moveaxis(x, axis, -1)
+    if dispatch.resolve(implementation, "tensor_amax") == "ffi":
+        return dispatch.kernels().amax_ffi(stored, rht=rht)
+    if rht:
+        stored = hadamard.apply_rht_reference(stored)
+    max_abs = jnp.max(jnp.abs(stored.astype(_F32)))
+    return _stored_amax(max_abs, max_abs)
+
+
 def _prepare_reference(x, axis, rht, amax):
     """Moves the quantized axis last, applies the RHT; returns (f32 layout, A, stored A)."""
     stored = jnp.moveaxis(x, axis, -1)
@@ -238,9 +261,27 @@ def decode_factor(amax: jax.Array, scales: jax.Array) -> jax.Array:
 
     `amax` may carry the leading batch dimensions that `vmap` added to `scales`.
     """
-    global_decode = amax.astype(_F32) * _F32(formats.RCP2688)
+    global_decode = global_decode_scale(amax)
     global_decode = global_decode.reshape(global_decode.shape + (1,) * (scales.ndim - amax.ndim))
     return scales.astype(_F32) * global_decode
+
+
+def block_values(q: NVFP4Array, dtype=jnp.bfloat16) -> jax.Array:
+    """Returns `value(code) * f32(s_b)` in the stored layout, without the tensor factor.
+
+    These values have at most 6 significant bits, so they are exact in bf16: the operands of
+    an emulated block-scaled GEMM, whose result is then multiplied by `A * RCP2688` of each
+    operand (NUMERICS section 9). No inverse RHT is applied.
+    """
+    codes = formats.unpack_nibbles(q.codes)
+    blocks = codes.reshape(*q.scales.shape, formats.BLOCK_SIZE)
+    values = formats.scaled_code_values(blocks, q.scales.astype(_F32)[..., None])
+    return values.reshape(codes.shape).astype(dtype)
+
+
+def global_decode_scale(amax: jax.Array) -> jax.Array:
+    """Returns the tensor decode factor `D = A * RCP2688` (a multiplication, NUMERICS 3)."""
+    return jnp.asarray(amax).astype(_F32) * _F32(formats.RCP2688)
 
 
 def _dequantize_reference(q: NVFP4Array) -> jax.Array:
