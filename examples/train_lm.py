@@ -304,6 +304,9 @@ def main(argv=None) -> dict:
     )
     names = RECIPES if args.recipe == "both" else (args.recipe,)
     histories = {name: run(name, args, train, val, console) for name in names}
+    if args.stop_after is not None and args.stop_after < args.steps:
+        console.print(f"stopped after step {args.stop_after}; continue with --resume")
+        return {"histories": histories}
     rows = summarize(histories, args, console)
     config = {k: str(v) if isinstance(v, pathlib.Path) else v for k, v in vars(args).items()}
     results = {"config": config, "results": rows, "histories": histories}
