@@ -67,15 +67,26 @@ def _pad_tokens(x):
     return jnp.pad(x, ((0, pad), (0, 0))) if pad else x
 
 
+def _mix32(h):
+    """murmur3's 32-bit finalizer: a bijection of uint32 that scrambles every bit."""
+    h = (h ^ (h >> 16)) * jnp.uint32(0x85EBCA6B)
+    h = (h ^ (h >> 13)) * jnp.uint32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
 def _gradient_key(dy):
-    """A key that changes whenever dy does: a wrapping sum of dy's bits, folded into a seed.
+    """A key that changes whenever dy does: a wrapping sum of dy's mixed bits, into a seed.
 
     Used for stochastic rounding when the caller passes no key, so that a drop-in
     `dot_general` draws fresh randomness every step. Integer addition is associative, so the
-    key is the same on every platform, implementation and sharding.
+    key is the same on every platform, implementation and sharding. Each element's bits are
+    mixed before the sum: a plain sum of bits is blind to scaling dy by 2 (every element
+    gains 2**23, and n * 2**23 wraps to 0 for n a multiple of 512), which would repeat the
+    rounding of the unscaled gradient.
     """
     bits = jax.lax.bitcast_convert_type(dy.astype(_F32), jnp.uint32)
-    return jax.random.fold_in(jax.random.key(_GRADIENT_KEY_SEED), jnp.sum(bits, dtype=jnp.uint32))
+    digest = jnp.sum(_mix32(bits), dtype=jnp.uint32)
+    return jax.random.fold_in(jax.random.key(_GRADIENT_KEY_SEED), digest)
 
 
 def _fprop(x, w, recipe):
@@ -155,12 +166,6 @@ def _normalize_dims(dimension_numbers, lhs, rhs):
 
 
 def _check_operands(lhs, rhs, k, n):
-    for name, operand in (("lhs", lhs), ("rhs", rhs)):
-        if jnp.dtype(operand.dtype) not in formats.SUPPORTED_DTYPES:
-            raise TypeError(
-                f"dot_general: {name} must be bfloat16, float16 or float32, got {operand.dtype} "
-                f"(shape {operand.shape})"
-            )
     for name, size in (("contracting (K)", k), ("rhs free (N)", n)):
         if size % formats.BLOCK_SIZE:
             raise ValueError(
@@ -201,7 +206,8 @@ def dot_general(
       `lhs`'s free dims followed by `rhs`'s free dims, as `jax.lax.dot_general` orders them.
     """
     del precision
-    lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+    lhs = formats.as_float_array(lhs, "dot_general", "lhs")
+    rhs = formats.as_float_array(rhs, "dot_general", "rhs")
     lhs_contract, rhs_contract = _normalize_dims(dimension_numbers, lhs, rhs)
     lhs_free = [d for d in range(lhs.ndim) if d not in lhs_contract]
     rhs_free = [d for d in range(rhs.ndim) if d not in rhs_contract]

@@ -34,6 +34,23 @@ _EDGES_TIE_UP = (0.75, 1.75, 3.5)
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
 
+def as_float_array(x, op: str, name: str = "x") -> jax.Array:
+    """Returns `x` as a jax array, raising unless its dtype is bf16, f16 or f32.
+
+    The dtype is checked before conversion: `jnp.asarray` would silently turn a NumPy
+    float64 array into float32 when x64 is off.
+    """
+    dtype = getattr(x, "dtype", None)
+    array = jnp.asarray(x)
+    dtype = jnp.dtype(dtype if dtype is not None else array.dtype)
+    if dtype not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"{op}: {name} must be bfloat16, float16 or float32, got dtype {dtype} "
+            f"(shape {jnp.shape(x)})"
+        )
+    return array
+
+
 def e2m1_magnitude_code(magnitude: jax.Array) -> jax.Array:
     """Returns the E2M1 code 0..7 nearest to a non-negative f32 magnitude.
 

@@ -81,11 +81,7 @@ def _fwht16(v: jax.Array) -> jax.Array:
 
 
 def check_rht_input(x: jax.Array, name: str = "x") -> None:
-    """Raises if `x` cannot be transformed: a float of bf16/f16/f32 with last dim % 16 == 0."""
-    if jnp.dtype(x.dtype) not in formats.SUPPORTED_DTYPES:
-        raise TypeError(
-            f"{name} must be bfloat16, float16 or float32, got dtype {x.dtype} (shape {x.shape})"
-        )
+    """Raises unless the last axis of `x` is a multiple of 16 (dtype: `as_float_array`)."""
     if x.ndim == 0 or x.shape[-1] % formats.BLOCK_SIZE:
         raise ValueError(
             f"{name}: the last axis must be a multiple of {formats.BLOCK_SIZE} for the RHT, "
@@ -99,6 +95,7 @@ def apply_rht_reference(x: jax.Array, inverse: bool = False) -> jax.Array:
     Forward: `v = s * x; v = H v (butterflies); y = v * 0.25`. Inverse: `v = H y; v = v * 0.25;
     x = s * v`. The result is rounded to the input dtype.
     """
+    x = formats.as_float_array(x, "apply_rht")
     check_rht_input(x)
     lead = x.shape[:-1]
     blocks = x.astype(jnp.float32).reshape(*lead, -1, formats.BLOCK_SIZE)
@@ -130,6 +127,7 @@ def apply_rht(x: jax.Array, inverse: bool = False, *, implementation: str | None
       True
 
     """
+    x = formats.as_float_array(x, "apply_rht")
     check_rht_input(x)
     if dispatch.resolve(implementation, "apply_rht") == "ffi":
         return dispatch.kernels().rht_ffi(x, inverse=inverse)

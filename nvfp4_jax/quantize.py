@@ -30,10 +30,6 @@ _F32 = jnp.float32
 
 def _check_quantize_args(x, axis, block_2d, stochastic_rounding, key, amax, op) -> int:
     """Validates the arguments of quantize/fake_quantize; returns `axis` made negative."""
-    if jnp.dtype(x.dtype) not in formats.SUPPORTED_DTYPES:
-        raise TypeError(
-            f"{op}: x must be bfloat16, float16 or float32, got dtype {x.dtype} (shape {x.shape})"
-        )
     if x.ndim == 0:
         raise ValueError(f"{op}: x must have at least one dimension, got shape {x.shape}")
     if not isinstance(axis, (int, np.integer)) or not -x.ndim <= axis < x.ndim:
@@ -157,7 +153,7 @@ def tensor_amax(
       >>> float(tensor_amax(jnp.array([1.0, -3.0] * 8)))
       3.0
     """
-    x = jnp.asarray(x)
+    x = formats.as_float_array(x, "tensor_amax")
     axis = _check_quantize_args(x, axis, False, False, None, None, "tensor_amax")
     stored = jnp.moveaxis(x, axis, -1)
     if dispatch.resolve(implementation, "tensor_amax") == "ffi":
@@ -237,7 +233,7 @@ def quantize(
       ((2, 8), (2, 1), (2, 16))
 
     """
-    x = jnp.asarray(x)
+    x = formats.as_float_array(x, "quantize")
     axis = _check_quantize_args(x, axis, block_2d, stochastic_rounding, key, amax, "quantize")
     words = key_words(key) if stochastic_rounding else None
     if dispatch.resolve(implementation, "quantize") == "ffi":
@@ -257,13 +253,8 @@ def quantize(
 
 
 def decode_factor(amax: jax.Array, scales: jax.Array) -> jax.Array:
-    """Per-block decode factor `f32(s_b) * (A * RCP2688)`, shaped like `scales`.
-
-    `amax` may carry the leading batch dimensions that `vmap` added to `scales`.
-    """
-    global_decode = global_decode_scale(amax)
-    global_decode = global_decode.reshape(global_decode.shape + (1,) * (scales.ndim - amax.ndim))
-    return scales.astype(_F32) * global_decode
+    """Per-block decode factor `f32(s_b) * (A * RCP2688)`, shaped like `scales`."""
+    return scales.astype(_F32) * global_decode_scale(amax)
 
 
 def block_values(q: NVFP4Array, dtype=jnp.bfloat16) -> jax.Array:
@@ -311,13 +302,17 @@ def dequantize(q: NVFP4Array, dtype=jnp.float32, *, implementation: str | None =
     dtype = jnp.dtype(dtype)
     if dtype not in formats.SUPPORTED_DTYPES:
         raise TypeError(f"dequantize: dtype must be bfloat16, float16 or float32, got {dtype}")
-    if dispatch.resolve(implementation, "dequantize") == "ffi":
-        stored = dispatch.kernels().dequantize_ffi(
-            q.codes, q.scales, q.amax, rht=q.rht, dtype=dtype
-        )
-    else:
-        stored = _dequantize_reference(q).astype(dtype)
-    return jnp.moveaxis(stored, -1, q.axis)
+    use_ffi = dispatch.resolve(implementation, "dequantize") == "ffi"
+    return jnp.moveaxis(_dequantize_stored(q, dtype, use_ffi), -1, q.axis)
+
+
+def _dequantize_stored(q: NVFP4Array, dtype, use_ffi: bool) -> jax.Array:
+    if q.amax.ndim:
+        # A batch of tensors made by vmap (one amax each), dequantized outside of vmap.
+        return jax.vmap(lambda one: _dequantize_stored(one, dtype, use_ffi))(q)
+    if use_ffi:
+        return dispatch.kernels().dequantize_ffi(q.codes, q.scales, q.amax, rht=q.rht, dtype=dtype)
+    return _dequantize_reference(q).astype(dtype)
 
 
 def _fake_quantize_reference(x, axis, block_2d, rht, sr, words, amax, global_scale):
@@ -362,7 +357,7 @@ def fake_quantize(
       implementation: as in `quantize`.
 
     """
-    x = jnp.asarray(x)
+    x = formats.as_float_array(x, "fake_quantize")
     axis = _check_quantize_args(x, axis, block_2d, stochastic_rounding, key, amax, "fake_quantize")
     dtype = jnp.dtype(x.dtype if dtype is None else dtype)
     if dtype not in formats.SUPPORTED_DTYPES:

@@ -1,0 +1,303 @@
+"""An independent NumPy oracle for NUMERICS.md sections 2-5 and 7.
+
+Written straight from the specification, for clarity rather than speed: every formula is a
+sequence of np.float32 operations in exactly the order NUMERICS.md writes them, the E4M3
+scale is an ``ml_dtypes.float8_e4m3fn`` cast after clamping to 448, E2M1 rounding is done by
+the decision edges of section 2 step 5, and the Threefry-2x32 hash for stochastic rounding is
+implemented here from its definition. Nothing here imports ``nvfp4_jax``.
+
+Shape letters: R rows, C elements per row (the quantized axis, last), B = C // 16 blocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import ml_dtypes
+import numpy as np
+
+F32 = np.float32
+FP4_MAX = F32(6.0)
+E4M3_MAX = F32(448.0)
+C2688 = F32(2688.0)
+RCP6 = F32(1.0 / 6.0)
+RCP2688 = F32(1.0 / 2688.0)
+FLT_MAX = F32(np.finfo(np.float32).max)
+
+# E2M1 code c (0..7) has magnitude E2M1_VALUES[c]; bit 3 is the sign.
+E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=np.float32)
+
+SIGN_VECTOR = np.array([1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1], np.float32)
+SIGN_BITMASK = 0xD7E8
+
+DTYPES = {
+    "f32": np.dtype(np.float32),
+    "bf16": np.dtype(ml_dtypes.bfloat16),
+    "f16": np.dtype(np.float16),
+}
+
+
+# ----------------------------------------------------------------------------- scalars
+
+
+def e2m1_code_rn(y: np.ndarray) -> np.ndarray:
+    """E2M1 round-to-nearest-even code of f32 ``y`` by the decision edges (section 2.5)."""
+    y = np.asarray(y, np.float32)
+    a = np.abs(y)
+    mag = np.full(a.shape, 7, np.uint8)  # else 6
+    # Evaluate from the top so the first matching edge wins.
+    mag = np.where(a <= F32(5.0), 6, mag)
+    mag = np.where(a < F32(3.5), 5, mag)
+    mag = np.where(a <= F32(2.5), 4, mag)
+    mag = np.where(a < F32(1.75), 3, mag)
+    mag = np.where(a <= F32(1.25), 2, mag)
+    mag = np.where(a < F32(0.75), 1, mag)
+    mag = np.where(a <= F32(0.25), 0, mag)
+    sign = np.signbit(y).astype(np.uint8) << 3
+    return (mag.astype(np.uint8) | sign).astype(np.uint8)
+
+
+def e2m1_value(code: np.ndarray) -> np.ndarray:
+    """The f32 value of E2M1 codes (0x8 is -0)."""
+    code = np.asarray(code, np.uint8)
+    mag = E2M1_VALUES[code & 7]
+    return np.where(code & 8, -mag, mag).astype(np.float32)
+
+
+def e2m1_code_of_value(v: np.ndarray) -> np.ndarray:
+    """The code of an exactly representable E2M1 value (sign from signbit)."""
+    v = np.asarray(v, np.float32)
+    mag = np.searchsorted(E2M1_VALUES, np.abs(v))
+    assert np.all(E2M1_VALUES[np.minimum(mag, 7)] == np.abs(v)), "not an E2M1 value"
+    return (mag.astype(np.uint8) | (np.signbit(v).astype(np.uint8) << 3)).astype(np.uint8)
+
+
+def e4m3_rne(v: np.ndarray) -> np.ndarray:
+    """f32 -> float8_e4m3fn, round to nearest even (the caller clamps to 448 first)."""
+    return np.asarray(v, np.float32).astype(ml_dtypes.float8_e4m3fn)
+
+
+def e4m3_rne_by_hand(v: np.ndarray) -> np.ndarray:
+    """E4M3 RNE of non-negative finite f32 values <= 448, written without ml_dtypes.
+
+    Returns the rounded value as f32. Used only to cross-check the ml_dtypes cast.
+    """
+    v = np.asarray(v, np.float64)
+    out = np.zeros_like(v)
+    nz = v > 0
+    # Quantum: 2^(e-3) for normal numbers (e >= -6), 2^-9 for subnormals.
+    e = np.floor(np.log2(np.where(nz, v, 1.0)))
+    q = np.exp2(np.maximum(e, -6.0) - 3.0)
+    out[nz] = np.round(v[nz] / q[nz]) * q[nz]  # np.round is half-to-even; v/q is exact
+    return out.astype(np.float32)
+
+
+def pack_nibbles(codes: np.ndarray) -> np.ndarray:
+    """Pack codes (..., C) into bytes (..., C/2): element 2i low nibble, 2i+1 high."""
+    codes = np.asarray(codes, np.uint8)
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
+
+
+def unpack_nibbles(packed: np.ndarray) -> np.ndarray:
+    """Inverse of ``pack_nibbles``."""
+    packed = np.asarray(packed, np.uint8)
+    out = np.empty(packed.shape[:-1] + (packed.shape[-1] * 2,), np.uint8)
+    out[..., 0::2] = packed & 0xF
+    out[..., 1::2] = packed >> 4
+    return out
+
+
+# ----------------------------------------------------------------------------- threefry
+
+
+def _rotl32(x: np.ndarray, r: int) -> np.ndarray:
+    return ((x << np.uint32(r)) | (x >> np.uint32(32 - r))).astype(np.uint32)
+
+
+def threefry2x32(k0, k1, x0, x1):
+    """Threefry-2x32 with 20 rounds, elementwise over uint32 arrays ``x0, x1``."""
+    with np.errstate(over="ignore"):
+        k0 = np.uint32(k0)
+        k1 = np.uint32(k1)
+        ks = [k0, k1, np.uint32(k0 ^ k1 ^ np.uint32(0x1BD11BDA))]
+        rot = [(13, 15, 26, 6), (17, 29, 16, 24)]
+        x0 = np.asarray(x0, np.uint32) + ks[0]
+        x1 = np.asarray(x1, np.uint32) + ks[1]
+        for i in range(5):
+            for r in rot[i % 2]:
+                x0 = (x0 + x1).astype(np.uint32)
+                x1 = _rotl32(x1, r)
+                x1 = x1 ^ x0
+            x0 = (x0 + ks[(i + 1) % 3]).astype(np.uint32)
+            x1 = (x1 + ks[(i + 2) % 3] + np.uint32(i + 1)).astype(np.uint32)
+    return x0, x1
+
+
+def sr_random_bytes(k0: int, k1: int, n_elements: int) -> np.ndarray:
+    """The 8 random bits (0..255) of elements 0..n-1 (section 7)."""
+    n = np.arange(n_elements, dtype=np.uint64)
+    j = n // np.uint64(8)
+    hi = (j >> np.uint64(32)).astype(np.uint32)
+    lo = (j & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+    w0, w1 = threefry2x32(k0, k1, hi, lo)
+    word = w0.astype(np.uint64) | (w1.astype(np.uint64) << np.uint64(32))
+    shift = (n % np.uint64(8)) * np.uint64(8)
+    return ((word >> shift) & np.uint64(0xFF)).astype(np.uint8)
+
+
+def sr_key_words(key) -> tuple[int, int]:
+    """``k0, k1``: the two uint32 words of ``jax.random.bits(key, (2,), uint32)``."""
+    import jax
+
+    bits = np.asarray(jax.random.bits(key, (2,), np.uint32))
+    return int(bits[0]), int(bits[1])
+
+
+def _sr_step(v: np.ndarray) -> np.ndarray:
+    return np.where(v < F32(2.0), F32(0.5), np.where(v < F32(4.0), F32(1.0), F32(2.0)))
+
+
+def e2m1_code_sr(y: np.ndarray, r: np.ndarray) -> np.ndarray:
+    """Stochastic E2M1 code of f32 ``y`` with random bytes ``r`` (section 7)."""
+    y = np.asarray(y, np.float32)
+    a = np.abs(y)
+    u = np.asarray(r, np.float32) / F32(256.0)  # exact
+    with np.errstate(invalid="ignore", over="ignore"):
+        t = (a + u * _sr_step(a)).astype(np.float32)  # u*step exact; one f32 add
+        st = _sr_step(t)
+        q = np.minimum(np.floor(t / st) * st, FP4_MAX).astype(np.float32)
+    mag = np.searchsorted(E2M1_VALUES, q).astype(np.uint8)
+    assert np.all(E2M1_VALUES[mag] == q)
+    return (mag | (np.signbit(y).astype(np.uint8) << 3)).astype(np.uint8)
+
+
+# ----------------------------------------------------------------------------- hadamard
+
+
+def hadamard16() -> np.ndarray:
+    """Sylvester H16[i][j] = (-1)^popcount(i & j)."""
+    i = np.arange(16)
+    pc = np.vectorize(lambda v: bin(v).count("1"))(i[:, None] & i[None, :])
+    return np.where(pc % 2 == 0, 1.0, -1.0).astype(np.float32)
+
+
+def rht_matrix() -> np.ndarray:
+    """M = diag(sign) @ H16 / 4."""
+    return (np.diag(SIGN_VECTOR) @ hadamard16() * 0.25).astype(np.float32)
+
+
+def fwht_rht(x: np.ndarray) -> np.ndarray:
+    """Section 5's fixed-order FWHT of the last axis (multiple of 16), rounded to x.dtype."""
+    dtype = x.dtype
+    v = x.astype(np.float32).reshape(-1, 16) * SIGN_VECTOR  # exact
+    v = v.copy()
+    for h in (1, 2, 4, 8):
+        for i in range(16):
+            if i & h == 0:
+                a = v[:, i].copy()
+                b = v[:, i + h].copy()
+                v[:, i] = a + b
+                v[:, i + h] = a - b
+    y = v * F32(0.25)
+    return y.reshape(x.shape).astype(dtype)
+
+
+# ----------------------------------------------------------------------------- quantize
+
+
+@dataclasses.dataclass
+class OracleResult:
+    """Quantized tensor in the stored (axis-moved-last) layout.
+
+    codes: uint8 (..., C) unpacked; packed: (..., C/2); scales: float8_e4m3fn (..., C/16);
+    amax: f32; y: the scaled f32 values; enc: per-element enc; dec: per-element s_b * D.
+    """
+
+    codes: np.ndarray
+    packed: np.ndarray
+    scales: np.ndarray
+    amax: np.float32
+    s_enc: np.float32
+    y: np.ndarray
+    dec: np.ndarray
+    dequant_stored: np.ndarray  # f32, stored layout, before any inverse RHT
+
+
+def global_scales(a: np.float32) -> tuple[np.float32, np.float32]:
+    """Section 2 step 2: S_enc, S_dec."""
+    a = F32(a)
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        s_enc = np.minimum(F32(C2688 / a), FLT_MAX)
+    if a == 0 or s_enc == 0:
+        s_enc = F32(1.0)
+    s_dec = F32(F32(1.0) / s_enc)
+    return F32(s_enc), s_dec
+
+
+def _block_amax(xs: np.ndarray, block_2d: bool) -> np.ndarray:
+    """Per-element-block amax, shape (R, B) (for 2D, repeated on every row of a tile)."""
+    r, c = xs.shape
+    ab = np.abs(xs).reshape(r, c // 16, 16).max(axis=-1)
+    if block_2d:
+        tiles = ab.reshape(r // 16, 16, c // 16).max(axis=1)
+        ab = np.repeat(tiles, 16, axis=0)
+    return ab.astype(np.float32)
+
+
+def quantize(
+    x: np.ndarray,
+    *,
+    axis: int = -1,
+    block_2d: bool = False,
+    rht: bool = False,
+    sr_bytes: np.ndarray | None = None,
+    amax: float | None = None,
+) -> OracleResult:
+    """Quantize ``x`` (f32/bf16/f16 numpy) as NUMERICS.md sections 2, 4, 5, 6, 7 say.
+
+    ``sr_bytes``: random bytes in the stored flattened order for stochastic rounding.
+    """
+    xm = np.moveaxis(np.asarray(x), axis, -1)
+    stored_shape = xm.shape
+    if rht:
+        xm = fwht_rht(xm)
+    xs = xm.astype(np.float32).reshape(-1, stored_shape[-1])
+    r, c = xs.shape
+    a = F32(np.max(np.abs(xs))) if amax is None else F32(amax)
+    if xs.size and amax is None and not np.all(np.isfinite(xs)):
+        a = F32(np.nan)
+    s_enc, s_dec = global_scales(a)
+    ab = _block_amax(xs, block_2d)
+    scaled = np.minimum(ab * F32(s_enc * RCP6), E4M3_MAX).astype(np.float32)
+    scales = e4m3_rne(scaled)  # (R, B)
+    sb = scales.astype(np.float32)
+    with np.errstate(divide="ignore", over="ignore"):
+        enc = np.minimum(F32(1.0) / (sb * s_dec), FLT_MAX).astype(np.float32)
+    enc_el = np.repeat(enc, 16, axis=1)
+    with np.errstate(over="ignore", invalid="ignore"):
+        y = (xs * enc_el).astype(np.float32)
+    if sr_bytes is None:
+        codes = e2m1_code_rn(y)
+    else:
+        codes = e2m1_code_sr(y, np.asarray(sr_bytes).reshape(r, c))
+    d = F32(a * RCP2688)
+    dec = np.repeat((sb * d).astype(np.float32), 16, axis=1)
+    deq = (e2m1_value(codes) * dec).astype(np.float32)
+    return OracleResult(
+        codes=codes.reshape(stored_shape),
+        packed=pack_nibbles(codes).reshape(stored_shape[:-1] + (c // 2,)),
+        scales=scales.reshape(stored_shape[:-1] + (c // 16,)),
+        amax=a,
+        s_enc=s_enc,
+        y=y.reshape(stored_shape),
+        dec=dec.reshape(stored_shape),
+        dequant_stored=deq.reshape(stored_shape),
+    )
+
+
+def dequantize(res: OracleResult, *, axis: int = -1, rht: bool = False, dtype=np.float32):
+    """Section 3 (+ inverse RHT in f32 for rht), restored to the original axis order."""
+    v = res.dequant_stored
+    if rht:
+        v = (v.reshape(-1, 16) @ rht_matrix().T).reshape(v.shape).astype(np.float32)
+    return np.moveaxis(v, -1, axis).astype(dtype)
