@@ -1,0 +1,273 @@
+// CUDA kernels: one thread per 16-element block, numerics from nvfp4/numerics.h.
+//
+// Written for bandwidth: a thread reads its block with 16-byte loads (2 for bf16/f16, 4
+// for f32; a warp reads 1-2 KiB contiguous), keeps the block and its RHT in registers,
+// and writes its 8 code bytes with one 8-byte store; adjacent threads own adjacent blocks,
+// so stores coalesce. E2M1 conversion is branch-free software (sm_90 has no cvt to e2m1).
+// Quantize is a single pass over x after the amax pass; the scalars (amax, key words) are
+// read on the device, so nothing synchronizes with the host.
+#ifndef NVFP4_CUDA_KERNELS_CUH_
+#define NVFP4_CUDA_KERNELS_CUH_
+
+#include <cstdint>
+
+#include "nvfp4/dtypes.h"
+#include "nvfp4/numerics.h"
+
+namespace nvfp4::cuda {
+
+constexpr int kThreads = 256;
+
+__device__ __forceinline__ int64_t GlobalThread() {
+  return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+}
+
+// 16 elements of T at p. `vec`: p is 16-byte aligned (uniform across the grid).
+template <class T>
+__device__ __forceinline__ void LoadRaw(const typename T::Storage* p, bool vec,
+                                        float v[kBlock]) {
+  using S = typename T::Storage;
+  S s[kBlock];
+  if (vec) {
+    constexpr int kLoads = kBlock * sizeof(S) / 16;
+    NVFP4_UNROLL
+    for (int k = 0; k < kLoads; ++k) {
+      const uint4 u = __ldg(reinterpret_cast<const uint4*>(p) + k);
+      memcpy(reinterpret_cast<char*>(s) + 16 * k, &u, 16);
+    }
+  } else {
+    NVFP4_UNROLL
+    for (int i = 0; i < kBlock; ++i) s[i] = p[i];
+  }
+  NVFP4_UNROLL
+  for (int i = 0; i < kBlock; ++i) v[i] = T::Load(s[i]);
+}
+
+// LoadBlock of dtypes.h with 16-byte loads: the forward RHT rounded to T when rht.
+template <class T>
+__device__ __forceinline__ void LoadBlockVec(const typename T::Storage* p, bool vec, bool rht,
+                                             float v[kBlock]) {
+  LoadRaw<T>(p, vec, v);
+  if (rht) {
+    Rht16(v, /*inverse=*/false);
+    NVFP4_UNROLL
+    for (int i = 0; i < kBlock; ++i) v[i] = RoundTo<T>(v[i]);
+  }
+}
+
+template <class U>
+__device__ __forceinline__ void StoreBlockVec(const float v[kBlock], bool vec,
+                                              typename U::Storage* p) {
+  using S = typename U::Storage;
+  S s[kBlock];
+  NVFP4_UNROLL
+  for (int i = 0; i < kBlock; ++i) s[i] = U::Store(v[i]);
+  if (vec) {
+    constexpr int kStores = kBlock * sizeof(S) / 16;
+    NVFP4_UNROLL
+    for (int k = 0; k < kStores; ++k) {
+      uint4 u;
+      memcpy(&u, reinterpret_cast<const char*>(s) + 16 * k, 16);
+      reinterpret_cast<uint4*>(p)[k] = u;
+    }
+  } else {
+    NVFP4_UNROLL
+    for (int i = 0; i < kBlock; ++i) p[i] = s[i];
+  }
+}
+
+__device__ __forceinline__ void StoreCodes(const uint8_t q[kBlock / 2], bool vec, uint8_t* p) {
+  if (vec) {
+    uint2 u;
+    memcpy(&u, q, 8);
+    *reinterpret_cast<uint2*>(p) = u;
+  } else {
+    NVFP4_UNROLL
+    for (int i = 0; i < kBlock / 2; ++i) p[i] = q[i];
+  }
+}
+
+__device__ __forceinline__ uint32_t WarpMax(uint32_t v) { return __reduce_max_sync(~0u, v); }
+
+// ---------------------------------------------------------------------------
+// amax: grid-stride over blocks, one atomicMax per warp on the result's bits.
+
+template <class T>
+__global__ void AmaxKernel(const typename T::Storage* x, int64_t blocks, bool vec, bool rht,
+                           uint32_t* out_bits) {
+  uint32_t seen = 0;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t b = GlobalThread(); b < blocks; b += stride) {
+    float v[kBlock];
+    LoadBlockVec<T>(x + b * kBlock, vec, rht, v);
+    const uint32_t m = MaxAbsBits16(v);
+    seen = m > seen ? m : seen;
+  }
+  seen = WarpMax(seen);
+  if ((threadIdx.x & 31) == 0) atomicMax(out_bits, seen);
+}
+
+// Max |x| bits -> f32 amax, NaN when any element was not finite.
+__global__ void AmaxFinalizeKernel(uint32_t* bits) {
+  *bits = *bits < kInfBits ? *bits : kNanBits;
+}
+
+// stored amax = A, or NaN when A is not finite (the quantize pass may still set NaN).
+__global__ void StoredAmaxKernel(const float* amax, float* stored) {
+  *stored = StoredAmax(*amax, true);
+}
+
+// ---------------------------------------------------------------------------
+// Quantize and fake-quantize share one kernel; Sink decides what a block writes.
+
+struct QuantizeArgs {
+  const void* x;
+  const float* amax;
+  const uint32_t* key;  // k0, k1
+  int64_t rows;
+  int64_t cols;
+  bool rht;
+  bool sr;
+  bool vec;             // all pointers aligned for 16-byte (codes: 8-byte) access
+  uint32_t* nonfinite;  // set to NaN bits / nonzero when an input is not finite
+  // Quantize outputs.
+  uint8_t* codes;
+  uint8_t* scales;
+  // Fake quantize output.
+  void* values;
+  bool use_global;
+};
+
+struct CodeSink {
+  static __device__ __forceinline__ void Put(const QuantizeArgs& a, int64_t block,
+                                             uint32_t scale, const uint8_t q[kBlock / 2],
+                                             float /*global*/) {
+    StoreCodes(q, a.vec, a.codes + block * (kBlock / 2));
+    a.scales[block] = static_cast<uint8_t>(scale);
+  }
+};
+
+template <class U>
+struct ValueSink {
+  static __device__ __forceinline__ void Put(const QuantizeArgs& a, int64_t block,
+                                             uint32_t scale, const uint8_t q[kBlock / 2],
+                                             float global) {
+    const float s = E4m3ToF32(scale);
+    float v[kBlock];
+    DecodeBlock(q, a.use_global ? s * global : s, v);
+    StoreBlockVec<U>(v, a.vec, static_cast<typename U::Storage*>(a.values) + block * kBlock);
+  }
+};
+
+// Quantizes block `block` (flat index, row * cols/16 + column block) of values v whose
+// scale comes from the max |x| bits `scale_bits` (the block's, or its 16x16 tile's).
+template <class Sink>
+__device__ __forceinline__ void QuantizeBlock(const QuantizeArgs& a, const GlobalScale& g,
+                                              float global, int64_t block, uint32_t scale_bits,
+                                              const float v[kBlock]) {
+  const uint32_t scale = BlockScale(AsFloat(scale_bits), g);
+  const float enc = BlockEncode(scale, g);
+  uint8_t q[kBlock / 2];
+  if (a.sr) {
+    uint32_t words[4];
+    RandomWords16(__ldg(a.key), __ldg(a.key + 1), block * kBlock, words);
+    EncodeBlockSr(v, enc, words, q);
+  } else {
+    EncodeBlockRn(v, enc, q);
+  }
+  Sink::Put(a, block, scale, q, global);
+}
+
+// 1x16 blocks: thread t owns flat block t.
+template <class T, class Sink>
+__global__ void Quantize1dKernel(QuantizeArgs a) {
+  const int64_t block = GlobalThread();
+  if (block >= a.rows * (a.cols / kBlock)) return;
+  const float amax = __ldg(a.amax);
+  const GlobalScale g = MakeGlobalScale(amax);
+  float v[kBlock];
+  LoadBlockVec<T>(static_cast<const typename T::Storage*>(a.x) + block * kBlock, a.vec, a.rht,
+                  v);
+  const uint32_t bits = MaxAbsBits16(v);
+  if (bits >= kInfBits) *a.nonfinite = kNanBits;  // every writer writes the same value
+  QuantizeBlock<Sink>(a, g, DecodeGlobal(amax), block, bits, v);
+}
+
+// 16x16 blocks: a warp owns two tiles side by side; lane l holds row l % 16 of tile l / 16,
+// so the tile max is a shuffle reduction over the 16 lanes of a half-warp.
+template <class T, class Sink>
+__global__ void Quantize2dKernel(QuantizeArgs a) {
+  const int64_t blocks_per_row = a.cols / kBlock;
+  const int64_t pairs = (blocks_per_row + 1) / 2;
+  const int64_t warp = GlobalThread() / 32;
+  const int lane = threadIdx.x & 31;
+  const int64_t group = warp / pairs;
+  const int64_t cb = (warp % pairs) * 2 + lane / 16;
+  const int64_t row = group * kBlock + lane % 16;
+  const bool valid = group < a.rows / kBlock && cb < blocks_per_row;
+  const int64_t block = row * blocks_per_row + cb;
+  const float amax = __ldg(a.amax);
+  const GlobalScale g = MakeGlobalScale(amax);
+  float v[kBlock];
+  uint32_t bits = 0;
+  if (valid) {
+    LoadBlockVec<T>(static_cast<const typename T::Storage*>(a.x) + block * kBlock, a.vec,
+                    a.rht, v);
+    bits = MaxAbsBits16(v);
+    if (bits >= kInfBits) *a.nonfinite = kNanBits;
+  }
+  uint32_t tile = bits;
+  NVFP4_UNROLL
+  for (int offset = 1; offset < 16; offset <<= 1) {
+    const uint32_t other = __shfl_xor_sync(~0u, tile, offset);
+    tile = other > tile ? other : tile;
+  }
+  if (valid) QuantizeBlock<Sink>(a, g, DecodeGlobal(amax), block, tile, v);
+}
+
+// Fake quantization with a NaN stored amax: every value NaN, like dequantize.
+template <class U>
+__global__ void FillNanKernel(const float* amax, const uint32_t* nonfinite, int64_t n,
+                              typename U::Storage* out) {
+  if (*nonfinite == 0 && StoredAmax(__ldg(amax), true) == __ldg(amax)) return;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = GlobalThread(); i < n; i += stride) out[i] = U::Store(AsFloat(kNanBits));
+}
+
+// ---------------------------------------------------------------------------
+// Dequantize and the RHT.
+
+template <class U>
+__global__ void DequantizeKernel(const uint8_t* codes, const uint8_t* scales,
+                                 const float* amax, int64_t blocks, bool rht, bool vec,
+                                 typename U::Storage* out) {
+  const int64_t b = GlobalThread();
+  if (b >= blocks) return;
+  uint8_t q[kBlock / 2];
+  if (vec) {
+    const uint2 u = __ldg(reinterpret_cast<const uint2*>(codes) + b);
+    memcpy(q, &u, 8);
+  } else {
+    NVFP4_UNROLL
+    for (int i = 0; i < kBlock / 2; ++i) q[i] = codes[b * (kBlock / 2) + i];
+  }
+  float v[kBlock];
+  DecodeBlock(q, E4m3ToF32(scales[b]) * DecodeGlobal(__ldg(amax)), v);
+  if (rht) Rht16(v, /*inverse=*/true);
+  StoreBlockVec<U>(v, vec, out + b * kBlock);
+}
+
+template <class T>
+__global__ void RhtKernel(const typename T::Storage* x, int64_t blocks, bool inverse, bool vec,
+                          typename T::Storage* out) {
+  const int64_t b = GlobalThread();
+  if (b >= blocks) return;
+  float v[kBlock];
+  LoadRaw<T>(x + b * kBlock, vec, v);
+  Rht16(v, inverse);
+  StoreBlockVec<T>(v, vec, out + b * kBlock);
+}
+
+}  // namespace nvfp4::cuda
+
+#endif  // NVFP4_CUDA_KERNELS_CUH_

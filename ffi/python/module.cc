@@ -1,0 +1,96 @@
+// A tiny CPython extension exposing the FFI handlers of one platform as PyCapsules.
+//
+// Built twice, as nvfp4_jax._nvfp4_cpu and nvfp4_jax._nvfp4_cuda: NVFP4_MODULE names the
+// module and NVFP4_SUFFIX the handler symbols (NvFp4AmaxCpu, ...). A real extension
+// module is importable through scikit-build-core's editable redirect hook, which a bare
+// shared library next to __file__ is not. Raw C API: no binding library to depend on.
+#include <Python.h>
+
+#include "xla/ffi/api/c_api.h"
+
+#define NVFP4_CAT2(a, b) a##b
+#define NVFP4_CAT(a, b) NVFP4_CAT2(a, b)
+#define NVFP4_STR2(a) #a
+#define NVFP4_STR(a) NVFP4_STR2(a)
+#define NVFP4_HANDLER(name) NVFP4_CAT(name, NVFP4_SUFFIX)
+
+extern "C" {
+XLA_FFI_Error* NVFP4_HANDLER(NvFp4Amax)(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* NVFP4_HANDLER(NvFp4Quantize)(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* NVFP4_HANDLER(NvFp4FakeQuantize)(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* NVFP4_HANDLER(NvFp4Dequantize)(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* NVFP4_HANDLER(NvFp4Rht)(XLA_FFI_CallFrame* call_frame);
+}
+
+#if defined(NVFP4_CPU_VARIANTS)
+namespace nvfp4::cpu {
+bool ForceTable(const char* isa);
+}
+#endif
+
+namespace {
+
+struct Target {
+  const char* name;
+  void* handler;
+};
+
+const Target kTargets[] = {
+    {"nvfp4_amax", reinterpret_cast<void*>(NVFP4_HANDLER(NvFp4Amax))},
+    {"nvfp4_quantize", reinterpret_cast<void*>(NVFP4_HANDLER(NvFp4Quantize))},
+    {"nvfp4_fake_quantize", reinterpret_cast<void*>(NVFP4_HANDLER(NvFp4FakeQuantize))},
+    {"nvfp4_dequantize", reinterpret_cast<void*>(NVFP4_HANDLER(NvFp4Dequantize))},
+    {"nvfp4_rht", reinterpret_cast<void*>(NVFP4_HANDLER(NvFp4Rht))},
+};
+
+// registrations() -> {target name: PyCapsule of the XLA FFI handler}.
+PyObject* Registrations(PyObject*, PyObject*) {
+  PyObject* dict = PyDict_New();
+  if (dict == nullptr) return nullptr;
+  for (const Target& t : kTargets) {
+    PyObject* capsule = PyCapsule_New(t.handler, nullptr, nullptr);
+    if (capsule == nullptr || PyDict_SetItemString(dict, t.name, capsule) != 0) {
+      Py_XDECREF(capsule);
+      Py_DECREF(dict);
+      return nullptr;
+    }
+    Py_DECREF(capsule);
+  }
+  return dict;
+}
+
+#if defined(NVFP4_CPU_VARIANTS)
+// set_isa(name) -> bool: run the CPU kernels built for `name` ("" for the best); for tests.
+PyObject* SetIsa(PyObject*, PyObject* arg) {
+  const char* name = PyUnicode_AsUTF8(arg);
+  if (name == nullptr) return nullptr;
+  return PyBool_FromLong(nvfp4::cpu::ForceTable(name));
+}
+#endif
+
+PyMethodDef kMethods[] = {
+    {"registrations", Registrations, METH_NOARGS,
+     "Returns {target name: PyCapsule} of this platform's XLA FFI handlers."},
+#if defined(NVFP4_CPU_VARIANTS)
+    {"set_isa", SetIsa, METH_O,
+     "Uses the CPU kernels built for an x86 level ('baseline', 'x86-64-v3', 'x86-64-v4'), "
+     "or the best one for ''. Returns False if this CPU cannot run it. For tests."},
+#endif
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyModuleDef kModule = {
+    PyModuleDef_HEAD_INIT,
+    NVFP4_STR(NVFP4_MODULE),            // m_name
+    "nvfp4_jax native FFI handlers.",  // m_doc
+    -1,                                 // m_size: no per-module state
+    kMethods,                           // m_methods
+    nullptr,                            // m_slots
+    nullptr,                            // m_traverse
+    nullptr,                            // m_clear
+    nullptr,                            // m_free
+};
+
+}  // namespace
+
+PyMODINIT_FUNC NVFP4_CAT(PyInit_, NVFP4_MODULE)(void) { return PyModule_Create(&kModule); }

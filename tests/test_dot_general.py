@@ -1,0 +1,542 @@
+"""The NVFP4 `dot_general` (custom_vjp): forward, dgrad and wgrad against hand-built GEMMs.
+
+Shape letters: x (M, K) activations, W (K, N) weight, dy (M, N) output gradient.
+
+The oracle for every GEMM is built here from the public quantizer (always
+`implementation="reference"`), independently of `dot_general`'s internals: each operand is
+quantized with `quantize`, turned into its per-block values with `block_values` (exact, no
+tensor factor), multiplied in float64 by NumPy and scaled by `alpha = D_a * D_b`
+(`global_decode_scale` of each operand's amax). `dot_general` sums in f32 in an order of its
+own, so it may differ from the float64 oracle by the f32 summation-order budget
+
+    |y - y_ref| <= (K + 2) * 2**-24 * alpha * (|a| @ |b|)     (+ 2**-8 |y_ref| for a bf16 result)
+
+(K roundings of a recursive f32 sum, one for the product by alpha, one for alpha itself).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from nvfp4_jax import (
+    NVFP4Recipe,
+    dequantize,
+    dot_general,
+    kernels,
+    quantize,
+)
+from nvfp4_jax.quantize import block_values, global_decode_scale
+
+F32_EPS = 2.0**-24
+# Unit roundoff of a result cast to the output dtype (on top of the f32 budget).
+CAST_EPS = {np.dtype(np.float32): 0.0, jnp.dtype(jnp.bfloat16): 2.0**-8}
+IMPLEMENTATIONS = ["reference"] + (["ffi"] if kernels.is_available("cpu") else [])
+DENSE = (((1,), (0,)), ((), ()))
+ALL_OFF = NVFP4Recipe(weight_2d=False, wgrad_rht=False, stochastic_rounding=False)
+RECIPES = {
+    "default": NVFP4Recipe(),
+    "all_off": ALL_OFF,
+    "w1d": NVFP4Recipe(weight_2d=False),
+    "no_rht": NVFP4Recipe(wgrad_rht=False),
+}
+
+
+def with_impl(recipe: NVFP4Recipe, implementation: str) -> NVFP4Recipe:
+    return NVFP4Recipe(
+        weight_2d=recipe.weight_2d,
+        wgrad_rht=recipe.wgrad_rht,
+        stochastic_rounding=recipe.stochastic_rounding,
+        implementation=implementation,
+    )
+
+
+def normal(seed, shape, dtype=jnp.float32):
+    return jax.random.normal(jax.random.key(seed), shape, jnp.float32).astype(dtype)
+
+
+def f64(a) -> np.ndarray:
+    return np.asarray(jnp.asarray(a, jnp.float32), np.float64)
+
+
+def bits(a) -> np.ndarray:
+    a = np.asarray(a)
+    return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
+
+
+def assert_same_bits(actual, expected, what=""):
+    np.testing.assert_array_equal(bits(actual), bits(expected), err_msg=what)
+
+
+def assert_same_up_to_summation_order(actual, expected, k):
+    """Equal but for the GEMM's f32 summation order: a batched GEMM (vmap) or a fused one
+    (jit) may use another CPU kernel than a single one; the quantized operands are equal."""
+    atol = (k + 2) * F32_EPS * np.abs(np.asarray(expected)).max()
+    np.testing.assert_allclose(actual, expected, rtol=0, atol=atol)
+
+
+# --- the oracle -----------------------------------------------------------------------------
+
+
+def operand(x, **kw):
+    """(per-block values as float64 in x's logical layout, D) of `quantize(x, **kw)`."""
+    q = quantize(jnp.asarray(x), implementation="reference", **kw)
+    values = np.moveaxis(f64(block_values(q, jnp.float32)), -1, q.axis)
+    return values, global_decode_scale(q.amax)
+
+
+def alpha_of(d_a, d_b) -> np.float64:
+    """alpha = D_a * D_b, rounded to f32 as the GEMM computes it."""
+    return np.float64(np.float32(d_a) * np.float32(d_b))
+
+
+def assert_gemm_close(actual, a, b, alpha, what, *, contract=((1,), (0,))):
+    """actual ~ alpha * tensordot(a, b), within the f32 summation-order budget."""
+    k = math.prod(a.shape[d] for d in contract[0])
+    expected = alpha * np.tensordot(a, b, contract)
+    budget = (k + 2) * F32_EPS * alpha * np.tensordot(np.abs(a), np.abs(b), contract)
+    budget += CAST_EPS[jnp.dtype(actual.dtype)] * np.abs(expected)
+    err = np.abs(f64(actual) - expected)
+    worst = np.max(err - budget)
+    assert worst <= 0, f"{what}: error exceeds the f32 summation budget by {worst:.3g}"
+
+
+def pad_tokens(a: np.ndarray) -> np.ndarray:
+    return np.pad(a, ((0, -a.shape[0] % 16), (0, 0)))
+
+
+def backward_oracle(x, w, dy, recipe, key):
+    """(dx, dW) of the recipe's dgrad and wgrad GEMMs, from `quantize` and float64 products.
+
+    x (M, K), w (K, N), dy (M, N). The key is split as `dot_general` splits it: the first
+    half rounds dy for dgrad, the second dy for wgrad.
+    """
+    sr = recipe.stochastic_rounding
+    dgrad_key, wgrad_key = jax.random.split(key) if sr else (None, None)
+    dy_n, d_dy = operand(dy, axis=-1, stochastic_rounding=sr, key=dgrad_key)
+    if recipe.weight_2d:
+        w_k, d_w = operand(w, axis=0, block_2d=True)  # the forward's W, (K, N)
+    else:
+        w_k, d_w = operand(w, axis=1)  # 1x16 along N, (K, N)
+    dx = (dy_n, w_k.T, alpha_of(d_dy, d_w))
+
+    rht = recipe.wgrad_rht
+    x_m, d_x = operand(pad_tokens(np.asarray(x)), axis=0, rht=rht)
+    dy_m, d_dy_m = operand(
+        pad_tokens(np.asarray(dy)), axis=0, rht=rht, stochastic_rounding=sr, key=wgrad_key
+    )
+    dw = (x_m.T, dy_m, alpha_of(d_x, d_dy_m))
+    return dx, dw
+
+
+jit_dot_general = jax.jit(
+    dot_general, static_argnames=("dimension_numbers", "preferred_element_type", "recipe")
+)
+
+
+@functools.partial(jax.jit, static_argnames=("recipe", "dims"))
+def vjp(x, w, dy, recipe, key, dims=DENSE):
+    """(y, dx, dW) of `dot_general` (jitted: the eager reference is slow op by op)."""
+    y, pullback = jax.vjp(lambda a, b: dot_general(a, b, dims, recipe=recipe, key=key), x, w)
+    return (y, *pullback(dy))
+
+
+# --- forward ---------------------------------------------------------------------------------
+
+# name -> (lhs shape, rhs shape, dimension numbers)
+FORWARD_CASES = {
+    "dense_2d": ((32, 64), (64, 48), DENSE),
+    "dense_3d": ((2, 24, 64), (64, 32), (((2,), (0,)), ((), ()))),
+    "dense_general_2_axes": ((2, 16, 4, 8), (4, 8, 48), (((2, 3), (0, 1)), ((), ()))),
+    "dense_general_reversed_pairs": ((16, 4, 8), (8, 4, 32), (((2, 1), (0, 1)), ((), ()))),
+    "rhs_contract_last": ((32, 64), (48, 64), (((1,), (1,)), ((), ()))),
+    "rhs_2_free": ((32, 64), (64, 4, 16), DENSE),
+    "lhs_contract_first": ((64, 32), (64, 48), (((0,), (0,)), ((), ()))),
+}
+
+
+def flatten_operands(lhs, rhs, dims):
+    """(x (M, K), w (K, N), unflatten_x, unflatten_w): K in the order the dims list it."""
+    (lc, rc), _ = dims
+    lf = [d for d in range(lhs.ndim) if d not in lc]
+    rf = [d for d in range(rhs.ndim) if d not in rc]
+    lperm, rperm = lf + list(lc), list(rc) + rf
+    xt, wt = np.transpose(lhs, lperm), np.transpose(rhs, rperm)
+    k = math.prod(lhs.shape[d] for d in lc)
+
+    def unflatten(a, transposed_shape, perm):
+        return np.transpose(a.reshape(transposed_shape), np.argsort(perm))
+
+    return (
+        xt.reshape(-1, k),
+        wt.reshape(k, -1),
+        lambda a: unflatten(a, xt.shape, lperm),
+        lambda a: unflatten(a, wt.shape, rperm),
+    )
+
+
+FORWARD_PARAMS = (
+    [(case, "f32", "reference") for case in FORWARD_CASES]
+    + [("dense_2d", "bf16", "reference"), ("dense_general_2_axes", "bf16", "reference")]
+    + [(c, d, "ffi") for c, d in (("dense_2d", "f32"), ("dense_2d", "bf16"), ("dense_3d", "f32"))]
+)
+
+
+def param_ids(params):
+    return ["-".join(p) for p in params]
+
+
+@pytest.mark.parametrize(
+    "case, dtype, implementation",
+    [p for p in FORWARD_PARAMS if p[2] in IMPLEMENTATIONS],
+    ids=param_ids([p for p in FORWARD_PARAMS if p[2] in IMPLEMENTATIONS]),
+)
+def test_forward_equals_scaled_gemm_of_block_values(case, dtype, implementation):
+    lhs_shape, rhs_shape, dims = FORWARD_CASES[case]
+    dt = {"f32": jnp.float32, "bf16": jnp.bfloat16}[dtype]
+    lhs, rhs = normal(1, lhs_shape, dt), normal(2, rhs_shape, dt)
+    recipe = NVFP4Recipe(implementation=implementation)
+
+    y = jit_dot_general(lhs, rhs, dims, recipe=recipe)
+
+    expected = jax.lax.dot_general(lhs, rhs, dims)
+    assert y.shape == expected.shape and y.dtype == expected.dtype
+    x2d, w2d, unflatten_x, unflatten_w = flatten_operands(np.asarray(lhs), np.asarray(rhs), dims)
+    x_vals, d_x = operand(x2d, axis=-1)
+    w_vals, d_w = operand(w2d, axis=0, block_2d=True)
+    # Contract in the caller's layout: checks the output order as well as the values.
+    assert_gemm_close(
+        y,
+        unflatten_x(x_vals),
+        unflatten_w(w_vals),
+        alpha_of(d_x, d_w),
+        f"{case} {dtype} {implementation}",
+        contract=dims[0],
+    )
+
+
+@pytest.mark.parametrize(
+    "lhs_dtype, rhs_dtype, preferred",
+    [
+        ("bfloat16", "bfloat16", None),
+        ("bfloat16", "bfloat16", "float32"),
+        ("float32", "float32", "bfloat16"),
+        ("bfloat16", "float32", None),
+        ("float16", "float16", None),
+    ],
+    ids=lambda v: str(v),
+)
+def test_preferred_element_type_behaves_like_lax(lhs_dtype, rhs_dtype, preferred):
+    lhs, rhs = normal(3, (32, 64), lhs_dtype), normal(4, (64, 32), rhs_dtype)
+    y = jit_dot_general(lhs, rhs, DENSE, preferred_element_type=preferred)
+    assert y.dtype == jax.lax.dot_general(lhs, rhs, DENSE, preferred_element_type=preferred).dtype
+    # The GEMM accumulates in f32 whatever the output dtype: a narrower result is its cast.
+    y_f32 = jit_dot_general(lhs, rhs, DENSE, preferred_element_type=jnp.float32)
+    assert_same_bits(y, y_f32.astype(y.dtype))
+
+
+# --- backward ---------------------------------------------------------------------------------
+
+BACKWARD_SHAPES = {"m32_k64_n48": (32, 64, 48), "m40_k32_n32_padded": (40, 32, 32)}
+
+
+BACKWARD_PARAMS = (
+    [("m32_k64_n48", "f32", recipe, "reference") for recipe in RECIPES]
+    + [("m32_k64_n48", "bf16", "default", "reference")]
+    + [("m40_k32_n32_padded", "f32", "default", "reference")]
+    + [("m32_k64_n48", "f32", recipe, "ffi") for recipe in ("default", "all_off")]
+    + [("m40_k32_n32_padded", "bf16", "default", "ffi")]
+)
+
+
+@pytest.mark.parametrize(
+    "shape, dtype, recipe_name, implementation",
+    [p for p in BACKWARD_PARAMS if p[3] in IMPLEMENTATIONS],
+    ids=param_ids([p for p in BACKWARD_PARAMS if p[3] in IMPLEMENTATIONS]),
+)
+def test_backward_equals_hand_built_gemms(shape, dtype, recipe_name, implementation):
+    m, k, n = BACKWARD_SHAPES[shape]
+    dt = {"f32": jnp.float32, "bf16": jnp.bfloat16}[dtype]
+    x, w, dy = normal(5, (m, k), dt), normal(6, (k, n), dt), normal(7, (m, n), dt)
+    recipe, key = with_impl(RECIPES[recipe_name], implementation), jax.random.key(42)
+
+    _, dx, dw = vjp(x, w, dy, recipe, key)
+
+    assert dx.dtype == x.dtype and dw.dtype == w.dtype
+    assert dx.shape == x.shape and dw.shape == w.shape
+    (dy_v, wt_v, alpha_dx), (xt_v, dym_v, alpha_dw) = backward_oracle(x, w, dy, recipe, key)
+    assert_gemm_close(dx, dy_v, wt_v, alpha_dx, "dgrad")
+    assert_gemm_close(dw, xt_v, dym_v, alpha_dw, "wgrad")
+
+
+def test_backward_of_3d_input_is_the_flattened_one():
+    x, w, dy = normal(8, (2, 16, 32)), normal(9, (32, 48)), normal(10, (2, 16, 48))
+    key = jax.random.key(1)
+    _, dx, dw = vjp(x, w, dy, NVFP4Recipe(), key, dims=(((2,), (0,)), ((), ())))
+    _, dx2, dw2 = vjp(x.reshape(32, 32), w, dy.reshape(32, 48), NVFP4Recipe(), key)
+    assert_same_bits(dx, dx2.reshape(dx.shape))
+    assert_same_bits(dw, dw2)
+
+
+# --- lossless operands: every switch off gives the exact gradients -----------------------------
+
+E2M1_GRID = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float64)
+
+
+def nvfp4_exact(shape, seed, top_exp, spread=4):
+    """A 2-D tensor NVFP4 represents exactly along both axes, in 1x16 and 16x16 blocks.
+
+    Every 16x16 tile is E2M1 grid values times one power of two 2**t (t in
+    [top_exp - spread, top_exp], t = top_exp somewhere), and every row and every column of
+    a tile holds a +-6 (on a permuted diagonal). So the tensor amax is A = 6 * 2**top_exp,
+    S_enc = 448 * 2**-top_exp, every block amax is 6 * 2**t, its scale 448 * 2**(t - top_exp)
+    is exact in E4M3 (t - top_exp >= -4 keeps it normal), and every element maps to its own
+    grid value: quantization along rows, along columns or in tiles is lossless. Values have
+    at most 3 significant bits (exact in bf16), and products of two such tensors sum exactly
+    in f32 (a span of less than 2**24).
+    """
+    rng = np.random.default_rng(seed)
+    rows, cols = shape
+    g = rng.choice(E2M1_GRID, shape) * rng.choice([-1.0, 1.0], shape)
+    diag = rng.permutation(16)
+    r = np.arange(rows)
+    for tile_col in range(cols // 16):
+        g[r, tile_col * 16 + diag[r % 16]] = 6.0 * rng.choice([-1.0, 1.0], rows)
+    exps = rng.integers(top_exp - spread, top_exp + 1, (rows // 16, cols // 16))
+    exps.flat[rng.integers(exps.size)] = top_exp
+    return (g * np.exp2(np.kron(exps, np.ones((16, 16))))).astype(np.float32)
+
+
+LOSSLESS_RECIPES = {
+    "all_off": ALL_OFF,
+    "w2d_sr": NVFP4Recipe(wgrad_rht=False),  # SR of a value on the grid is deterministic
+}
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("recipe_name", LOSSLESS_RECIPES)
+def test_lossless_operands_give_exact_gradients(recipe_name, implementation):
+    m, k, n = 48, 64, 32
+    x, w, dy = nvfp4_exact((m, k), 11, 0), nvfp4_exact((k, n), 12, -2), nvfp4_exact((m, n), 13, 3)
+    # Losslessness first, along every axis and block shape the recipes quantize.
+    for name, t in (("x", x), ("w", w), ("dy", dy)):
+        for kw in ({"axis": 0}, {"axis": 1}, {"axis": 0, "block_2d": True}):
+            t_hat = dequantize(quantize(jnp.asarray(t), implementation="reference", **kw))
+            np.testing.assert_array_equal(np.asarray(t_hat), t, err_msg=f"{name} {kw}")
+    recipe = with_impl(LOSSLESS_RECIPES[recipe_name], implementation)
+
+    y, dx, dw = vjp(jnp.asarray(x), jnp.asarray(w), jnp.asarray(dy), recipe, jax.random.key(0))
+
+    # The quantized GEMMs sum exactly; only alpha = D_a * D_b and the product by it round
+    # (D = 6 * 2**t * f32(1/2688) is not a power of two): 2**-21 relative, elementwise.
+    x, w, dy = (t.astype(np.float64) for t in (x, w, dy))
+    for what, actual, exact in (("y", y, x @ w), ("dx", dx, dy @ w.T), ("dw", dw, x.T @ dy)):
+        err = np.abs(np.asarray(actual, np.float64) - exact)
+        assert np.all(err <= 2.0**-21 * np.abs(exact)), f"{what}: max error {err.max():.3g}"
+
+
+# --- the full recipe against the unquantized GEMMs ------------------------------------------
+
+# Relative Frobenius error of a GEMM of two independently quantized Gaussian operands is about
+# sqrt(rMSE_a + rMSE_b) (NUMERICS section 10: 1x16 RN 0.0090, 16x16 0.0124, 1x16 SR 0.0188):
+# fprop 0.146, dgrad 0.177, wgrad 0.167. The bound allows 30% above the largest on 256x128.
+REL_ERROR_BOUND = 0.23
+
+
+def test_full_recipe_is_within_quantization_error_of_exact_gradients():
+    m, k, n = 256, 128, 128
+    x, w, dy = normal(14, (m, k)), normal(15, (k, n)), normal(16, (m, n))
+    y, dx, dw = vjp(x, w, dy, NVFP4Recipe(), jax.random.key(3))
+    xe, we, dye = f64(x), f64(w), f64(dy)
+    for what, actual, exact in (("y", y, xe @ we), ("dx", dx, dye @ we.T), ("dw", dw, xe.T @ dye)):
+        a = f64(actual).ravel()
+        e = exact.ravel()
+        cosine = a @ e / (np.linalg.norm(a) * np.linalg.norm(e))
+        rel = np.linalg.norm(a - e) / np.linalg.norm(e)
+        assert cosine > 0.97, f"{what}: cosine {cosine:.4f}"
+        assert rel < REL_ERROR_BOUND, f"{what}: relative error {rel:.4f}"
+
+
+# --- stochastic rounding keys --------------------------------------------------------------
+
+
+def grads(x, w, dy, key):
+    return vjp(x, w, dy, NVFP4Recipe(), key)[1:]
+
+
+def test_same_key_gives_same_gradients_and_different_keys_differ():
+    x, w, dy = normal(17, (32, 64)), normal(18, (64, 32)), normal(19, (32, 32))
+    a = grads(x, w, dy, jax.random.key(1))
+    b = grads(x, w, dy, jax.random.key(1))
+    c = grads(x, w, dy, jax.random.key(2))
+    for ga, gb, gc in zip(a, b, c, strict=True):
+        assert_same_bits(ga, gb)
+        assert not np.array_equal(bits(ga), bits(gc))
+
+
+def test_without_key_the_rounding_follows_dy():
+    # Scaling dy by 2 scales every quantization exactly (amax and scales are powers of two
+    # apart), so with a fixed key the gradients double bit for bit; with key=None the key is
+    # derived from dy's bits, and 2*dy gets different rounding.
+    x, w, dy = normal(20, (32, 64)), normal(21, (64, 32)), normal(22, (32, 32))
+    fixed = jax.random.key(5)
+    for g1, g2 in zip(grads(x, w, dy, fixed), grads(x, w, 2 * dy, fixed), strict=True):
+        assert_same_bits(2 * g1, g2)
+
+    first, again, doubled = (grads(x, w, d, None) for d in (dy, dy, 2 * dy))
+    for g1, g1_again, g2 in zip(first, again, doubled, strict=True):
+        assert_same_bits(g1, g1_again)
+        assert not np.array_equal(bits(2 * g1), bits(g2))
+
+
+# --- transformations -------------------------------------------------------------------------
+
+
+def loss(x, w, dy, key):
+    return jnp.sum(dot_general(x, w, DENSE, key=key) * dy)
+
+
+def test_jit_and_grad_equal_eager_vjp():
+    x, w, dy = normal(23, (32, 64)), normal(24, (64, 32)), normal(25, (32, 32))
+    key = jax.random.key(6)
+    y, pullback = jax.vjp(lambda a, b: dot_general(a, b, DENSE, key=key), x, w)
+    dx, dw = pullback(dy)
+    assert_same_bits(jax.jit(lambda a, b: dot_general(a, b, DENSE, key=key))(x, w), y)
+    gx, gw = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w, dy, key)
+    assert_same_up_to_summation_order(gx, dx, 32)
+    assert_same_up_to_summation_order(gw, dw, 32)
+
+
+def test_remat_gives_the_same_gradients():
+    x, w, dy = normal(26, (32, 64)), normal(27, (64, 32)), normal(28, (32, 32))
+    key = jax.random.key(7)
+    plain = jax.grad(loss, argnums=(0, 1))(x, w, dy, key)
+    remat = jax.jit(jax.grad(jax.checkpoint(loss), argnums=(0, 1)))(x, w, dy, key)
+    for a, b in zip(plain, remat, strict=True):
+        assert_same_bits(a, b)
+
+
+def stack_loss(ws, h, key, use_scan):
+    def layer(h, w_i):
+        w, i = w_i
+        return jnp.tanh(dot_general(h, w, DENSE, key=jax.random.fold_in(key, i))), None
+
+    layers = (ws, jnp.arange(ws.shape[0]))
+    if use_scan:
+        h, _ = jax.lax.scan(layer, h, layers)
+    else:
+        for i in range(ws.shape[0]):
+            h, _ = layer(h, (ws[i], layers[1][i]))
+    return jnp.sum(h**2)
+
+
+def test_scan_over_stacked_layers_equals_unrolled_loop():
+    ws, h = normal(29, (3, 32, 32)) * 0.3, normal(30, (32, 32))
+    key = jax.random.key(8)
+    scan = jax.jit(jax.value_and_grad(stack_loss, argnums=(0, 1)), static_argnums=3)
+    loss_s, grads_s = scan(ws, h, key, True)
+    loss_u, grads_u = scan(ws, h, key, False)
+    assert_same_bits(loss_s, loss_u)
+    for a, b in zip(grads_s, grads_u, strict=True):
+        assert_same_bits(a, b)
+
+
+def test_vmap_of_forward_is_per_example():
+    # Under vmap every example is its own tensor (its own amax): equal to a loop of calls.
+    xs, ws = normal(31, (3, 32, 64)), normal(32, (3, 64, 32))
+    ys = jax.jit(jax.vmap(lambda a, b: dot_general(a, b, DENSE)))(xs, ws)
+    for i in range(3):
+        assert_same_up_to_summation_order(ys[i], jit_dot_general(xs[i], ws[i], DENSE), 64)
+
+
+def test_vmap_of_grad_is_per_example():
+    xs, w, dys = normal(33, (3, 32, 64)), normal(34, (64, 32)), normal(35, (3, 32, 32))
+    key = jax.random.key(9)
+    grad = jax.grad(loss, argnums=(0, 1))
+    g = jax.jit(jax.vmap(grad, in_axes=(0, None, 0, None)))(xs, w, dys, key)
+    for i in range(3):
+        gx, gw = jax.jit(grad)(xs[i], w, dys[i], key)
+        assert_same_up_to_summation_order(g[0][i], gx, 32)
+        assert_same_up_to_summation_order(g[1][i], gw, 32)
+
+
+# --- residuals -----------------------------------------------------------------------------
+
+
+def test_forward_saves_quantized_residuals_not_inputs():
+    m, k, n = 64, 128, 48
+    x, w = normal(36, (m, k)), normal(37, (k, n))
+    _, pullback = jax.vjp(lambda a, b: dot_general(a, b, DENSE, key=jax.random.key(0)), x, w)
+    leaves = [leaf for leaf in jax.tree_util.tree_leaves(pullback) if hasattr(leaf, "dtype")]
+    arrays = [leaf for leaf in leaves if not jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key)]
+    shapes = {(jnp.dtype(a.dtype).name, a.shape) for a in arrays}
+    # Packed codes of W (stored (N, K)) and of x along the tokens (stored (K, M)), and scales.
+    assert ("uint8", (n, k // 2)) in shapes and ("uint8", (k, m // 2)) in shapes, shapes
+    assert ("float8_e4m3fn", (n, k // 16)) in shapes and ("float8_e4m3fn", (k, m // 16)) in shapes
+    big_float = [
+        s for d, s in shapes if d in ("float32", "bfloat16", "float16") and math.prod(s) >= 16 * 16
+    ]
+    assert not big_float, f"high-precision residuals were saved: {big_float}"
+    saved = sum(a.nbytes for a in arrays)
+    assert saved < (x.nbytes + w.nbytes) / 6, f"{saved} residual bytes"
+
+
+# --- errors and the recipe -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "lhs_shape, rhs_shape, dims, dtype, error, message",
+    [
+        (
+            (2, 32, 64),
+            (2, 64, 32),
+            (((2,), (1,)), ((0,), (0,))),
+            "float32",
+            ValueError,
+            "batch dimensions are not supported",
+        ),
+        ((32, 40), (40, 32), DENSE, "float32", ValueError, r"contracting \(K\) size .* got 40"),
+        ((32, 64), (64, 40), DENSE, "float32", ValueError, r"rhs free \(N\) size .* got 40"),
+        (
+            (32, 64),
+            (64, 32),
+            DENSE,
+            "int32",
+            TypeError,
+            r"lhs must be bfloat16.*int32 \(shape \(32, 64\)\)",
+        ),
+        ((32, 64), (48, 32), DENSE, "float32", ValueError, "of equal sizes"),
+        ((32, 64), (64, 32), ((1,), (0,)), "float32", ValueError, "dimension_numbers must be"),
+    ],
+    ids=["batch_dims", "k_not_16", "n_not_16", "int_dtype", "k_mismatch", "malformed_dims"],
+)
+def test_unsupported_calls_raise_clear_errors(lhs_shape, rhs_shape, dims, dtype, error, message):
+    lhs = jnp.ones(lhs_shape, dtype)
+    rhs = jnp.ones(rhs_shape, jnp.float32)
+    with pytest.raises(error, match=message):
+        dot_general(lhs, rhs, dims)
+
+
+def test_recipe_is_frozen_keyword_only_hashable_and_validated():
+    import dataclasses  # noqa: PLC0415
+
+    assert hash(NVFP4Recipe()) == hash(NVFP4Recipe())
+    assert NVFP4Recipe() != NVFP4Recipe(wgrad_rht=False)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        NVFP4Recipe().weight_2d = False
+    with pytest.raises(TypeError):
+        NVFP4Recipe(True)  # noqa: FBT003
+    with pytest.raises(TypeError, match="weight_2d must be a bool"):
+        NVFP4Recipe(weight_2d=1)
+    with pytest.raises(TypeError, match="gemm_dtype"):
+        NVFP4Recipe(gemm_dtype=jnp.int8)
+    with pytest.raises(ValueError, match="implementation"):
+        NVFP4Recipe(implementation="cuda")
+    # Usable as a static argument of jit.
+    f = jax.jit(lambda x, w, recipe: dot_general(x, w, DENSE, recipe=recipe), static_argnums=2)
+    assert f(jnp.ones((16, 16)), jnp.ones((16, 16)), ALL_OFF).shape == (16, 16)
