@@ -86,7 +86,7 @@ def unavailable_reason(platform: str) -> str:
     return _ensure(platform) or ""
 
 
-def _require_any() -> None:
+def _require_platform() -> None:
     """Raises a RuntimeError saying why when the current platform has no native library."""
     from nvfp4_jax import dispatch  # noqa: PLC0415  (dispatch imports this module lazily)
 
@@ -120,7 +120,7 @@ def amax_ffi(x: jax.Array, *, rht: bool) -> jax.Array:
 
     With `rht`, the max over the RHT of x rounded to x.dtype (what quantize with rht uses).
     """
-    _require_any()
+    _require_platform()
     _check_layout("amax_ffi", x)
     call = jax.ffi.ffi_call(
         "nvfp4_amax", jax.ShapeDtypeStruct((), jnp.float32), vmap_method="sequential"
@@ -137,7 +137,7 @@ def quantize_ffi(
       codes uint8 (..., C/2), scales float8_e4m3fn (..., C/16) and the stored amax: A, or
       NaN when A or any (post-RHT) element of x is not finite.
     """
-    _require_any()
+    _require_platform()
     _check_layout("quantize_ffi", x, block_2d)
     lead, cols = x.shape[:-1], x.shape[-1]
     out = (
@@ -174,7 +174,7 @@ def fake_quantize_ffi(
     No inverse RHT. value = code * (f32(s_b) * A * RCP2688) with `global_scale`, else
     code * f32(s_b). A non-finite input (or A) gives NaN everywhere with `global_scale`.
     """
-    _require_any()
+    _require_platform()
     _check_layout("fake_quantize_ffi", x, block_2d)
     dtype = jnp.dtype(dtype)
     if dtype not in _FLOAT_DTYPES:
@@ -198,7 +198,7 @@ def dequantize_ffi(codes: jax.Array, scales: jax.Array, amax, *, rht: bool, dtyp
 
     x_hat = code * (f32(s_b) * (A * RCP2688)) in f32, the inverse RHT when `rht`, the cast.
     """
-    _require_any()
+    _require_platform()
     dtype = jnp.dtype(dtype)
     if dtype not in _FLOAT_DTYPES:
         raise TypeError(f"dequantize_ffi: dtype must be bf16, f16 or f32, got {dtype}")
@@ -216,7 +216,7 @@ def dequantize_ffi(codes: jax.Array, scales: jax.Array, amax, *, rht: bool, dtyp
 
 def rht_ffi(x: jax.Array, *, inverse: bool) -> jax.Array:
     """The RHT (or its inverse) of each 16-group along the last axis, rounded to x.dtype."""
-    _require_any()
+    _require_platform()
     _check_layout("rht_ffi", x)
     call = jax.ffi.ffi_call(
         "nvfp4_rht", jax.ShapeDtypeStruct(x.shape, x.dtype), vmap_method="broadcast_all"
