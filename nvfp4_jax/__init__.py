@@ -9,9 +9,11 @@ Example:
 
 """
 
-from nvfp4_jax import linen, nnx
+from nvfp4_jax import checkpoint, export, interop, layout, linen, nnx
 from nvfp4_jax.array import NVFP4Array, is_nvfp4_array
+from nvfp4_jax.checkpoint import restore_checkpoint, save_checkpoint, validate_nvfp4_array
 from nvfp4_jax.dot_general import dot_general, nvfp4_dot_general
+from nvfp4_jax.export import export_nvfp4_safetensors
 from nvfp4_jax.formats import BLOCK_SIZE, E4M3_MAX, FP4_MAX
 from nvfp4_jax.hadamard import (
     apply_rht,
@@ -19,6 +21,21 @@ from nvfp4_jax.hadamard import (
     get_rht_matrix,
     get_sign_from_vector,
     get_wgrad_sign_vector,
+)
+from nvfp4_jax.interop import (
+    from_scaled_matmul_operands,
+    quantize_master_weights,
+    scaled_matmul,
+    to_scaled_matmul_operands,
+)
+from nvfp4_jax.layout import (
+    GEMM_ALIGNMENT,
+    packed_shape,
+    pad_to_alignment,
+    scales_shape,
+    swizzle_scales,
+    unpad,
+    unswizzle_scales,
 )
 from nvfp4_jax.quantize import dequantize, fake_quantize, quantize, tensor_amax
 from nvfp4_jax.recipe import NVFP4Recipe
@@ -29,20 +46,39 @@ __all__ = [
     "BLOCK_SIZE",
     "E4M3_MAX",
     "FP4_MAX",
+    "GEMM_ALIGNMENT",
     "NVFP4Array",
     "NVFP4Recipe",
     "apply_rht",
+    "checkpoint",
     "dequantize",
     "dot_general",
+    "export",
+    "export_nvfp4_safetensors",
     "fake_quantize",
+    "from_scaled_matmul_operands",
     "get_hadamard_matrix",
     "get_rht_matrix",
     "get_sign_from_vector",
     "get_wgrad_sign_vector",
+    "interop",
     "is_nvfp4_array",
+    "layout",
     "linen",
     "nnx",
     "nvfp4_dot_general",
+    "packed_shape",
+    "pad_to_alignment",
     "quantize",
+    "quantize_master_weights",
+    "restore_checkpoint",
+    "save_checkpoint",
+    "scaled_matmul",
+    "scales_shape",
+    "swizzle_scales",
     "tensor_amax",
+    "to_scaled_matmul_operands",
+    "unpad",
+    "unswizzle_scales",
+    "validate_nvfp4_array",
 ]

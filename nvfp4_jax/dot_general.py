@@ -16,13 +16,15 @@ tokens (with the RHT), both as packed `NVFP4Array`s; never the high-precision in
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
 import jax
 import jax.numpy as jnp
 
-from nvfp4_jax import formats
+from nvfp4_jax import formats, interop
+from nvfp4_jax.array import NVFP4Array
 from nvfp4_jax.quantize import (
     block_values,
     fake_quantize,
@@ -90,8 +92,11 @@ def _gradient_key(dy):
 
 
 def _fprop(x, w, recipe):
-    x_values, x_decode = _gemm_operand(x, recipe, axis=-1)
     qw = quantize(w, axis=0, block_2d=recipe.weight_2d, implementation=recipe.implementation)
+    if recipe.gemm_backend == "scaled_matmul":
+        qx = quantize(x, axis=-1, implementation=recipe.implementation)  # stored (M, K)
+        return interop.scaled_matmul(qx, qw, backend="scaled_matmul"), qw
+    x_values, x_decode = _gemm_operand(x, recipe, axis=-1)
     w_values = block_values(qw, recipe.gemm_dtype)  # (N, K)
     alpha = x_decode * global_decode_scale(qw.amax)
     return _scaled_gemm(x_values, w_values, _CONTRACT_LAST, alpha), qw
@@ -120,6 +125,9 @@ def _nvfp4_matmul_bwd(recipe, out_dtype, residuals, dy):
     if key is None and sr:
         key = _gradient_key(dy)
     dgrad_key, wgrad_key = jax.random.split(key) if sr else (None, None)
+    if recipe.gemm_backend == "scaled_matmul":
+        dx, dw = _backward_scaled_matmul(recipe, qw, qx_tokens, dy, dgrad_key, wgrad_key)
+        return dx.astype(qx_tokens.dtype), dw.astype(qw.dtype), None
 
     dy_values, dy_decode = _gemm_operand(dy, recipe, axis=-1, sr=sr, key=dgrad_key)
     w_values = block_values(qw, recipe.gemm_dtype)  # (N, K) if 2D, else (K, N)
@@ -137,6 +145,32 @@ def _nvfp4_matmul_bwd(recipe, out_dtype, residuals, dy):
 
 
 _nvfp4_matmul.defvjp(_nvfp4_matmul_fwd, _nvfp4_matmul_bwd)
+
+
+def _backward_scaled_matmul(recipe, qw, qx_tokens, dy, dgrad_key, wgrad_key):
+    """The dgrad and wgrad GEMMs on `jax.nn.scaled_matmul`, from the emulated path's operands."""
+    sr, impl = recipe.stochastic_rounding, recipe.implementation
+    qdy = quantize(dy, axis=-1, stochastic_rounding=sr, key=dgrad_key, implementation=impl)
+    qw_kn = _transpose_2d_blocks(qw) if recipe.weight_2d else qw  # stored (K, N)
+    dx = interop.scaled_matmul(qdy, qw_kn, backend="scaled_matmul")
+    qdy_tokens = quantize(
+        _pad_tokens(dy),
+        axis=0,
+        rht=recipe.wgrad_rht,
+        stochastic_rounding=sr,
+        key=wgrad_key,
+        implementation=impl,
+    )  # stored (N, M)
+    dw = interop.scaled_matmul(qx_tokens, qdy_tokens, backend="scaled_matmul")
+    return dx, dw
+
+
+def _transpose_2d_blocks(q: NVFP4Array) -> NVFP4Array:
+    """The 16x16-block quantized (N, K) stored as (K, N): the same codes and tile scales."""
+    codes = formats.pack_nibbles(formats.unpack_nibbles(q.codes).T)
+    tiles = q.scales[:: formats.BLOCK_SIZE].T  # (K/16, N/16): one scale per tile
+    scales = jnp.repeat(tiles, formats.BLOCK_SIZE, axis=0)
+    return dataclasses.replace(q, codes=codes, scales=scales, axis=-1)
 
 
 def _normalize_dims(dimension_numbers, lhs, rhs):
@@ -215,6 +249,8 @@ def dot_general(
     n = math.prod(rhs.shape[d] for d in rhs_free)
     _check_operands(lhs, rhs, k, n)
     out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs, rhs))
+    backend = interop.resolve_gemm_backend(recipe.gemm_backend, "dot_general")
+    recipe = dataclasses.replace(recipe, gemm_backend=backend)
     x = jnp.transpose(lhs, lhs_free + list(lhs_contract)).reshape(-1, k)
     w = jnp.transpose(rhs, list(rhs_contract) + rhs_free).reshape(k, n)
     y = _nvfp4_matmul(x, w, key, recipe, out_dtype)

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from nvfp4_jax import formats
 
 Implementation = Literal["reference", "ffi"] | None
+GemmBackend = Literal["emulated", "scaled_matmul"] | None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -41,6 +42,10 @@ class NVFP4Recipe:
     gemm_dtype: jnp.dtype = jnp.bfloat16
     # None: the native kernels where built, else the reference; or "reference" / "ffi".
     implementation: Implementation = None
+    # The three GEMMs: "emulated" (NUMERICS section 9 in `gemm_dtype`, any platform),
+    # "scaled_matmul" (`jax.nn.scaled_matmul` on Blackwell; an error elsewhere), or None:
+    # "scaled_matmul" on CUDA devices of compute capability >= 10, else "emulated".
+    gemm_backend: GemmBackend = None
 
     def __post_init__(self):
         for name in ("weight_2d", "wgrad_rht", "stochastic_rounding"):
@@ -56,4 +61,9 @@ class NVFP4Recipe:
             raise ValueError(
                 f"NVFP4Recipe.implementation must be None, 'reference' or 'ffi', got "
                 f"{self.implementation!r}"
+            )
+        if self.gemm_backend not in (None, "emulated", "scaled_matmul"):
+            raise ValueError(
+                f"NVFP4Recipe.gemm_backend must be None, 'emulated' or 'scaled_matmul', got "
+                f"{self.gemm_backend!r}"
             )
