@@ -9,7 +9,7 @@ Example:
 
 """
 
-from nvfp4_jax import checkpoint, export, interop, layout, linen, nnx
+from nvfp4_jax import checkpoint, distributed, export, interop, layout, linen, nnx
 from nvfp4_jax.array import NVFP4Array, is_nvfp4_array
 from nvfp4_jax.checkpoint import restore_checkpoint, save_checkpoint, validate_nvfp4_array
 from nvfp4_jax.dot_general import dot_general, nvfp4_dot_general
@@ -52,6 +52,7 @@ __all__ = [
     "apply_rht",
     "checkpoint",
     "dequantize",
+    "distributed",
     "dot_general",
     "export",
     "export_nvfp4_safetensors",

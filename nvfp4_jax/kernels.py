@@ -15,6 +15,12 @@ multiple of 16; rows are the flattened leading dims (R = prod(shape[:-1])).
 targets use "sequential", which calls the kernel once per example exactly as the reference
 computes it under vmap. The RHT acts on each 16-group alone, so a batch is just more
 leading dims: "broadcast_all" runs it in one call.
+
+Sharding: the public wrappers below route every call through `nvfp4_jax.distributed`, whose
+`custom_partitioning` rules run the kernels on each device's shard (the tensor amax is a
+`lax.pmax` of local amaxes) instead of letting XLA all-gather the operands of an opaque
+custom call. On one device they lower to the plain custom call. The `_call_*` functions are
+the bare `ffi_call`s.
 """
 
 from __future__ import annotations
@@ -112,33 +118,29 @@ def _f32_scalar(a) -> jax.Array:
 
 
 def _key_words(words) -> jax.Array:
-    return jnp.asarray(words, jnp.uint32).reshape(2)
+    """uint32[4] (k0, k1, SR counter offset lo, hi) from 2 key words (offset 0) or 4 words."""
+    words = jnp.asarray(words, jnp.uint32).reshape(-1)
+    if words.shape == (2,):
+        return jnp.concatenate([words, jnp.zeros((2,), jnp.uint32)])
+    if words.shape != (4,):
+        raise ValueError(f"key words must be uint32[2] or uint32[4], got shape {words.shape}")
+    return words
 
 
-def amax_ffi(x: jax.Array, *, rht: bool) -> jax.Array:
-    """Returns max |x| as an f32 scalar; NaN if any element of x is not finite.
+def _distributed():
+    from nvfp4_jax import distributed  # noqa: PLC0415  (distributed imports this module)
 
-    With `rht`, the max over the RHT of x rounded to x.dtype (what quantize with rht uses).
-    """
-    _require_platform()
-    _check_layout("amax_ffi", x)
+    return distributed
+
+
+def _call_amax(x, *, rht):
     call = jax.ffi.ffi_call(
         "nvfp4_amax", jax.ShapeDtypeStruct((), jnp.float32), vmap_method="sequential"
     )
     return call(x, rht=bool(rht))
 
 
-def quantize_ffi(
-    x: jax.Array, amax, key_words, *, block_2d: bool, rht: bool, stochastic_rounding: bool
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Quantizes the stored layout x (..., C) with tensor amax `amax` (f32 scalar A).
-
-    Returns:
-      codes uint8 (..., C/2), scales float8_e4m3fn (..., C/16) and the stored amax: A, or
-      NaN when A or any (post-RHT) element of x is not finite.
-    """
-    _require_platform()
-    _check_layout("quantize_ffi", x, block_2d)
+def _call_quantize(x, amax, words, *, block_2d, rht, stochastic_rounding):
     lead, cols = x.shape[:-1], x.shape[-1]
     out = (
         jax.ShapeDtypeStruct((*lead, cols // 2), jnp.uint8),
@@ -149,12 +151,76 @@ def quantize_ffi(
     return tuple(
         call(
             x,
-            _f32_scalar(amax),
-            _key_words(key_words),
+            amax,
+            words,
             block_2d=bool(block_2d),
             rht=bool(rht),
             stochastic_rounding=bool(stochastic_rounding),
         )
+    )
+
+
+def _call_fake_quantize(x, amax, words, *, block_2d, rht, stochastic_rounding, global_scale, dtype):
+    call = jax.ffi.ffi_call(
+        "nvfp4_fake_quantize", jax.ShapeDtypeStruct(x.shape, dtype), vmap_method="sequential"
+    )
+    return call(
+        x,
+        amax,
+        words,
+        block_2d=bool(block_2d),
+        rht=bool(rht),
+        stochastic_rounding=bool(stochastic_rounding),
+        global_scale=bool(global_scale),
+    )
+
+
+def _call_dequantize(codes, scales, amax, *, rht, dtype):
+    shape = (*codes.shape[:-1], 2 * codes.shape[-1]) if codes.ndim else ()
+    call = jax.ffi.ffi_call(
+        "nvfp4_dequantize", jax.ShapeDtypeStruct(shape, dtype), vmap_method="sequential"
+    )
+    return call(codes, scales, amax, rht=bool(rht))
+
+
+def _call_rht(x, *, inverse):
+    call = jax.ffi.ffi_call(
+        "nvfp4_rht", jax.ShapeDtypeStruct(x.shape, x.dtype), vmap_method="broadcast_all"
+    )
+    return call(x, inverse=bool(inverse))
+
+
+def amax_ffi(x: jax.Array, *, rht: bool) -> jax.Array:
+    """Returns max |x| as an f32 scalar; NaN if any element of x is not finite.
+
+    With `rht`, the max over the RHT of x rounded to x.dtype (what quantize with rht uses).
+    """
+    _require_platform()
+    _check_layout("amax_ffi", x)
+    return _distributed().amax_kernel(x, rht=bool(rht))
+
+
+def quantize_ffi(
+    x: jax.Array, amax, key_words, *, block_2d: bool, rht: bool, stochastic_rounding: bool
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Quantizes the stored layout x (..., C) with tensor amax `amax` (f32 scalar A).
+
+    `key_words`: uint32[2] (k0, k1), or uint32[4] (k0, k1, SR counter offset lo, hi): the
+    SR counter of element n is `offset + n // 8` (a shard of a larger tensor).
+
+    Returns:
+      codes uint8 (..., C/2), scales float8_e4m3fn (..., C/16) and the stored amax: A, or
+      NaN when A or any (post-RHT) element of x is not finite.
+    """
+    _require_platform()
+    _check_layout("quantize_ffi", x, block_2d)
+    return _distributed().quantize_kernel(
+        x,
+        _f32_scalar(amax),
+        _key_words(key_words),
+        block_2d=bool(block_2d),
+        rht=bool(rht),
+        stochastic_rounding=bool(stochastic_rounding),
     )
 
 
@@ -179,10 +245,7 @@ def fake_quantize_ffi(
     dtype = jnp.dtype(dtype)
     if dtype not in _FLOAT_DTYPES:
         raise TypeError(f"fake_quantize_ffi: dtype must be bf16, f16 or f32, got {dtype}")
-    call = jax.ffi.ffi_call(
-        "nvfp4_fake_quantize", jax.ShapeDtypeStruct(x.shape, dtype), vmap_method="sequential"
-    )
-    return call(
+    return _distributed().fake_quantize_kernel(
         x,
         _f32_scalar(amax),
         _key_words(key_words),
@@ -190,6 +253,7 @@ def fake_quantize_ffi(
         rht=bool(rht),
         stochastic_rounding=bool(stochastic_rounding),
         global_scale=bool(global_scale),
+        dtype=dtype,
     )
 
 
@@ -207,18 +271,15 @@ def dequantize_ffi(codes: jax.Array, scales: jax.Array, amax, *, rht: bool, dtyp
             f"dequantize_ffi: expected uint8 codes and float8_e4m3fn scales, got "
             f"{codes.dtype} {codes.shape} and {scales.dtype} {scales.shape}"
         )
-    shape = (*codes.shape[:-1], 2 * codes.shape[-1]) if codes.ndim else ()
-    call = jax.ffi.ffi_call(
-        "nvfp4_dequantize", jax.ShapeDtypeStruct(shape, dtype), vmap_method="sequential"
+    if codes.ndim == 0:
+        return _call_dequantize(codes, scales, _f32_scalar(amax), rht=bool(rht), dtype=dtype)
+    return _distributed().dequantize_kernel(
+        codes, scales, _f32_scalar(amax), rht=bool(rht), dtype=dtype
     )
-    return call(codes, scales, _f32_scalar(amax), rht=bool(rht))
 
 
 def rht_ffi(x: jax.Array, *, inverse: bool) -> jax.Array:
     """The RHT (or its inverse) of each 16-group along the last axis, rounded to x.dtype."""
     _require_platform()
     _check_layout("rht_ffi", x)
-    call = jax.ffi.ffi_call(
-        "nvfp4_rht", jax.ShapeDtypeStruct(x.shape, x.dtype), vmap_method="broadcast_all"
-    )
-    return call(x, inverse=bool(inverse))
+    return _distributed().rht_kernel(x, inverse=bool(inverse))

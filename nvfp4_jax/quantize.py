@@ -66,18 +66,51 @@ def key_words(key: jax.Array) -> jax.Array:
     return jax.random.bits(key, (2,), jnp.uint32)
 
 
-def random_bytes(words: jax.Array, count: int) -> jax.Array:
+def counter_offset_words(offset) -> jax.Array:
+    """The SR counter offset `offset // 8` of an element offset, as uint32 `(lo, hi)`.
+
+    `offset` is the global flat index of a shard's first element, a multiple of 16: a Python
+    int (any size), or a traced integer scalar below 2**32.
+    """
+    if isinstance(offset, (int, np.integer)):
+        offset = int(offset)
+        if offset < 0 or offset % formats.BLOCK_SIZE:
+            raise ValueError(f"the SR element offset must be a multiple of 16 >= 0, got {offset}")
+        counter = offset // 8
+        return jnp.array([counter & 0xFFFFFFFF, counter >> 32], jnp.uint32)
+    offset = jnp.asarray(offset)
+    if offset.shape != () or not jnp.issubdtype(offset.dtype, jnp.integer):
+        raise ValueError(f"the SR element offset must be an integer scalar, got {offset}")
+    return jnp.stack([offset.astype(jnp.uint32) >> 3, jnp.uint32(0)])
+
+
+def sr_words(words: jax.Array | None, offset=0) -> jax.Array:
+    """The uint32[4] operand of the SR kernels: k0, k1, counter offset lo, counter offset hi."""
+    if words is None:
+        words = jnp.zeros((2,), jnp.uint32)
+    return jnp.concatenate(
+        [jnp.asarray(words, jnp.uint32).reshape(2), counter_offset_words(offset)]
+    )
+
+
+def random_bytes(words: jax.Array, count: int, offset=0) -> jax.Array:
     """Returns `count` random uint8 values, element n from counter n // 8 (NUMERICS section 7).
 
     Counter j is hashed as `threefry2x32((k0, k1), (j >> 32, j & 0xFFFFFFFF))`; element n
     takes byte `n % 8` of the 64-bit word `w0 | w1 << 32`, least significant byte first.
+    With `offset` (a multiple of 16, see `counter_offset_words`), these are the bytes of
+    elements `offset .. offset + count - 1` of a larger tensor: counters `offset // 8 + j`,
+    with 64-bit carry into the high word.
     """
     counters = -(-count // 8)
     if counters > np.iinfo(np.uint32).max:
         raise ValueError(f"stochastic rounding supports fewer than 2**35 elements, got {count}")
-    low = jnp.arange(counters, dtype=jnp.uint32)
+    local = jnp.arange(counters, dtype=jnp.uint32)
+    base = counter_offset_words(offset)
+    low = local + base[0]  # wraps modulo 2**32; the carry goes into the high word
+    high = base[1] + (low < local).astype(jnp.uint32)
     # threefry_2x32 hashes the pairs (count[i], count[i + len/2]): high words first, then low.
-    hashed = threefry_2x32((words[0], words[1]), jnp.concatenate([jnp.zeros_like(low), low]))
+    hashed = threefry_2x32((words[0], words[1]), jnp.concatenate([high, low]))
     w0, w1 = hashed[:counters], hashed[counters:]
     shifts = jnp.arange(0, 32, 8, dtype=jnp.uint32)
     parts = [(w[:, None] >> shifts) & 0xFF for w in (w0, w1)]
@@ -115,7 +148,7 @@ def _stochastic_magnitude(magnitude: jax.Array, random: jax.Array) -> jax.Array:
     return jnp.minimum(jnp.floor(t * (_F32(1) / t_step)) * t_step, _F32(formats.FP4_MAX))
 
 
-def _quantize_core(xs, amax, words, block_2d, stochastic_rounding):
+def _quantize_core(xs, amax, words, block_2d, stochastic_rounding, offset=0):
     """Quantizes the f32 stored layout `xs` (..., C) with tensor amax `amax`.
 
     Returns unpacked codes uint8 (..., C) and scales float8_e4m3fn (..., C/16).
@@ -130,7 +163,7 @@ def _quantize_core(xs, amax, words, block_2d, stochastic_rounding):
     y = blocks * encode[..., None]
     magnitude = jnp.abs(y)
     if stochastic_rounding:
-        random = random_bytes(words, y.size).reshape(y.shape)
+        random = random_bytes(words, y.size, offset).reshape(y.shape)
         magnitude = _stochastic_magnitude(magnitude, random)
     codes = formats.e2m1_magnitude_code(magnitude) | (jnp.signbit(y).astype(jnp.uint8) << 3)
     return codes.reshape(xs.shape), scales
@@ -175,22 +208,20 @@ def _prepare_reference(x, axis, rht, amax):
     return xs, used, _stored_amax(max_abs, used)
 
 
-def _quantize_reference(x, axis, block_2d, rht, stochastic_rounding, words, amax):
+def _quantize_reference(x, axis, block_2d, rht, stochastic_rounding, words, amax, offset=0):
     xs, used, stored_amax = _prepare_reference(x, axis, rht, amax)
-    codes, scales = _quantize_core(xs, used, words, block_2d, stochastic_rounding)
+    codes, scales = _quantize_core(xs, used, words, block_2d, stochastic_rounding, offset)
     return formats.pack_nibbles(codes), scales, stored_amax
 
 
-def _quantize_ffi(x, axis, block_2d, rht, stochastic_rounding, words, amax):
+def _quantize_ffi(x, axis, block_2d, rht, stochastic_rounding, words, amax, offset=0):
     kernels = dispatch.kernels()
     stored = jnp.moveaxis(x, axis, -1)
     used = kernels.amax_ffi(stored, rht=rht) if amax is None else jnp.asarray(amax).astype(_F32)
-    if words is None:
-        words = jnp.zeros((2,), jnp.uint32)
     return kernels.quantize_ffi(
         stored,
         used,
-        words,
+        sr_words(words, offset if stochastic_rounding else 0),
         block_2d=block_2d,
         rht=rht,
         stochastic_rounding=stochastic_rounding,
@@ -207,6 +238,7 @@ def quantize(
     key: jax.Array | None = None,
     amax: jax.Array | None = None,
     implementation: str | None = None,
+    _sr_offset=0,
 ) -> NVFP4Array:
     """Quantizes `x` to NVFP4 in blocks of 16 along `axis`.
 
@@ -240,7 +272,9 @@ def quantize(
         impl = _quantize_ffi
     else:
         impl = _quantize_reference
-    codes, scales, stored_amax = impl(x, axis, block_2d, rht, stochastic_rounding, words, amax)
+    codes, scales, stored_amax = impl(
+        x, axis, block_2d, rht, stochastic_rounding, words, amax, _sr_offset
+    )
     return NVFP4Array(
         codes=codes,
         scales=scales,
@@ -315,9 +349,9 @@ def _dequantize_stored(q: NVFP4Array, dtype, use_ffi: bool) -> jax.Array:
     return _dequantize_reference(q).astype(dtype)
 
 
-def _fake_quantize_reference(x, axis, block_2d, rht, sr, words, amax, global_scale):
+def _fake_quantize_reference(x, axis, block_2d, rht, sr, words, amax, global_scale, offset=0):
     xs, used, stored_amax = _prepare_reference(x, axis, rht, amax)
-    codes, scales = _quantize_core(xs, used, words, block_2d, sr)
+    codes, scales = _quantize_core(xs, used, words, block_2d, sr, offset)
     blocks = codes.reshape(*scales.shape, formats.BLOCK_SIZE)
     factor = decode_factor(stored_amax, scales) if global_scale else scales.astype(_F32)
     return formats.scaled_code_values(blocks, factor[..., None]).reshape(xs.shape)
@@ -335,6 +369,7 @@ def fake_quantize(
     global_scale: bool = True,
     dtype=None,
     implementation: str | None = None,
+    _sr_offset=0,
 ) -> jax.Array:
     """Quantizes and dequantizes in one step, without materializing packed codes.
 
@@ -365,25 +400,32 @@ def fake_quantize(
     words = key_words(key) if stochastic_rounding else None
     if dispatch.resolve(implementation, "fake_quantize") == "ffi":
         stored = _fake_quantize_ffi(
-            x, axis, block_2d, rht, stochastic_rounding, words, amax, global_scale, dtype
+            x,
+            axis,
+            block_2d,
+            rht,
+            stochastic_rounding,
+            words,
+            amax,
+            global_scale,
+            dtype,
+            _sr_offset,
         )
     else:
         stored = _fake_quantize_reference(
-            x, axis, block_2d, rht, stochastic_rounding, words, amax, global_scale
+            x, axis, block_2d, rht, stochastic_rounding, words, amax, global_scale, _sr_offset
         ).astype(dtype)
     return jnp.moveaxis(stored, -1, axis)
 
 
-def _fake_quantize_ffi(x, axis, block_2d, rht, sr, words, amax, global_scale, dtype):
+def _fake_quantize_ffi(x, axis, block_2d, rht, sr, words, amax, global_scale, dtype, offset=0):
     kernels = dispatch.kernels()
     stored = jnp.moveaxis(x, axis, -1)
     used = kernels.amax_ffi(stored, rht=rht) if amax is None else jnp.asarray(amax).astype(_F32)
-    if words is None:
-        words = jnp.zeros((2,), jnp.uint32)
     return kernels.fake_quantize_ffi(
         stored,
         used,
-        words,
+        sr_words(words, offset if sr else 0),
         block_2d=block_2d,
         rht=rht,
         stochastic_rounding=sr,

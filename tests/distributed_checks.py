@@ -12,7 +12,12 @@ Each check compares a sharded computation with the same computation on one devic
 * quantize under `jit` with a `NamedSharding` (rows sharded, or the quantized axis sharded
   in multiples of 16): codes, scales and amax bit for bit;
 * quantize inside `shard_map` with the global amax (`lax.pmax` of the local `tensor_amax`,
-  passed as `amax=`): bit for bit;
+  passed as `amax=`): bit for bit; with stochastic rounding through
+  `distributed.quantize_shard` (global amax and the shard's SR offset): bit for bit;
+* fake_quantize, dequantize, apply_rht and a non-finite input under `jit` with sharded
+  inputs: bit for bit;
+* the compiled HLO of the FFI ops on a row-sharded input runs the custom call on the local
+  shard: no all-gather (only scalar all-reduces for the amax);
 * a training step of a 2-layer NVFP4 MLP, data-parallel (batch over 8 devices, parameters
   replicated) and FSDP-style (parameters sharded along one axis, batch sharded too): the
   loss and the gradients.
@@ -35,7 +40,17 @@ import numpy as np  # noqa: E402
 from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from nvfp4_jax import NVFP4Recipe, dot_general, kernels, quantize, tensor_amax  # noqa: E402
+from nvfp4_jax import (  # noqa: E402
+    NVFP4Recipe,
+    apply_rht,
+    dequantize,
+    distributed,
+    dot_general,
+    fake_quantize,
+    kernels,
+    quantize,
+    tensor_amax,
+)
 
 AXIS = "x"
 IMPLEMENTATIONS = ["reference"] + (["ffi"] if kernels.is_available("cpu") else [])
@@ -73,7 +88,7 @@ def require_same_quantization(q, q_ref, what):
 def data(shape, seed=0):
     """Normal times a lognormal factor per row, so blocks and shards have different amaxes."""
     rng = np.random.default_rng(seed)
-    x = rng.standard_normal(shape) * rng.lognormal(0.0, 1.5, (shape[0], 1))
+    x = rng.standard_normal(shape) * rng.lognormal(0.0, 1.5, (shape[0],) + (1,) * (len(shape) - 1))
     return jnp.asarray(x.astype(np.float32))
 
 
@@ -92,6 +107,15 @@ JIT_CASES = {
         P(AXIS, None),
         {"axis": 0, "rht": True, "stochastic_rounding": True},
     ),
+    "rows_sharded_rht_sr": ((128, 64), P(AXIS, None), {"rht": True, "stochastic_rounding": True}),
+    "rows_sharded_2d_sr": (
+        (128, 64),
+        P(AXIS, None),
+        {"block_2d": True, "stochastic_rounding": True},
+    ),
+    "rows_sharded_3d_sr": ((16, 8, 64), P(AXIS, None, None), {"stochastic_rounding": True}),
+    "middle_axis_sharded_3d_sr": ((4, 16, 64), P(None, AXIS, None), {"stochastic_rounding": True}),
+    "rows_sharded_2d_8_rows": ((64, 64), P(AXIS, None), {"block_2d": True}),
 }
 
 
@@ -110,6 +134,107 @@ def check_quantize_jit_sharded():
             sharded = jax.device_put(x, NamedSharding(m, spec))
             q = jax.jit(run)(sharded, key)
             require_same_quantization(q, expected, f"{implementation} {name}")
+
+
+def check_other_ops_jit_sharded():
+    """fake_quantize, dequantize, apply_rht and non-finite inputs, sharded along rows."""
+    m, key = mesh(), jax.random.key(5)
+    rows = NamedSharding(m, P(AXIS, None))
+    bad = data((128, 64), seed=2).at[37, 5].set(jnp.inf)
+    for implementation in IMPLEMENTATIONS:
+        cases = {
+            "fake_quantize_sr": lambda x, k, i=implementation: fake_quantize(
+                x, stochastic_rounding=True, key=k, implementation=i
+            ),
+            "fake_quantize_rht_2d_bf16_out": lambda x, k, i=implementation: fake_quantize(
+                x, rht=True, block_2d=True, dtype=jnp.bfloat16, implementation=i
+            ),
+            "fake_quantize_no_global_scale": lambda x, k, i=implementation: fake_quantize(
+                x, global_scale=False, implementation=i
+            ),
+            "dequantize_rht": lambda x, k, i=implementation: dequantize(
+                quantize(x, rht=True, implementation=i), implementation=i
+            ),
+            "apply_rht": lambda x, k, i=implementation: apply_rht(x, implementation=i),
+            "tensor_amax_rht": lambda x, k, i=implementation: tensor_amax(
+                x, rht=True, implementation=i
+            ),
+        }
+        for name, fn in cases.items():
+            for label, x in (("", data((128, 64), seed=2)), (" non-finite", bad)):
+                if name == "apply_rht" and label:
+                    continue
+                expected = jax.jit(fn)(*on_one_device(x, key))
+                actual = jax.jit(fn)(jax.device_put(x, rows), key)
+                require_same_bits(actual, expected, f"{implementation} {name}{label}")
+        # A finite caller amax with inf in one shard: NaN stored amax / NaN everywhere.
+        for name, fn in {
+            "quantize": lambda x, i=implementation: (
+                quantize(x, amax=jnp.float32(3), implementation=i).amax
+            ),
+            "fake_quantize": lambda x, i=implementation: fake_quantize(
+                x, amax=jnp.float32(3), implementation=i
+            ),
+        }.items():
+            expected = jax.jit(fn)(*on_one_device(bad))
+            actual = jax.jit(fn)(jax.device_put(bad, rows))
+            require_same_bits(actual, expected, f"{implementation} {name} caller amax, inf")
+
+
+# --- the FFI custom calls run on local shards (no all-gather in the compiled HLO) ------------
+
+# name -> (target, function of the row-sharded input)
+HLO_CASES = {
+    "amax": ("nvfp4_amax", lambda x: tensor_amax(x, rht=True, implementation="ffi")),
+    "quantize": ("nvfp4_quantize", lambda x: quantize(x, implementation="ffi").codes),
+    "quantize_sr_2d": (
+        "nvfp4_quantize",
+        lambda x: (
+            quantize(
+                x,
+                block_2d=True,
+                stochastic_rounding=True,
+                key=jax.random.key(0),
+                implementation="ffi",
+            ).codes
+        ),
+    ),
+    "fake_quantize_rht_sr": (
+        "nvfp4_fake_quantize",
+        lambda x: fake_quantize(
+            x, rht=True, stochastic_rounding=True, key=jax.random.key(0), implementation="ffi"
+        ),
+    ),
+    "dequantize": (
+        "nvfp4_dequantize",
+        lambda x: dequantize(quantize(x, rht=True, implementation="ffi"), implementation="ffi"),
+    ),
+    "apply_rht": ("nvfp4_rht", lambda x: apply_rht(x, implementation="ffi")),
+    "quantize_axis0": ("nvfp4_quantize", lambda x: quantize(x, axis=0, implementation="ffi").codes),
+}
+
+
+def compiled_hlo(fn, x):
+    return jax.jit(fn).lower(x).compile().as_text()
+
+
+def check_ffi_hlo_no_all_gather():
+    if "ffi" not in IMPLEMENTATIONS:
+        print("  note: native CPU kernels not built; nothing to check")
+        return
+    m = mesh()
+    x = jax.device_put(data((128, 64), seed=3), NamedSharding(m, P(AXIS, None)))
+    for name, (target, fn) in HLO_CASES.items():
+        text = compiled_hlo(fn, x)
+        if f'custom_call_target="{target}"' not in text:
+            raise CheckFailed(f"{name}: no custom call {target} in the compiled HLO")
+        # The custom call must see the local shard (16 of 128 rows), and nothing gathered.
+        calls = [line for line in text.splitlines() if f'custom_call_target="{target}"' in line]
+        if not any("[16,64]" in line or "[64,16]" in line for line in calls):
+            raise CheckFailed(f"{name}: {target} does not run on the local shard:\n{calls}")
+        gathers = [line.strip() for line in text.splitlines() if "all-gather(" in line]
+        if gathers:
+            raise CheckFailed(f"{name}: the compiled HLO all-gathers: {gathers[0][:300]}")
 
 
 # --- quantize inside shard_map with a global amax -------------------------------------------
@@ -149,6 +274,70 @@ def check_quantize_shard_map_global_amax():
             what = f"{implementation} {name}"
             require_same_bits(codes, expected.codes, f"{what} codes")
             require_same_bits(scales, expected.scales, f"{what} scales")
+            for shard_amax in amax:
+                require_same_bits(shard_amax, expected.amax, f"{what} amax")
+
+
+# --- stochastic rounding inside shard_map: the shard's SR offset ----------------------------
+
+# name -> (shape, spec of the input = spec of codes and scales, kwargs)
+SHARD_MAP_SR_CASES = {
+    "rows_sharded_sr": ((128, 64), P(AXIS, None), {}),
+    "rows_sharded_rht_sr_bf16": ((128, 64), P(AXIS, None), {"rht": True}),
+    "rows_sharded_2d_sr": ((128, 64), P(AXIS, None), {"block_2d": True}),
+    "rows_sharded_3d_sr": ((16, 4, 64), P(AXIS, None, None), {}),
+    "axis0_sr": ((64, 128), P(None, AXIS), {"axis": 0}),  # stored (128, 64): rows sharded
+}
+
+
+def check_quantize_shard_map_sr():
+    m, key = mesh(), jax.random.key(9)
+    for implementation in IMPLEMENTATIONS:
+        for name, (shape, spec, kw) in SHARD_MAP_SR_CASES.items():
+            x = data(shape, seed=4)
+            if name.endswith("bf16"):
+                x = x.astype(jnp.bfloat16)
+            stored_spec = spec if kw.get("axis", -1) == -1 else P(spec[1], spec[0])
+
+            def local(x_shard, key, kw=kw, implementation=implementation):
+                q = distributed.quantize_shard(
+                    x_shard,
+                    axis_names=AXIS,
+                    stochastic_rounding=True,
+                    key=key,
+                    implementation=implementation,
+                    **kw,
+                )
+                values = distributed.fake_quantize_shard(
+                    x_shard,
+                    axis_names=AXIS,
+                    stochastic_rounding=True,
+                    key=key,
+                    implementation=implementation,
+                    **kw,
+                )
+                return q.codes, q.scales, q.amax[None], values
+
+            sharded = jax.jit(
+                jax.shard_map(
+                    local,
+                    mesh=m,
+                    in_specs=(spec, P()),
+                    out_specs=(stored_spec, stored_spec, P(AXIS), spec),
+                )
+            )
+            codes, scales, amax, values = sharded(jax.device_put(x, NamedSharding(m, spec)), key)
+            x1, key1 = on_one_device(x, key)
+
+            def unsharded(x, key, kw=kw, implementation=implementation):
+                flags = dict(stochastic_rounding=True, key=key, implementation=implementation)
+                return quantize(x, **flags, **kw), fake_quantize(x, **flags, **kw)
+
+            expected, expected_values = jax.jit(unsharded)(x1, key1)
+            what = f"{implementation} {name}"
+            require_same_bits(codes, expected.codes, f"{what} codes")
+            require_same_bits(scales, expected.scales, f"{what} scales")
+            require_same_bits(values, expected_values, f"{what} fake_quantize")
             for shard_amax in amax:
                 require_same_bits(shard_amax, expected.amax, f"{what} amax")
 
@@ -246,6 +435,9 @@ def check_fsdp_step():
 CHECKS = {
     "quantize_jit_sharded": check_quantize_jit_sharded,
     "quantize_shard_map_global_amax": check_quantize_shard_map_global_amax,
+    "quantize_shard_map_sr": check_quantize_shard_map_sr,
+    "other_ops_jit_sharded": check_other_ops_jit_sharded,
+    "ffi_hlo_no_all_gather": check_ffi_hlo_no_all_gather,
     "data_parallel_step": check_data_parallel_step,
     "fsdp_step": check_fsdp_step,
 }

@@ -18,6 +18,9 @@ SCRIPT = pathlib.Path(__file__).with_name("distributed_checks.py")
 CHECKS = [
     "quantize_jit_sharded",
     "quantize_shard_map_global_amax",
+    "quantize_shard_map_sr",
+    "other_ops_jit_sharded",
+    "ffi_hlo_no_all_gather",
     "data_parallel_step",
     "fsdp_step",
 ]

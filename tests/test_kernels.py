@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import functools
 import itertools
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import heavy_tailed, np_dtype, with_underflow_block
+from jax.extend.random import threefry_2x32
 
 import nvfp4_jax
 from nvfp4_jax import kernels
@@ -265,6 +267,57 @@ def test_same_key_same_bits_other_key_differs():
     assert not np.array_equal(np.asarray(a.codes), np.asarray(c.codes))
 
 
+@pytest.mark.parametrize("fake", [False, True], ids=["quantize", "fake_quantize"])
+@pytest.mark.parametrize("offset_rows", [3, 16])
+def test_sr_offset_matches_tail_of_full_quantization(fake, offset_rows):
+    # Rows [r0:] quantized with the SR element offset r0 * C are the tail of the whole tensor.
+    x = jnp.asarray(heavy_tailed((48, 64), "bf16", seed=9))
+    r0 = offset_rows
+    amax = nvfp4_jax.tensor_amax(x, implementation="reference")
+    op = nvfp4_jax.fake_quantize if fake else nvfp4_jax.quantize
+
+    def go(impl, x, offset):
+        return op(
+            x, stochastic_rounding=True, key=KEY, amax=amax, implementation=impl, _sr_offset=offset
+        )
+
+    full = go("reference", x, 0)
+    for impl in ("ffi", "reference"):
+        for offset in (r0 * 64, jnp.uint32(r0 * 64)):  # static and traced offsets
+            tail = jax.jit(functools.partial(go, impl))(x[r0:], offset)
+            if fake:
+                assert_same(tail, full[r0:], f"{impl} fake values")
+            else:
+                assert_same(tail.codes, full.codes[r0:], f"{impl} codes")
+                assert_same(tail.scales, full.scales[r0:], f"{impl} scales")
+
+
+def test_sr_offset_carries_into_the_high_counter_word():
+    # Counters cross 2**32 inside the tensor: the kernel and the reference must both carry.
+    x = jnp.asarray(heavy_tailed((4, 64), "f32", seed=10))
+    offset = 2**35 - 64  # counter 2**32 - 8: the last 8 counters wrap the low word
+    # The reference's counters, checked against explicit 64-bit counters j = offset / 8 + i.
+    quantize_module = sys.modules["nvfp4_jax.quantize"]
+
+    words = quantize_module.key_words(KEY)
+    j = np.arange(16, dtype=np.uint64) + np.uint64(offset // 8)
+    hi, lo = (j >> np.uint64(32)).astype(np.uint32), (j & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+    w = np.asarray(threefry_2x32((words[0], words[1]), jnp.asarray(np.concatenate([hi, lo]))))
+    w64 = w[:16].astype(np.uint64) | w[16:].astype(np.uint64) << np.uint64(32)
+    expected = w64.view(np.uint8)  # little endian: byte n % 8 of counter n // 8
+    got = quantize_module.random_bytes(words, 128, offset)
+    np.testing.assert_array_equal(np.asarray(got), expected)
+    q = {
+        impl: nvfp4_jax.quantize(
+            x, stochastic_rounding=True, key=KEY, implementation=impl, _sr_offset=offset
+        )
+        for impl in ("ffi", "reference")
+    }
+    assert_same_q(q["ffi"], q["reference"])
+    plain = nvfp4_jax.quantize(x, stochastic_rounding=True, key=KEY, implementation="ffi")
+    assert not np.array_equal(np.asarray(q["ffi"].codes), np.asarray(plain.codes))
+
+
 def raw_call(target, args, results, **attrs):
     return jax.ffi.ffi_call(target, results)(*args, **attrs)
 
@@ -289,7 +342,7 @@ def raw_call(target, args, results, **attrs):
         ),
         (
             "nvfp4_quantize",
-            [np.zeros((24, 32), np.float32), np.float32(1), np.zeros(2, np.uint32)],
+            [np.zeros((24, 32), np.float32), np.float32(1), np.zeros(4, np.uint32)],
             (
                 jax.ShapeDtypeStruct((24, 16), jnp.uint8),
                 jax.ShapeDtypeStruct((24, 2), jnp.float8_e4m3fn),
@@ -307,7 +360,7 @@ def raw_call(target, args, results, **attrs):
                 jax.ShapeDtypeStruct((), jnp.float32),
             ),
             dict(block_2d=False, rht=False, stochastic_rounding=False),
-            "key words of shape (3,): expected uint32[2]",
+            "key words of shape (3,): expected uint32[4]",
         ),
         (
             "nvfp4_dequantize",

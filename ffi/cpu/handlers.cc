@@ -86,6 +86,8 @@ ffi::ErrorOr<QuantizeJob> MakeJob(const char* target, const ffi::AnyBuffer& x,
   job.g = MakeGlobalScale(*amax.typed_data());
   job.k0 = key.typed_data()[0];
   job.k1 = key.typed_data()[1];
+  job.counter_offset = static_cast<uint64_t>(key.typed_data()[2]) |
+                       static_cast<uint64_t>(key.typed_data()[3]) << 32;
   return job;
 }
 

@@ -25,6 +25,7 @@ struct QuantizeJob {
   bool sr = false;
   GlobalScale g{};
   uint32_t k0 = 0, k1 = 0;
+  uint64_t counter_offset = 0;  // SR counter of element 0 (global element offset / 8)
   // Quantize: packed codes (rows, cols/2) and scales (rows, cols/16).
   uint8_t* codes = nullptr;
   uint8_t* scales = nullptr;

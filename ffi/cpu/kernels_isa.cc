@@ -81,8 +81,10 @@ inline void LoadBlockCpu(const typename T::Storage* p, bool rht, float v[kBlock]
 
 // Random words for `blocks` consecutive blocks from flat element n0: 4 per block. One
 // loop over counters, no branches: the threefry rounds vectorize across counters.
-void FillRandomWords(uint32_t k0, uint32_t k1, int64_t n0, int64_t blocks, uint32_t* words) {
-  const uint64_t j0 = static_cast<uint64_t>(n0) >> 3;
+// `counter_offset` is added to every counter (a shard's global element offset / 8).
+void FillRandomWords(uint32_t k0, uint32_t k1, uint64_t counter_offset, int64_t n0,
+                     int64_t blocks, uint32_t* words) {
+  const uint64_t j0 = counter_offset + (static_cast<uint64_t>(n0) >> 3);
   for (int64_t c = 0; c < 2 * blocks; ++c) {
     const uint64_t j = j0 + static_cast<uint64_t>(c);
     uint32_t x0 = static_cast<uint32_t>(j >> 32), x1 = static_cast<uint32_t>(j);
@@ -133,7 +135,9 @@ template <class T, class Sink>
 uint32_t QuantizeRow(const QuantizeJob& job, int64_t row, const uint32_t* tile,
                      uint32_t* words) {
   const auto* x = static_cast<const typename T::Storage*>(job.x) + row * job.cols;
-  if (job.sr) FillRandomWords(job.k0, job.k1, row * job.cols, job.blocks(), words);
+  if (job.sr) {
+    FillRandomWords(job.k0, job.k1, job.counter_offset, row * job.cols, job.blocks(), words);
+  }
   uint32_t seen = 0;
   for (int64_t b = 0; b < job.blocks(); ++b) {
     float v[kBlock];

@@ -123,7 +123,7 @@ __global__ void StoredAmaxKernel(const float* amax, float* stored) {
 struct QuantizeArgs {
   const void* x;
   const float* amax;
-  const uint32_t* key;  // k0, k1
+  const uint32_t* key;  // k0, k1, SR counter offset lo, hi
   int64_t rows;
   int64_t cols;
   bool rht;
@@ -170,7 +170,9 @@ __device__ __forceinline__ void QuantizeBlock(const QuantizeArgs& a, const Globa
   uint8_t q[kBlock / 2];
   if (a.sr) {
     uint32_t words[4];
-    RandomWords16(__ldg(a.key), __ldg(a.key + 1), block * kBlock, words);
+    const uint64_t counter_offset =
+        static_cast<uint64_t>(__ldg(a.key + 2)) | static_cast<uint64_t>(__ldg(a.key + 3)) << 32;
+    RandomWords16(__ldg(a.key), __ldg(a.key + 1), counter_offset, block * kBlock, words);
     EncodeBlockSr(v, enc, words, q);
   } else {
     EncodeBlockRn(v, enc, q);

@@ -90,9 +90,9 @@ inline ffi::Error ExpectCount(const char* target, const char* what, const ffi::A
 }
 
 inline ffi::Error ExpectKey(const char* target, ffi::Buffer<ffi::U32> key) {
-  if (key.element_count() != 2) {
+  if (key.element_count() != 4) {
     return Invalid(target, "key words of shape " + ShapeString(key.dimensions()) +
-                               ": expected uint32[2]");
+                               ": expected uint32[4] (k0, k1, counter offset lo, hi)");
   }
   return ffi::Error::Success();
 }

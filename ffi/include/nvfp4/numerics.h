@@ -253,11 +253,14 @@ NVFP4_HD void Threefry2x32(uint32_t k0, uint32_t k1, uint32_t& x0, uint32_t& x1)
   x0 += k2, x1 += k0 + 5u;
 }
 
-// The 16 random bytes of the 16 elements starting at flat index n0 (n0 % 16 == 0):
-// counters n0/8 and n0/8 + 1; element n takes byte n % 8 of w0 | w1 << 32.
-// Written as four little-endian words: word i holds the bytes of elements 4i..4i+3.
-NVFP4_HD void RandomWords16(uint32_t k0, uint32_t k1, int64_t n0, uint32_t words[4]) {
-  const uint64_t j = static_cast<uint64_t>(n0) >> 3;
+// The 16 random bytes of the 16 elements starting at local flat index n0 (n0 % 16 == 0):
+// counters c0 + n0/8 and c0 + n0/8 + 1, where c0 = `counter_offset` (the global element
+// offset / 8 of a shard's first element, 0 for a whole tensor); element n takes byte n % 8
+// of w0 | w1 << 32. Written as four little-endian words: word i holds the bytes of
+// elements 4i..4i+3.
+NVFP4_HD void RandomWords16(uint32_t k0, uint32_t k1, uint64_t counter_offset, int64_t n0,
+                            uint32_t words[4]) {
+  const uint64_t j = counter_offset + (static_cast<uint64_t>(n0) >> 3);
   NVFP4_UNROLL
   for (int h = 0; h < 2; ++h) {
     const uint64_t c = j + static_cast<uint64_t>(h);
