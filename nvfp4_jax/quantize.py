@@ -214,14 +214,19 @@ def _quantize_reference(x, axis, block_2d, rht, stochastic_rounding, words, amax
     return formats.pack_nibbles(codes), scales, stored_amax
 
 
-def _quantize_ffi(x, axis, block_2d, rht, stochastic_rounding, words, amax, offset=0):
-    kernels = dispatch.kernels()
+def _ffi_operands(x, axis, rht, sr, words, amax, offset):
+    """The stored layout, the amax to use and the SR key words the FFI quantizers take."""
     stored = jnp.moveaxis(x, axis, -1)
-    used = kernels.amax_ffi(stored, rht=rht) if amax is None else jnp.asarray(amax).astype(_F32)
-    return kernels.quantize_ffi(
-        stored,
-        used,
-        sr_words(words, offset if stochastic_rounding else 0),
+    if amax is None:
+        used = dispatch.kernels().amax_ffi(stored, rht=rht)
+    else:
+        used = jnp.asarray(amax).astype(_F32)
+    return stored, used, sr_words(words, offset if sr else 0)
+
+
+def _quantize_ffi(x, axis, block_2d, rht, stochastic_rounding, words, amax, offset=0):
+    return dispatch.kernels().quantize_ffi(
+        *_ffi_operands(x, axis, rht, stochastic_rounding, words, amax, offset),
         block_2d=block_2d,
         rht=rht,
         stochastic_rounding=stochastic_rounding,
@@ -419,13 +424,8 @@ def fake_quantize(
 
 
 def _fake_quantize_ffi(x, axis, block_2d, rht, sr, words, amax, global_scale, dtype, offset=0):
-    kernels = dispatch.kernels()
-    stored = jnp.moveaxis(x, axis, -1)
-    used = kernels.amax_ffi(stored, rht=rht) if amax is None else jnp.asarray(amax).astype(_F32)
-    return kernels.fake_quantize_ffi(
-        stored,
-        used,
-        sr_words(words, offset if sr else 0),
+    return dispatch.kernels().fake_quantize_ffi(
+        *_ffi_operands(x, axis, rht, sr, words, amax, offset),
         block_2d=block_2d,
         rht=rht,
         stochastic_rounding=sr,
