@@ -51,6 +51,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--bf16-first", type=int, default=0, help="blocks kept in bf16 at the start")
     p.add_argument("--bf16-last", type=int, default=0, help="blocks kept in bf16 at the end")
+    p.add_argument(
+        "--disable",
+        action="append",
+        default=[],
+        choices=("weight_2d", "wgrad_rht", "stochastic_rounding"),
+        help="turn off a switch of the NVFP4 recipe (repeatable)",
+    )
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--save-every", type=int, default=100)
     p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs/train_lm"))
@@ -105,6 +112,11 @@ def batch_at(data: np.ndarray, step: int, batch: int, seq_len: int, seed: int) -
     return jnp.asarray(np.stack([data[s : s + seq_len + 1] for s in starts]).astype(np.int32))
 
 
+def nvfp4_recipe(args) -> nvfp4_jax.NVFP4Recipe:
+    """The NVFP4 training recipe, all switches on but those `--disable` names."""
+    return nvfp4_jax.NVFP4Recipe(**{name: False for name in args.disable})
+
+
 def make_model(args, recipe_name: str) -> TransformerLM:
     """The model of one recipe; parameters come from the seed alone, so both runs start equal."""
     cfg = LMConfig(
@@ -112,7 +124,7 @@ def make_model(args, recipe_name: str) -> TransformerLM:
         depth=args.depth,
         heads=args.heads,
         max_len=args.seq_len,
-        recipe=nvfp4_jax.NVFP4Recipe() if recipe_name == "nvfp4" else None,
+        recipe=nvfp4_recipe(args) if recipe_name == "nvfp4" else None,
         bf16_first=args.bf16_first,
         bf16_last=args.bf16_last,
     )
