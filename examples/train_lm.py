@@ -41,7 +41,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--recipe", choices=("nvfp4", "bf16", "both"), default="both")
     p.add_argument("--data", type=pathlib.Path, default=None, help="a UTF-8/byte text file")
-    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--steps", type=int, default=600)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--width", type=int, default=128)
@@ -58,7 +58,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         choices=("weight_2d", "wgrad_rht", "stochastic_rounding"),
         help="turn off a switch of the NVFP4 recipe (repeatable)",
     )
-    p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--save-every", type=int, default=100)
     p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs/train_lm"))
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
