@@ -21,11 +21,10 @@ hold the activations saved for the backward: NVFP4 saves packed codes and scales
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
+from bench_kernels import median_seconds  # this folder is on sys.path when run as a script
 
 from nvfp4_jax import NVFP4Recipe, dot_general, kernels
 from nvfp4_jax.dispatch import current_platform
@@ -52,17 +51,6 @@ def variants():
     return out
 
 
-def time_fn(fn, args, iters):
-    for _ in range(2):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def bench_timing(shapes, iters):
     print(
         f"backend: {jax.default_backend()} ({jax.devices()[0].device_kind}), "
@@ -85,7 +73,7 @@ def bench_timing(shapes, iters):
 
             # g is an argument: closed over, XLA would constant-fold dy's quantization.
             step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
-            seconds = time_fn(step, (x, w, g), iters)
+            seconds = median_seconds(step, x, w, g, warmup=2, iters=iters)
             baseline = baseline or seconds
             print(
                 f"{f'{m},{k},{n}':>16} | {name:<16} | {seconds * 1e3:11.2f} | "
