@@ -21,9 +21,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from nvfp4_jax import dispatch, formats
+from nvfp4_jax import dispatch, distributed, formats
 from nvfp4_jax.array import NVFP4Array
-from nvfp4_jax.quantize import block_values, global_decode_scale, quantize, tensor_amax
+from nvfp4_jax.quantize import block_values, global_decode_scale, quantize
 
 GemmBackend = Literal["emulated", "scaled_matmul"]
 # The first compute capability whose tensor cores run block-scaled FP4 (Blackwell, sm_100).
@@ -256,11 +256,7 @@ def quantize_master_weights(
     sharded = tuple(name for e in entries for name in ((e,) if isinstance(e, str) else e or ()))
 
     def local(shard):
-        amax = tensor_amax(shard, axis=axis, implementation=implementation)
-        if sharded:
-            # pmax may drop NaN (it lowers to a max all-reduce): carry "some shard saw NaN/inf".
-            nonfinite = jax.lax.pmax(jnp.isnan(amax).astype(jnp.int32), sharded)
-            amax = jnp.where(nonfinite > 0, jnp.float32(jnp.nan), jax.lax.pmax(amax, sharded))
+        amax = distributed.global_amax(shard, sharded, axis=axis, implementation=implementation)
         q = quantize(shard, axis=axis, block_2d=block_2d, amax=amax, implementation=implementation)
         return q.codes, q.scales, q.amax
 
