@@ -48,3 +48,42 @@ def with_underflow_block(x: np.ndarray, *, row=0, block=0, scale=1e-7) -> np.nda
 @pytest.fixture
 def rng():
     return np.random.default_rng(1234)
+
+
+def _run_check_script(script: str, names, timeout: float):
+    """Runs tests/<script> with `names` in a fresh Python on the CPU platform.
+
+    Multi-device checks need `--xla_force_host_platform_device_count=8` before JAX starts,
+    which this pytest process has already done, so they run in a subprocess. Returns
+    ({check name: its PASS/FAIL line}, stdout + stderr, exit code).
+    """
+    import os  # noqa: PLC0415
+    import pathlib  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    path = pathlib.Path(__file__).with_name(script)
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(path.parent.parent), env.get("PYTHONPATH")])
+    )
+    run = subprocess.run(
+        [sys.executable, str(path), *names],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+        check=False,
+    )
+    lines = {}
+    for line in run.stdout.splitlines():
+        status, _, rest = line.partition(" ")
+        if status in ("PASS", "FAIL"):
+            lines[rest.split(":")[0]] = line
+    return lines, run.stdout + run.stderr, run.returncode
+
+
+@pytest.fixture(scope="session")
+def run_check_script():
+    """The function `_run_check_script(script, names, timeout)`, for multi-device checks."""
+    return _run_check_script

@@ -7,14 +7,9 @@ has already initialized it. Each test below reports one check of that run.
 
 from __future__ import annotations
 
-import os
-import pathlib
-import subprocess
-import sys
-
 import pytest
 
-SCRIPT = pathlib.Path(__file__).with_name("distributed_checks.py")
+SCRIPT = "distributed_checks.py"
 CHECKS = [
     "quantize_jit_sharded",
     "quantize_shard_map_global_amax",
@@ -26,31 +21,10 @@ CHECKS = [
 ]
 
 
-def run_script(*names, timeout):
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    repo = str(SCRIPT.parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo, env.get("PYTHONPATH")]))
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), *names],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=timeout,
-        check=False,
-    )
-
-
 @pytest.fixture(scope="module")
-def report():
+def report(run_check_script):
     """{check name: its PASS/FAIL line}, the whole output, and the exit code."""
-    run = run_script(*CHECKS, timeout=600)
-    output = run.stdout + run.stderr
-    lines = {}
-    for line in run.stdout.splitlines():
-        status, _, rest = line.partition(" ")
-        if status in ("PASS", "FAIL"):
-            lines[rest.split(":")[0]] = line
-    return lines, output, run.returncode
+    return run_check_script(SCRIPT, CHECKS, timeout=600)
 
 
 @pytest.mark.parametrize("check", CHECKS)
@@ -60,6 +34,6 @@ def test_sharded_equals_unsharded(report, check):
     assert lines[check].startswith("PASS"), output[-4000:]
 
 
-def test_script_fails_loudly_on_an_unknown_check():
-    run = run_script("no_such_check", timeout=120)
-    assert run.returncode != 0 and "FAIL no_such_check" in run.stdout
+def test_script_fails_loudly_on_an_unknown_check(run_check_script):
+    lines, _, returncode = run_check_script(SCRIPT, ["no_such_check"], timeout=120)
+    assert returncode != 0 and lines["no_such_check"].startswith("FAIL")

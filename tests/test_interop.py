@@ -4,10 +4,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import os
-import pathlib
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -190,7 +186,7 @@ def test_transposed_2d_blocks_equal_quantizing_the_other_way():
 
 # ---- sharded master weights (8 CPU devices, in a subprocess) -------------------------------
 
-SCRIPT = pathlib.Path(__file__).with_name("interop_distributed_checks.py")
+SCRIPT = "interop_distributed_checks.py"
 MASTER_CHECKS = [
     "rows_1d",
     "cols_1d",
@@ -202,24 +198,9 @@ MASTER_CHECKS = [
 
 
 @pytest.fixture(scope="module")
-def master_report():
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env["PYTHONPATH"] = os.pathsep.join(
-        filter(None, [str(SCRIPT.parent.parent), env.get("PYTHONPATH")])
-    )
-    run = subprocess.run(
-        [sys.executable, str(SCRIPT), *MASTER_CHECKS],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-        check=False,
-    )
-    lines = {}
-    for line in run.stdout.splitlines():
-        status, _, rest = line.partition(" ")
-        lines[rest.split(":")[0]] = line
-    return lines, run.stdout + run.stderr
+def master_report(run_check_script):
+    lines, output, _ = run_check_script(SCRIPT, MASTER_CHECKS, timeout=300)
+    return lines, output
 
 
 @pytest.mark.parametrize("check", MASTER_CHECKS)
