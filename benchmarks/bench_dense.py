@@ -27,7 +27,6 @@ import jax.numpy as jnp
 from bench_kernels import median_seconds  # this folder is on sys.path when run as a script
 
 from nvfp4_jax import NVFP4Recipe, dot_general, kernels
-from nvfp4_jax.dispatch import current_platform
 
 DENSE = (((1,), (0,)), ((), ()))
 
@@ -40,7 +39,7 @@ def variants():
         ).astype(x.dtype)
     }
     implementations = ["reference"]
-    if kernels.is_available(current_platform()):
+    if kernels.is_available():
         implementations.append("ffi")
     key = jax.random.key(0)
     for implementation in implementations:

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 import nvfp4_jax
-from nvfp4_jax import dispatch, kernels
+from nvfp4_jax import kernels
 
 
 def heavy_tailed(shape, key) -> jax.Array:
@@ -84,7 +84,7 @@ def copy_bandwidth(x, warmup, iters) -> float:
 
 
 def main() -> None:
-    platform = dispatch.current_platform()
+    platform = kernels.current_platform()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="8192x8192" if platform == "cuda" else "4096x4096")
     parser.add_argument("--iters", type=int, default=20)

@@ -2,7 +2,7 @@
 
     python examples/quantize_demo.py [--rows 4096] [--cols 4096] [--implementation reference]
 
-Two inputs: standard normal data (the error table of NUMERICS.md section 10) and heavy-tailed
+Two inputs: standard normal data (the error table of docs/NUMERICS.md section 10) and heavy-tailed
 data (normal times a lognormal factor per row, plus outliers), where the Random Hadamard
 Transform spreads the outliers over their blocks.
 """
@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 import nvfp4_jax
 
-# (name, quantize keyword arguments, relative MSE on standard normal data per NUMERICS.md)
+# (name, quantize keyword arguments, relative MSE on standard normal data per docs/NUMERICS.md)
 SCHEMES = (
     ("1x16, round to nearest", {}, 0.0090),
     ("16x16 blocks (weights)", {"block_2d": True}, 0.0124),

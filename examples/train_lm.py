@@ -28,9 +28,9 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from lm_model import LMConfig, TransformerLM, loss_fn  # noqa: E402
+from lm_model import LMConfig, TransformerLM, loss_fn
 
-import nvfp4_jax  # noqa: E402
+import nvfp4_jax
 
 RECIPES = ("nvfp4", "bf16")
 EVAL_BATCHES = 8

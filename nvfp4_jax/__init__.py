@@ -1,5 +1,7 @@
 """nvfp4_jax: NVFP4 quantization for JAX and Flax, bit-exact with TransformerEngine.
 
+The package is layered (docs/ARCHITECTURE.md); this module only re-exports the public API.
+
 Example:
   >>> import jax, jax.numpy as jnp, nvfp4_jax
   >>> x = jax.random.normal(jax.random.key(0), (32, 64), jnp.bfloat16)
@@ -9,25 +11,25 @@ Example:
 
 """
 
-from nvfp4_jax import checkpoint, distributed, export, interop, layout, linen, nnx
-from nvfp4_jax.array import NVFP4Array, is_nvfp4_array
-from nvfp4_jax.checkpoint import restore_checkpoint, save_checkpoint, validate_nvfp4_array
+from nvfp4_jax import (
+    checkpoint,
+    distributed,
+    export,
+    gemm,
+    kernels,
+    layout,
+    linen,
+    nnx,
+    reference,
+)
+from nvfp4_jax._version import __version__
+from nvfp4_jax.array import NVFP4Array, is_nvfp4_array, validate_nvfp4_array
+from nvfp4_jax.checkpoint import restore_checkpoint, save_checkpoint
+from nvfp4_jax.distributed import quantize_master_weights
 from nvfp4_jax.dot_general import dot_general, nvfp4_dot_general
 from nvfp4_jax.export import export_nvfp4_safetensors
 from nvfp4_jax.formats import BLOCK_SIZE, E4M3_MAX, FP4_MAX
-from nvfp4_jax.hadamard import (
-    apply_rht,
-    get_hadamard_matrix,
-    get_rht_matrix,
-    get_sign_from_vector,
-    get_wgrad_sign_vector,
-)
-from nvfp4_jax.interop import (
-    from_scaled_matmul_operands,
-    quantize_master_weights,
-    scaled_matmul,
-    to_scaled_matmul_operands,
-)
+from nvfp4_jax.gemm import from_scaled_matmul_operands, scaled_matmul, to_scaled_matmul_operands
 from nvfp4_jax.layout import (
     GEMM_ALIGNMENT,
     packed_shape,
@@ -37,10 +39,19 @@ from nvfp4_jax.layout import (
     unpad,
     unswizzle_scales,
 )
-from nvfp4_jax.quantize import dequantize, fake_quantize, quantize, tensor_amax
+from nvfp4_jax.ops import apply_rht, dequantize, fake_quantize, quantize, tensor_amax
 from nvfp4_jax.recipe import NVFP4Recipe
+from nvfp4_jax.reference import (
+    get_hadamard_matrix,
+    get_rht_matrix,
+    get_sign_from_vector,
+    get_wgrad_sign_vector,
+)
+from nvfp4_jax.seed import SRSeed
 
-__version__ = "0.1.0"
+# Register the native targets now (no JAX backend is started), so that a function
+# serialized with `jax.export` runs in a fresh process before any op has been called.
+kernels.register()
 
 __all__ = [
     "BLOCK_SIZE",
@@ -49,6 +60,8 @@ __all__ = [
     "GEMM_ALIGNMENT",
     "NVFP4Array",
     "NVFP4Recipe",
+    "SRSeed",
+    "__version__",
     "apply_rht",
     "checkpoint",
     "dequantize",
@@ -58,12 +71,13 @@ __all__ = [
     "export_nvfp4_safetensors",
     "fake_quantize",
     "from_scaled_matmul_operands",
+    "gemm",
     "get_hadamard_matrix",
     "get_rht_matrix",
     "get_sign_from_vector",
     "get_wgrad_sign_vector",
-    "interop",
     "is_nvfp4_array",
+    "kernels",
     "layout",
     "linen",
     "nnx",
@@ -72,6 +86,7 @@ __all__ = [
     "pad_to_alignment",
     "quantize",
     "quantize_master_weights",
+    "reference",
     "restore_checkpoint",
     "save_checkpoint",
     "scaled_matmul",

@@ -1,11 +1,14 @@
-"""NVFP4Array: the quantized-tensor pytree."""
+"""NVFP4Array: the quantized-tensor pytree, and the check of its invariants."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+
+from nvfp4_jax import formats
 
 
 @jax.tree_util.register_dataclass
@@ -16,19 +19,22 @@ class NVFP4Array:
     Shape letters: the logical tensor has shape `S`; the *stored layout* is `S` with the
     quantized axis moved last, `(..., C)`.
 
-    Invariants:
+    Invariants (checked by `validate_nvfp4_array`):
       * `codes`: uint8 `(..., C // 2)`, two E2M1 codes per byte along the last axis (element
         2i in the low nibble, bit 3 of a code is its sign).
       * `scales`: float8_e4m3fn `(..., C // 16)`, one per 16 consecutive stored elements. With
         `block_2d`, rows are grouped in 16s over the second-to-last stored axis and every row
         of a 16x16 tile holds the tile's scale.
       * `amax`: f32 scalar, the tensor amax the scales were computed from (after the RHT if
-        `rht`); NaN if the input held NaN or inf.
+        `rht`); NaN if the input held NaN or inf, and then every scale is NaN (0x7F) and
+        every code 0 (docs/NUMERICS.md section 8). A batch made by `vmap` has one amax per
+        tensor: shape `codes.shape[:k]`.
       * `axis` is negative (it counts from the end of the logical shape), so that leading
         batch dimensions added by `vmap` leave it valid. The logical shape is derived from
         `codes`, never stored.
 
-    Leaves: `codes`, `scales`, `amax`. Static metadata: `dtype`, `axis`, `block_2d`, `rht`.
+    Leaves: `codes`, `scales`, `amax`. Static metadata: `dtype` (of the tensor that was
+    quantized), `axis`, `block_2d`, `rht`.
     """
 
     codes: jax.Array
@@ -69,9 +75,7 @@ class NVFP4Array:
 
     def dequantize(self, dtype=jnp.float32, *, implementation: str | None = None) -> jax.Array:
         """Returns the dequantized tensor in its logical shape (see `nvfp4_jax.dequantize`)."""
-        from nvfp4_jax.quantize import dequantize  # noqa: PLC0415  (quantize imports us)
-
-        return dequantize(self, dtype, implementation=implementation)
+        return _dequantize_method(self, dtype, implementation=implementation)
 
     def __repr__(self) -> str:
         return (
@@ -85,9 +89,75 @@ def is_nvfp4_array(value) -> bool:
     return isinstance(value, NVFP4Array)
 
 
-def stored_to_logical(values: jax.Array, axis: int) -> jax.Array:
-    """Moves the stored last axis back to its logical position `axis` (negative)."""
-    return jnp.moveaxis(values, -1, axis)
+_PART_DTYPES = {"codes": jnp.uint8, "scales": jnp.float8_e4m3fn, "amax": jnp.float32}
 
 
-__all__ = ["NVFP4Array", "is_nvfp4_array"]
+def validate_nvfp4_array(q: NVFP4Array, name: str = "NVFP4Array") -> NVFP4Array:
+    """Checks the invariants of `NVFP4Array`'s docstring; returns `q` or raises.
+
+    Works on concrete arrays and on `jax.ShapeDtypeStruct` leaves (only shapes, dtypes and
+    metadata are read).
+
+    Raises:
+      TypeError: a leaf or the `dtype` metadata has the wrong dtype, or metadata the wrong
+        type.
+      ValueError: shapes that do not fit together, or an invalid `axis`.
+    """
+    if not is_nvfp4_array(q):
+        raise TypeError(f"{name}: expected an NVFP4Array, got {type(q).__name__}")
+    for part, dtype in _PART_DTYPES.items():
+        leaf = getattr(q, part)
+        if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
+            raise TypeError(f"{name}: {part} must be an array, got {type(leaf).__name__}")
+        if jnp.dtype(leaf.dtype) != jnp.dtype(dtype):
+            raise TypeError(f"{name}: {part} must be {jnp.dtype(dtype)}, got {leaf.dtype}")
+    codes, scales, amax = (tuple(getattr(q, part).shape) for part in _PART_DTYPES)
+    columns = 2 * codes[-1] if codes else 0
+    if not codes or columns % formats.BLOCK_SIZE:
+        raise ValueError(f"{name}: codes {codes} must hold a multiple of 16 codes per row")
+    if scales != (*codes[:-1], columns // formats.BLOCK_SIZE):
+        raise ValueError(
+            f"{name}: codes {codes} need scales of shape "
+            f"{(*codes[:-1], columns // formats.BLOCK_SIZE)}, got {scales}"
+        )
+    if len(amax) >= len(codes) or amax != codes[: len(amax)]:
+        raise ValueError(f"{name}: amax of shape {amax} does not fit codes {codes}")
+    _validate_metadata(q, name, codes, rank=len(codes) - len(amax))
+    return q
+
+
+def _validate_metadata(q: NVFP4Array, name: str, codes: tuple[int, ...], rank: int) -> None:
+    """The static fields against codes of shape `codes` holding tensors of rank `rank`."""
+    for flag in ("block_2d", "rht"):
+        formats.check_flag(getattr(q, flag), name, flag)
+    if isinstance(q.axis, bool) or not isinstance(q.axis, int):
+        raise TypeError(f"{name}: axis must be an int, got {q.axis!r}")
+    if not -rank <= q.axis < 0:
+        raise ValueError(
+            f"{name}: axis must be negative and within the {rank} dims of one tensor "
+            f"(codes {codes}), got {q.axis}"
+        )
+    if q.block_2d and (rank < 2 or codes[-2] % formats.BLOCK_SIZE):
+        raise ValueError(f"{name}: block_2d needs rows in multiples of 16, got codes {codes}")
+    formats.check_dtype(q.dtype, name, "dtype")
+
+
+# `NVFP4Array.dequantize` calls the public `nvfp4_jax.dequantize`, which lives in a layer
+# above this one (`nvfp4_jax.ops`); that module hands it down with `bind_dequantize` when it
+# is imported, which `import nvfp4_jax` always does. So this module imports nothing above it.
+_dequantize_impl: Callable[..., jax.Array] | None = None
+
+
+def bind_dequantize(fn: Callable[..., jax.Array]) -> None:
+    """Sets the function `NVFP4Array.dequantize` calls (done once by `nvfp4_jax.ops`)."""
+    global _dequantize_impl
+    _dequantize_impl = fn
+
+
+def _dequantize_method(q: NVFP4Array, dtype, *, implementation) -> jax.Array:
+    if _dequantize_impl is None:
+        raise RuntimeError("NVFP4Array.dequantize: import nvfp4_jax first")
+    return _dequantize_impl(q, dtype, implementation=implementation)
+
+
+__all__ = ["NVFP4Array", "bind_dequantize", "is_nvfp4_array", "validate_nvfp4_array"]

@@ -29,48 +29,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from nvfp4_jax import formats
-from nvfp4_jax.array import NVFP4Array, is_nvfp4_array
+from nvfp4_jax.array import NVFP4Array, is_nvfp4_array, validate_nvfp4_array
 
 FORMAT = "nvfp4_jax.checkpoint/1"
 _PARTS = ("codes", "scales", "amax")
-_PART_DTYPES = {"codes": jnp.uint8, "scales": jnp.float8_e4m3fn, "amax": jnp.float32}
-
-
-def validate_nvfp4_array(q: NVFP4Array, name: str = "NVFP4Array") -> NVFP4Array:
-    """Checks the invariants of `NVFP4Array`'s docstring; returns `q` or raises.
-
-    Works on concrete arrays and on `jax.ShapeDtypeStruct` leaves (only shapes and dtypes are
-    read).
-
-    Raises:
-      TypeError: a leaf or the `dtype` metadata has the wrong dtype.
-      ValueError: shapes that do not fit together, or an invalid `axis`.
-    """
-    if not is_nvfp4_array(q):
-        raise TypeError(f"{name}: expected an NVFP4Array, got {type(q).__name__}")
-    for part, dtype in _PART_DTYPES.items():
-        leaf = getattr(q, part)
-        if jnp.dtype(leaf.dtype) != jnp.dtype(dtype):
-            raise TypeError(f"{name}: {part} must be {jnp.dtype(dtype)}, got {leaf.dtype}")
-    codes, scales, amax = (tuple(getattr(q, part).shape) for part in _PARTS)
-    columns = 2 * codes[-1] if codes else 0
-    if not codes or columns % formats.BLOCK_SIZE:
-        raise ValueError(f"{name}: codes {codes} must hold a multiple of 16 codes per row")
-    if scales != (*codes[:-1], columns // formats.BLOCK_SIZE):
-        raise ValueError(
-            f"{name}: codes {codes} need scales of shape {(*codes[:-1], columns // 16)}, "
-            f"got {scales}"
-        )
-    if len(amax) >= len(codes) or amax != codes[: len(amax)]:
-        raise ValueError(f"{name}: amax of shape {amax} does not fit codes {codes}")
-    if not isinstance(q.axis, int) or not -len(codes) <= q.axis < 0:
-        raise ValueError(f"{name}: axis must be negative and within {len(codes)} dims: {q.axis}")
-    if q.block_2d and (len(codes) < 2 or codes[-2] % formats.BLOCK_SIZE):
-        raise ValueError(f"{name}: block_2d needs rows in multiples of 16, got codes {codes}")
-    if jnp.dtype(q.dtype) not in formats.SUPPORTED_DTYPES:
-        raise TypeError(f"{name}: dtype must be bfloat16, float16 or float32, got {q.dtype}")
-    return q
 
 
 def save_checkpoint(path: str | os.PathLike, tree: Any, *, force: bool = False) -> None:

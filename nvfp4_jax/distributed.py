@@ -1,38 +1,11 @@
-"""Sharded NVFP4 quantization: partitioning rules for the FFI kernels, and shard_map helpers.
+"""Sharded NVFP4 from inside `shard_map`, and sharded master weights.
 
 Quantization is blockwise, so it shards; only the tensor amax is global, and stochastic
-rounding (SR) draws its bits from each element's position n in the flattened stored layout
-(NUMERICS section 7). Two ways to run sharded, both bit-identical to one device:
-
-**jit with sharded inputs (automatic).** The reference path is plain jnp and XLA partitions
-it by itself. The FFI custom calls are opaque to XLA's partitioner, so `nvfp4_jax.kernels`
-routes each of them through a `jax.experimental.custom_partitioning` rule defined here; XLA
-then runs the kernel on each device's shard instead of all-gathering its operands:
-
-* `tensor_amax`: the local amax kernel on any sharding (the last axis in multiples of 16),
-  then a `lax.pmax` over the mesh axes that shard the input (one scalar all-reduce).
-* `quantize` / `fake_quantize` (stored layout `(..., C)`, the quantized axis last): every
-  leading dim keeps its sharding, and so does the quantized axis when each shard holds a
-  multiple of 16 of it; the kernel runs on the local shard with the global amax. With SR
-  only the first stored axis may stay sharded (a shard must be a contiguous slab of the
-  flattened layout); its shard's SR counter offset is `axis_index * local size / 8`, so
-  the random bits are the global ones. Other sharded axes are all-gathered along that
-  axis only (e.g. SR on a tensor sharded along the quantized axis, or along a middle axis).
-  16x16 blocks (`block_2d`) keep the second-to-last axis sharded only when each shard
-  holds a multiple of 16 rows.
-* `dequantize`: leading dims keep their sharding; the last axis too when codes and scales
-  are sharded alike on it.
-* `apply_rht`: each 16-group is independent: any sharding with the last axis in multiples
-  of 16.
-
-Axes whose size is not divisible by their mesh axes, and anything this module does not
-recognise, are replicated (XLA gathers them): correct, only slower. On one device the
-rules are not used: the plain custom call is lowered, with unchanged bits. Under `vmap` the
-kernels run as before (one call per example), without these rules.
-
-**Inside shard_map (explicit).** Inside `jax.shard_map` every array is a local shard and
-nothing is partitioned for you. Use `global_amax` for the tensor amax, and `quantize_shard`
-/ `fake_quantize_shard`, which pass that amax and the shard's SR offset to `quantize`:
+rounding (SR) draws its bits from each element's position in the flattened stored layout
+(docs/NUMERICS.md section 7). Under `jax.jit` with sharded inputs nothing is needed: every
+op gives the bits of one device (the native kernels through their sharding rules in
+`nvfp4_jax.kernels`). Inside `jax.shard_map` every array is a local shard and nothing is
+partitioned for you; these helpers pass the global amax and the shard's `SRSeed`:
 
     def step(x_local):  # x sharded along rows over mesh axis "data"
         q = distributed.quantize_shard(x_local, axis_names="data", stochastic_rounding=True,
@@ -42,38 +15,31 @@ nothing is partitioned for you. Use `global_amax` for the tensor amax, and `quan
 The result equals the matching shard of `quantize(x_global, ...)` bit for bit when the
 shard is a contiguous slab of the stored layout (sharded only along the first stored axis)
 or, without SR, along any axes in multiples of 16 (16-row multiples for `block_2d`).
+`quantize_master_weights` does this for an FSDP-sharded weight in one call.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.custom_batching import custom_vmap
-from jax.experimental.custom_partitioning import custom_partitioning
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from nvfp4_jax import kernels
-from nvfp4_jax.quantize import fake_quantize, quantize, tensor_amax
-
-_BLOCK = 16
-_F32 = jnp.float32
-# SR counters of a partitioned tensor are 32-bit offsets here: fewer than 2**35 elements.
-_MAX_SR_COUNTERS = 2**32
+from nvfp4_jax import formats, kernels
+from nvfp4_jax.array import NVFP4Array
+from nvfp4_jax.backends import Implementation
+from nvfp4_jax.ops import fake_quantize, quantize, tensor_amax
+from nvfp4_jax.seed import SRSeed, as_seed
 
 __all__ = [
     "fake_quantize_shard",
     "global_amax",
+    "quantize_master_weights",
     "quantize_shard",
     "shard_offset",
 ]
-
-
-# --- public helpers for shard_map -------------------------------------------------------------
 
 
 def _names(axis_names) -> tuple[str, ...]:
@@ -90,7 +56,7 @@ def global_amax(
     *,
     axis: int = -1,
     rht: bool = False,
-    implementation: str | None = None,
+    implementation: Implementation | None = None,
 ) -> jax.Array:
     """The tensor amax of a sharded tensor, from inside `shard_map`: `tensor_amax` + `pmax`.
 
@@ -105,16 +71,15 @@ def global_amax(
       The f32 amax of the whole tensor on every device; NaN if any shard holds NaN/inf.
     """
     local = tensor_amax(x_local, axis=axis, rht=rht, implementation=implementation)
-    return _max_with_nan(local, _names(axis_names))
+    return kernels.pmax_keep_nan(local, _names(axis_names))
 
 
-def shard_offset(x_local: jax.Array, row_axis_names, *, axis: int = -1) -> jax.Array:
+def shard_offset(x_local: jax.Array, row_axis_names) -> jax.Array:
     """The flat element offset of this shard in the global stored layout (a uint32 scalar).
 
     Correct when the global tensor is sharded only along the first axis of its stored layout
-    (`x` with `axis` moved last) over the mesh axes `row_axis_names`, in that (major to
-    minor) order: the shard index times the shard's size. The global tensor must hold fewer
-    than 2**32 elements.
+    over the mesh axes `row_axis_names`, in that (major to minor) order: the shard index
+    times the shard's size. The global tensor must hold fewer than 2**32 elements.
     """
     names = _names(row_axis_names)
     if not names:
@@ -125,70 +90,7 @@ def shard_offset(x_local: jax.Array, row_axis_names, *, axis: int = -1) -> jax.A
             f"shard_offset: {x_local.size * shards} elements; SR offsets inside shard_map need "
             "fewer than 2**32"
         )
-    del axis  # the size of a shard does not depend on which axis is stored last
     return lax.axis_index(names).astype(jnp.uint32) * jnp.uint32(x_local.size)
-
-
-def quantize_shard(
-    x_local: jax.Array,
-    *,
-    axis_names,
-    row_axis_names=None,
-    amax: jax.Array | None = None,
-    stochastic_rounding: bool = False,
-    key: jax.Array | None = None,
-    **kwargs,
-):
-    """`quantize` of one shard inside `shard_map`, bit-identical to its part of the whole.
-
-    Args:
-      x_local: this device's shard.
-      axis_names: the mesh axes the tensor is sharded over: the amax is their `pmax`.
-      row_axis_names: the mesh axes sharding the first stored axis (default: `axis_names`),
-        which give the SR offset (`shard_offset`). With SR the shard must be a contiguous
-        slab of the stored layout: sharded only along the first stored axis.
-      amax: a precomputed global amax (skips `global_amax`).
-      stochastic_rounding: as in `quantize`; `key` must be the same on every shard.
-      key: as in `quantize`.
-      **kwargs: the other arguments of `quantize` (`axis`, `block_2d`, `rht`,
-        `implementation`).
-
-    Returns:
-      The shard's `NVFP4Array` (its `amax` is the global one).
-    """
-    return _shard_call(
-        quantize,
-        x_local,
-        axis_names,
-        row_axis_names,
-        amax,
-        stochastic_rounding,
-        key,
-        kwargs,
-    )
-
-
-def fake_quantize_shard(
-    x_local: jax.Array,
-    *,
-    axis_names,
-    row_axis_names=None,
-    amax: jax.Array | None = None,
-    stochastic_rounding: bool = False,
-    key: jax.Array | None = None,
-    **kwargs,
-) -> jax.Array:
-    """`fake_quantize` of one shard inside `shard_map`; see `quantize_shard`."""
-    return _shard_call(
-        fake_quantize,
-        x_local,
-        axis_names,
-        row_axis_names,
-        amax,
-        stochastic_rounding,
-        key,
-        kwargs,
-    )
 
 
 def _shard_call(fn, x, axis_names, row_axis_names, amax, sr, key, kwargs):
@@ -201,336 +103,158 @@ def _shard_call(fn, x, axis_names, row_axis_names, amax, sr, key, kwargs):
             rht=kwargs.get("rht", False),
             implementation=kwargs.get("implementation"),
         )
-    rows = axis_names if row_axis_names is None else row_axis_names
-    offset = shard_offset(x, rows, axis=axis) if sr else 0
-    return fn(x, amax=amax, stochastic_rounding=sr, key=key, _sr_offset=offset, **kwargs)
-
-
-def _max_with_nan(local: jax.Array, names: tuple[str, ...]) -> jax.Array:
-    """`pmax` that gives NaN when any device's value is NaN (independent of NaN semantics)."""
-    if not names:
-        return local
-    bad = lax.pmax(jnp.isnan(local).astype(_F32), names)
-    top = lax.pmax(jnp.where(jnp.isnan(local), _F32(0), local), names)
-    return jnp.where(bad > 0, _F32(jnp.nan), top)
-
-
-# --- partitioning rules for the kernels -------------------------------------------------------
-
-
-def _entries(sharding, ndim: int) -> list:
-    """The partition spec entries of `sharding`, one per dim (None for a replicated dim)."""
-    if not isinstance(sharding, NamedSharding):
-        return [None] * ndim
-    spec = list(sharding.spec) + [None] * (ndim - len(sharding.spec))
-    return spec[:ndim]
-
-
-def _axes(entry) -> tuple[str, ...]:
-    if entry is None:
-        return ()
-    return (entry,) if isinstance(entry, str) else tuple(entry)
-
-
-def _ways(mesh, entry) -> int:
-    return math.prod(mesh.shape[a] for a in _axes(entry))
-
-
-def _divisible(mesh, entries, shape) -> list:
-    pairs = zip(entries, shape, strict=True)
-    return [e if e is None or n % _ways(mesh, e) == 0 else None for e, n in pairs]
-
-
-def _keep_last(mesh, entries, shape) -> list:
-    """Keeps the last axis sharded only when every shard holds whole 16-blocks."""
-    if entries and entries[-1] is not None:
-        if (shape[-1] // _ways(mesh, entries[-1])) % _BLOCK:
-            entries[-1] = None
-    return entries
-
-
-def _quantize_entries(mesh, sharding, shape, *, block_2d: bool, sr: bool) -> list:
-    entries = _keep_last(mesh, _divisible(mesh, _entries(sharding, len(shape)), shape), shape)
+    seed = None
     if sr:
-        # A shard must be a contiguous slab of the flattened layout: only axis 0 stays
-        # sharded, and its shard offsets must fit the 32-bit counter arithmetic below.
-        entries = [entries[0]] + [None] * (len(shape) - 1)
-        if len(shape) == 1 or math.prod(shape) // 8 >= _MAX_SR_COUNTERS:
-            entries = [None] * len(shape)
-    if block_2d and entries[-2] is not None:
-        if (shape[-2] // _ways(mesh, entries[-2])) % _BLOCK:
-            entries[-2] = None
-    return entries
+        rows = axis_names if row_axis_names is None else row_axis_names
+        seed = as_seed(key, fn.__name__).advance(shard_offset(x, rows))
+    return fn(x, amax=amax, stochastic_rounding=sr, key=seed, **kwargs)
 
 
-def _used_axes(entries) -> tuple[str, ...]:
-    return tuple(a for e in entries for a in _axes(e))
+def quantize_shard(
+    x_local: jax.Array,
+    *,
+    axis_names,
+    row_axis_names=None,
+    amax: jax.Array | None = None,
+    stochastic_rounding: bool = False,
+    key: jax.Array | SRSeed | None = None,
+    **kwargs,
+) -> NVFP4Array:
+    """`quantize` of one shard inside `shard_map`, bit-identical to its part of the whole.
 
+    Args:
+      x_local: this device's shard.
+      axis_names: the mesh axes the tensor is sharded over: the amax is their max.
+      row_axis_names: the mesh axes sharding the first stored axis (default: `axis_names`),
+        which give the shard's SR offset (`shard_offset`). With SR the shard must be a
+        contiguous slab of the stored layout: sharded only along the first stored axis.
+      amax: a precomputed global amax (skips `global_amax`).
+      stochastic_rounding: as in `quantize`; `key` must be the same on every shard.
+      key: as in `quantize`.
+      **kwargs: the other arguments of `quantize` (`axis`, `block_2d`, `rht`,
+        `implementation`).
 
-def _named(mesh, entries) -> NamedSharding:
-    return NamedSharding(mesh, P(*entries))
-
-
-def _replicated(mesh) -> NamedSharding:
-    return NamedSharding(mesh, P())
-
-
-def _dims(ndim: int) -> str:
-    return " ".join(f"d{i}" for i in range(ndim))
-
-
-def _positional(fn, **static):
-    """`fn` with `static` bound, called with positional arguments only.
-
-    `custom_partitioning` cannot resolve keyword arguments, so no `functools.partial`.
+    Returns:
+      The shard's `NVFP4Array` (its `amax` is the global one).
     """
-
-    def call(*args):
-        return fn(*args, **static)
-
-    return call
-
-
-def _wrap(raw, partition, infer, rule: str, **rule_options):
-    """`raw` with the custom partitioning rule, and vmap running `raw` itself (as before)."""
-    partitioned = custom_partitioning(raw)
-    partitioned.def_partition(
-        partition=partition,
-        infer_sharding_from_operands=infer,
-        sharding_rule=rule,
-        **rule_options,
-    )
-
-    @custom_vmap
-    def call(*args):
-        return partitioned(*args)
-
-    @call.def_vmap
-    def _vmap_rule(axis_size, in_batched, *args):
-        del axis_size
-        out = jax.vmap(raw, in_axes=tuple(0 if b else None for b in in_batched))(*args)
-        return out, jax.tree.map(lambda _: True, out)
-
-    return call
-
-
-# amax ----------------------------------------------------------------------------------------
-
-
-@functools.cache
-def _amax_op(ndim: int, rht: bool):
-    # XLA does not call a custom partitioner whose results are all replicated, so the
-    # partitioned op returns the amax broadcast along axis 0 of x (sharded like it), and
-    # `amax_kernel` takes the max of that vector: XLA's own all-reduce over axis 0's mesh
-    # axes. The other sharded axes are reduced in the rule with a pmax.
-    def raw(x):
-        return jnp.broadcast_to(kernels._call_amax(x, rht=rht), x.shape[:1])  # noqa: SLF001
-
-    def entries_of(mesh, x):
-        return _keep_last(mesh, _divisible(mesh, _entries(x.sharding, ndim), x.shape), x.shape)
-
-    def infer(mesh, arg_shapes, result_shape):
-        del result_shape
-        return _named(mesh, entries_of(mesh, arg_shapes[0])[:1])
-
-    def partition(mesh, arg_shapes, result_shape):
-        del result_shape
-        entries = entries_of(mesh, arg_shapes[0])
-        others = _used_axes(entries[1:])
-
-        def lower(x):
-            local = _max_with_nan(kernels._call_amax(x, rht=rht), others)  # noqa: SLF001
-            return jnp.broadcast_to(local, x.shape[:1])
-
-        return mesh, lower, _named(mesh, entries[:1]), (_named(mesh, entries),)
-
-    dims = [f"d{i}" for i in range(ndim - 1)] + ["c"]
-    return _wrap(
-        raw, partition, infer, f"{' '.join(dims)} -> d0", reduction_factors=tuple(dims[1:])
+    return _shard_call(
+        quantize, x_local, axis_names, row_axis_names, amax, stochastic_rounding, key, kwargs
     )
 
 
-def amax_kernel(x: jax.Array, *, rht: bool) -> jax.Array:
-    """`kernels._call_amax` with the sharding rule (the public entry is `kernels.amax_ffi`)."""
-    if x.ndim == 1:
-        x = x.reshape(-1, _BLOCK)  # the same 16-groups, with a leading axis to shard
-    per_row = _amax_op(x.ndim, rht)(x)
-    # All entries are equal on one device; sharded, the max over shards. XLA's max
-    # reduction across devices may drop NaN, so NaN (a non-finite input) is kept explicitly.
-    return jnp.where(jnp.any(jnp.isnan(per_row)), _F32(jnp.nan), jnp.max(per_row))
-
-
-# quantize and fake quantize ------------------------------------------------------------------
-
-
-def _sr_shard_words(words, entries, local_shape):
-    """Adds this shard's SR counter offset (axis 0 index * local elements / 8) to `words`."""
-    names = _axes(entries[0])
-    if not names:
-        return words
-    per_shard = math.prod(local_shape) // 8
-    step = lax.axis_index(names).astype(jnp.uint32) * jnp.uint32(per_shard)
-    low = words[2] + step
-    high = words[3] + (low < step).astype(jnp.uint32)
-    return jnp.stack([words[0], words[1], low, high])
-
-
-def _any_bad(flag: jax.Array, names: tuple[str, ...]) -> jax.Array:
-    return lax.pmax(flag.astype(_F32), names) > 0 if names else flag
-
-
-@functools.cache
-def _quantize_op(ndim: int, block_2d: bool, rht: bool, sr: bool):
-    raw = _positional(
-        kernels._call_quantize,  # noqa: SLF001
-        block_2d=block_2d,
-        rht=rht,
-        stochastic_rounding=sr,
-    )
-
-    def layout(mesh, arg_shapes):
-        x = arg_shapes[0]
-        return _quantize_entries(mesh, x.sharding, x.shape, block_2d=block_2d, sr=sr)
-
-    def infer(mesh, arg_shapes, result_shape):
-        del result_shape
-        out = _named(mesh, layout(mesh, arg_shapes))
-        return (out, out, _replicated(mesh))
-
-    def partition(mesh, arg_shapes, result_shape):
-        del result_shape
-        entries = layout(mesh, arg_shapes)
-        names = _used_axes(entries)
-        x_sharding, rep = _named(mesh, entries), _replicated(mesh)
-
-        def lower(x, amax, words):
-            if sr:
-                words = _sr_shard_words(words, entries, x.shape)
-            codes, scales, stored = raw(x, amax, words)
-            bad = _any_bad(jnp.isnan(stored), names)
-            return codes, scales, jnp.where(bad, _F32(jnp.nan), stored)
-
-        return mesh, lower, (x_sharding, x_sharding, rep), (x_sharding, rep, rep)
-
-    d = _dims(ndim)
-    rule = f"{d} (s k), , w -> {d} (s h), {d} s, "
-    return _wrap(raw, partition, infer, rule, k=_BLOCK, h=_BLOCK // 2)
-
-
-def quantize_kernel(x, amax, words, *, block_2d: bool, rht: bool, stochastic_rounding: bool):
-    """`kernels._call_quantize` with the sharding rule (public entry: `kernels.quantize_ffi`)."""
-    op = _quantize_op(x.ndim - 1, block_2d, rht, stochastic_rounding)
-    return tuple(op(x, amax, words))
-
-
-@functools.cache
-def _fake_quantize_op(ndim, block_2d, rht, sr, global_scale, dtype):
-    raw = _positional(
-        kernels._call_fake_quantize,  # noqa: SLF001
-        block_2d=block_2d,
-        rht=rht,
-        stochastic_rounding=sr,
-        global_scale=global_scale,
-        dtype=dtype,
-    )
-
-    def layout(mesh, arg_shapes):
-        x = arg_shapes[0]
-        return _quantize_entries(mesh, x.sharding, x.shape, block_2d=block_2d, sr=sr)
-
-    def infer(mesh, arg_shapes, result_shape):
-        del result_shape
-        return _named(mesh, layout(mesh, arg_shapes))
-
-    def partition(mesh, arg_shapes, result_shape):
-        del result_shape
-        entries = layout(mesh, arg_shapes)
-        names = _used_axes(entries)
-        x_sharding, rep = _named(mesh, entries), _replicated(mesh)
-
-        def lower(x, amax, words):
-            if sr:
-                words = _sr_shard_words(words, entries, x.shape)
-            out = raw(x, amax, words)
-            if not global_scale or not names or out.size == 0:
-                return out
-            # The kernel fills its shard with NaN when its input (or A) is not finite; one
-            # such shard makes the whole tensor NaN, as on one device.
-            bad = _any_bad(jnp.isnan(out.reshape(-1)[0]), names)
-            return lax.cond(bad, lambda o: jnp.full_like(o, jnp.nan), lambda o: o, out)
-
-        return mesh, lower, x_sharding, (x_sharding, rep, rep)
-
-    d = _dims(ndim)
-    return _wrap(raw, partition, infer, f"{d} c, , w -> {d} c")
-
-
-def fake_quantize_kernel(
-    x, amax, words, *, block_2d, rht, stochastic_rounding, global_scale, dtype
+def fake_quantize_shard(
+    x_local: jax.Array,
+    *,
+    axis_names,
+    row_axis_names=None,
+    amax: jax.Array | None = None,
+    stochastic_rounding: bool = False,
+    key: jax.Array | SRSeed | None = None,
+    **kwargs,
 ) -> jax.Array:
-    """`kernels._call_fake_quantize` with the sharding rule (`kernels.fake_quantize_ffi`)."""
-    op = _fake_quantize_op(
-        x.ndim - 1, block_2d, rht, stochastic_rounding, global_scale, jnp.dtype(dtype)
+    """`fake_quantize` of one shard inside `shard_map`; see `quantize_shard`."""
+    return _shard_call(
+        fake_quantize, x_local, axis_names, row_axis_names, amax, stochastic_rounding, key, kwargs
     )
-    return op(x, amax, words)
 
 
-# dequantize and RHT --------------------------------------------------------------------------
+# --- master weights ---------------------------------------------------------------------------
 
 
-@functools.cache
-def _dequantize_op(ndim: int, rht: bool, dtype):
-    raw = _positional(kernels._call_dequantize, rht=rht, dtype=dtype)  # noqa: SLF001
+def quantize_master_weights(
+    weights: jax.Array,
+    *,
+    axis: int = -1,
+    block_2d: bool = False,
+    mesh: Mesh | None = None,
+    spec: PartitionSpec | None = None,
+    implementation: Implementation | None = None,
+) -> NVFP4Array:
+    """Quantizes a sharded f32 master weight (FSDP style) with one global amax, shard by shard.
 
-    def layout(mesh, arg_shapes):
-        codes, scales = arg_shapes[0], arg_shapes[1]
-        entries = _divisible(mesh, _entries(codes.sharding, ndim + 1), codes.shape)
-        last = entries[-1]
-        scales_last = _entries(scales.sharding, ndim + 1)[-1]
-        if last is not None and (last != scales_last or scales.shape[-1] % _ways(mesh, last)):
-            entries[-1] = None
-        return entries
+    Each device quantizes its own shard with the amax of the whole tensor (the max over
+    shards, one `pmax`), so the result equals `quantize` of the gathered tensor bit for bit,
+    and its codes and scales stay sharded like the weight (the quantized axis stored last).
+    Round to nearest, no RHT: the recipe for weights.
 
-    def infer(mesh, arg_shapes, result_shape):
-        del result_shape
-        return _named(mesh, layout(mesh, arg_shapes))
+    Args:
+      weights: the global array, bf16/f16/f32, sharded along any axes. Shards along the
+        quantized axis (and, with `block_2d`, along the stored row axis) must hold multiples
+        of 16 elements.
+      axis: the quantized axis.
+      block_2d: 16x16 blocks.
+      mesh: the device mesh; default `weights.sharding.mesh` (pass it, with `spec`, under
+        `jax.jit`).
+      spec: the `PartitionSpec` of `weights`; default `weights.sharding.spec`.
+      implementation: as in `quantize` (each shard is quantized on its own device).
 
-    def partition(mesh, arg_shapes, result_shape):
-        del result_shape
-        sharding = _named(mesh, layout(mesh, arg_shapes))
-        return mesh, raw, sharding, (sharding, sharding, _replicated(mesh))
+    Returns:
+      An `NVFP4Array` whose codes and scales are sharded as `spec` with `axis` moved last.
+    """
+    op = "quantize_master_weights"
+    weights = formats.as_float_array(weights, op, "weights")
+    mesh, spec = _mesh_and_spec(weights, mesh, spec)
+    axis = formats.normalize_axis(axis, weights.shape, op)
+    block_2d = formats.check_flag(block_2d, op, "block_2d")
+    formats.check_blocks(weights.shape, axis, block_2d, op)
+    entries = list(spec) + [None] * (weights.ndim - len(spec))
+    stored_entries = [e for i, e in enumerate(entries) if i != axis % weights.ndim]
+    stored_spec = PartitionSpec(*stored_entries, entries[axis])
+    _check_shards(weights.shape, entries, mesh, axis, block_2d)
+    sharded = tuple(name for e in entries for name in _names(e))
 
-    d = _dims(ndim)
-    rule = f"{d} (s h), {d} s,  -> {d} (s k)"
-    return _wrap(raw, partition, infer, rule, k=_BLOCK, h=_BLOCK // 2)
+    def local(shard):
+        amax = global_amax(shard, sharded, axis=axis, implementation=implementation)
+        q = quantize(shard, axis=axis, block_2d=block_2d, amax=amax, implementation=implementation)
+        # The global amax, replicated: the stored one equals it (NaN when any shard is not
+        # finite, since then the global amax is NaN), but is computed from the local shard.
+        return q.codes, q.scales, amax
+
+    if any(mesh.axis_types[mesh.axis_names.index(n)] == AxisType.Explicit for n in sharded):
+        # Explicit axes are part of the type: shard_map wants the input exactly as in_specs.
+        weights = jax.reshard(weights, NamedSharding(mesh, PartitionSpec(*entries)))
+    codes, scales, amax = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=PartitionSpec(*entries),
+        out_specs=(stored_spec, stored_spec, PartitionSpec()),
+    )(weights)
+    return NVFP4Array(
+        codes=codes,
+        scales=scales,
+        amax=amax,
+        dtype=jnp.dtype(weights.dtype),
+        axis=axis,
+        block_2d=block_2d,
+        rht=False,
+    )
 
 
-def dequantize_kernel(codes, scales, amax, *, rht: bool, dtype) -> jax.Array:
-    """`kernels._call_dequantize` with the sharding rule (`kernels.dequantize_ffi`)."""
-    return _dequantize_op(codes.ndim - 1, rht, jnp.dtype(dtype))(codes, scales, amax)
+def _mesh_and_spec(weights, mesh, spec):
+    if mesh is None or spec is None:
+        sharding = getattr(weights, "sharding", None)
+        if not isinstance(sharding, NamedSharding):
+            raise ValueError(
+                "quantize_master_weights: pass mesh= and spec=, or a jax.Array with a "
+                f"NamedSharding; got sharding {sharding!r}"
+            )
+        mesh = sharding.mesh if mesh is None else mesh
+        spec = sharding.spec if spec is None else spec
+    return mesh, spec
 
 
-@functools.cache
-def _rht_op(ndim: int, inverse: bool):
-    raw = _positional(kernels._call_rht, inverse=inverse)  # noqa: SLF001
-
-    def layout(mesh, arg_shapes):
-        x = arg_shapes[0]
-        return _keep_last(mesh, _divisible(mesh, _entries(x.sharding, ndim + 1), x.shape), x.shape)
-
-    def infer(mesh, arg_shapes, result_shape):
-        del result_shape
-        return _named(mesh, layout(mesh, arg_shapes))
-
-    def partition(mesh, arg_shapes, result_shape):
-        del result_shape
-        sharding = _named(mesh, layout(mesh, arg_shapes))
-        return mesh, raw, sharding, (sharding,)
-
-    d = _dims(ndim)
-    return _wrap(raw, partition, infer, f"{d} c -> {d} c")
-
-
-def rht_kernel(x: jax.Array, *, inverse: bool) -> jax.Array:
-    """`kernels._call_rht` with the sharding rule (public entry: `kernels.rht_ffi`)."""
-    return _rht_op(x.ndim - 1, inverse)(x)
+def _check_shards(shape, entries, mesh, axis, block_2d):
+    """Every shard must split the tensor on block boundaries (multiples of 16)."""
+    ndim = len(shape)
+    blocked = {axis % ndim}
+    if block_2d:
+        rows = [d for d in range(ndim) if d != axis % ndim][-1:]
+        blocked.update(rows)
+    for dim in blocked:
+        count = math.prod(mesh.shape[name] for name in _names(entries[dim]))
+        if shape[dim] % (count * formats.BLOCK_SIZE):
+            raise ValueError(
+                f"quantize_master_weights: axis {dim} of shape {tuple(shape)} is split into "
+                f"{count} shards, which must each hold a multiple of {formats.BLOCK_SIZE} "
+                "elements (blocks may not straddle devices)"
+            )

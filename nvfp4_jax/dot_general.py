@@ -1,7 +1,7 @@
 """A `jax.lax.dot_general` whose forward and backward GEMMs run in NVFP4.
 
 Shape letters: x is the input (M tokens, K features), W the weight (K, N), dy the output
-gradient (M, N). The three GEMMs follow `NVFP4Recipe` and NUMERICS section 9: each operand
+gradient (M, N). The three GEMMs follow `NVFP4Recipe` and docs/NUMERICS.md section 9: each operand
 is quantized, handed to the GEMM as `value(code) * s_b` (exact in bf16), multiplied with f32
 accumulation, and the product scaled by `alpha = D_a * D_b`, the operands' tensor decode
 factors. This is what Blackwell's block-scaled tensor cores compute, up to summation order.
@@ -22,45 +22,15 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from nvfp4_jax import formats, interop
-from nvfp4_jax.array import NVFP4Array
-from nvfp4_jax.quantize import (
-    block_values,
-    fake_quantize,
-    global_decode_scale,
-    quantize,
-    tensor_amax,
-)
+from nvfp4_jax import formats, gemm
+from nvfp4_jax.ops import quantize as ops_quantize
 from nvfp4_jax.recipe import NVFP4Recipe
 
 _F32 = jnp.float32
-_CONTRACT_LAST = (((1,), (1,)), ((), ()))
 # Seed of the key derived from dy's bits when the caller gives none (see `_gradient_key`).
 _GRADIENT_KEY_SEED = 0x4E564650
-
-
-def _gemm_operand(x, recipe, *, axis, rht=False, sr=False, key=None):
-    """Quantizes x along `axis`; returns its GEMM values (logical layout) and decode factor."""
-    amax = tensor_amax(x, axis=axis, rht=rht, implementation=recipe.implementation)
-    values = fake_quantize(
-        x,
-        axis=axis,
-        rht=rht,
-        stochastic_rounding=sr,
-        key=key,
-        amax=amax,
-        global_scale=False,
-        dtype=recipe.gemm_dtype,
-        implementation=recipe.implementation,
-    )
-    return values, global_decode_scale(amax)
-
-
-def _scaled_gemm(a, b, dimension_numbers, alpha):
-    """`alpha * dot_general(a, b)` with f32 accumulation."""
-    product = jax.lax.dot_general(a, b, dimension_numbers, preferred_element_type=_F32)
-    return product * alpha
 
 
 def _pad_tokens(x):
@@ -91,15 +61,27 @@ def _gradient_key(dy):
     return jax.random.fold_in(jax.random.key(_GRADIENT_KEY_SEED), digest)
 
 
-def _fprop(x, w, recipe):
-    qw = quantize(w, axis=0, block_2d=recipe.weight_2d, implementation=recipe.implementation)
-    if recipe.gemm_backend == "scaled_matmul":
-        qx = quantize(x, axis=-1, implementation=recipe.implementation)  # stored (M, K)
-        return interop.scaled_matmul(qx, qw, backend="scaled_matmul"), qw
-    x_values, x_decode = _gemm_operand(x, recipe, axis=-1)
-    w_values = block_values(qw, recipe.gemm_dtype)  # (N, K)
-    alpha = x_decode * global_decode_scale(qw.amax)
-    return _scaled_gemm(x_values, w_values, _CONTRACT_LAST, alpha), qw
+def _operand(x, recipe: NVFP4Recipe, *, axis, **flags) -> gemm.Operand:
+    return gemm.quantize_operand(
+        x,
+        axis=axis,
+        backend=recipe.gemm_backend,
+        dtype=recipe.gemm_dtype,
+        implementation=recipe.implementation,
+        **flags,
+    )
+
+
+def _quantize_weight(w, recipe: NVFP4Recipe):
+    """W (K, N) quantized along K, stored (N, K): the fprop operand, packed for reuse."""
+    return ops_quantize(w, axis=0, block_2d=recipe.weight_2d, implementation=recipe.implementation)
+
+
+def _fprop(x, w, recipe: NVFP4Recipe):
+    qw = _quantize_weight(w, recipe)
+    qx = _operand(x, recipe, axis=-1)  # stored (M, K)
+    w_operand = gemm.array_operand(qw, backend=recipe.gemm_backend, dtype=recipe.gemm_dtype)
+    return gemm.matmul(qx, w_operand), qw
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
@@ -111,8 +93,8 @@ def _nvfp4_matmul_fwd(x, w, key, recipe, out_dtype):
     y, qw = _fprop(x, w, recipe)
     if not recipe.weight_2d:
         # 1x16 blocks along K cannot serve dgrad, which contracts over N: quantize along N.
-        qw = quantize(w, axis=1, implementation=recipe.implementation)  # stored (K, N)
-    qx_tokens = quantize(
+        qw = ops_quantize(w, axis=1, implementation=recipe.implementation)  # stored (K, N)
+    qx_tokens = ops_quantize(
         _pad_tokens(x), axis=0, rht=recipe.wgrad_rht, implementation=recipe.implementation
     )  # stored (K, M)
     return y.astype(out_dtype), (qw, qx_tokens, key)
@@ -125,74 +107,68 @@ def _nvfp4_matmul_bwd(recipe, out_dtype, residuals, dy):
     if key is None and sr:
         key = _gradient_key(dy)
     dgrad_key, wgrad_key = jax.random.split(key) if sr else (None, None)
-    if recipe.gemm_backend == "scaled_matmul":
-        dx, dw = _backward_scaled_matmul(recipe, qw, qx_tokens, dy, dgrad_key, wgrad_key)
-        return dx.astype(qx_tokens.dtype), dw.astype(qw.dtype), None
+    backend, dtype = recipe.gemm_backend, recipe.gemm_dtype
 
-    dy_values, dy_decode = _gemm_operand(dy, recipe, axis=-1, sr=sr, key=dgrad_key)
-    w_values = block_values(qw, recipe.gemm_dtype)  # (N, K) if 2D, else (K, N)
-    w_dims = (((1,), (0,)), ((), ())) if recipe.weight_2d else _CONTRACT_LAST
-    alpha = dy_decode * global_decode_scale(qw.amax)
-    dx = _scaled_gemm(dy_values, w_values, w_dims, alpha)
+    # dgrad: dx (M, K) = dy (M, N) @ W^T, both operands quantized along N.
+    dy_n = _operand(dy, recipe, axis=-1, stochastic_rounding=sr, key=dgrad_key)
+    if recipe.weight_2d and backend == "scaled_matmul":
+        qw = gemm.transpose_2d_blocks(qw)  # stored (K, N)
+    w_n = gemm.array_operand(qw, backend=backend, dtype=dtype)
+    if recipe.weight_2d and backend != "scaled_matmul":
+        # The tile values are the same either way round: contract the (N, K) values over N.
+        w_n = gemm.Operand(w_n.data.T, w_n.decode)
+    dx = gemm.matmul(dy_n, w_n)
 
-    dy_tokens, dy_tokens_decode = _gemm_operand(
-        _pad_tokens(dy), recipe, axis=0, rht=recipe.wgrad_rht, sr=sr, key=wgrad_key
-    )  # (M, N), rotated along M
-    x_values = block_values(qx_tokens, recipe.gemm_dtype)  # (K, M), rotated along M
-    alpha = global_decode_scale(qx_tokens.amax) * dy_tokens_decode
-    dw = _scaled_gemm(x_values, dy_tokens, (((1,), (0,)), ((), ())), alpha)
+    # wgrad: dW (K, N) = x^T dy, both operands quantized along the tokens M (with the RHT).
+    dy_m = _operand(
+        _pad_tokens(dy), recipe, axis=0, rht=recipe.wgrad_rht, stochastic_rounding=sr, key=wgrad_key
+    )  # stored (N, M)
+    x_m = gemm.array_operand(qx_tokens, backend=backend, dtype=dtype)  # stored (K, M)
+    dw = gemm.matmul(x_m, dy_m)
     return dx.astype(qx_tokens.dtype), dw.astype(qw.dtype), None
 
 
 _nvfp4_matmul.defvjp(_nvfp4_matmul_fwd, _nvfp4_matmul_bwd)
 
 
-def _backward_scaled_matmul(recipe, qw, qx_tokens, dy, dgrad_key, wgrad_key):
-    """The dgrad and wgrad GEMMs on `jax.nn.scaled_matmul`, from the emulated path's operands."""
-    sr, impl = recipe.stochastic_rounding, recipe.implementation
-    qdy = quantize(dy, axis=-1, stochastic_rounding=sr, key=dgrad_key, implementation=impl)
-    qw_kn = _transpose_2d_blocks(qw) if recipe.weight_2d else qw  # stored (K, N)
-    dx = interop.scaled_matmul(qdy, qw_kn, backend="scaled_matmul")
-    qdy_tokens = quantize(
-        _pad_tokens(dy),
-        axis=0,
-        rht=recipe.wgrad_rht,
-        stochastic_rounding=sr,
-        key=wgrad_key,
-        implementation=impl,
-    )  # stored (N, M)
-    dw = interop.scaled_matmul(qx_tokens, qdy_tokens, backend="scaled_matmul")
-    return dx, dw
-
-
-def _transpose_2d_blocks(q: NVFP4Array) -> NVFP4Array:
-    """The 16x16-block quantized (N, K) stored as (K, N): the same codes and tile scales."""
-    codes = formats.pack_nibbles(formats.unpack_nibbles(q.codes).T)
-    tiles = q.scales[:: formats.BLOCK_SIZE].T  # (K/16, N/16): one scale per tile
-    scales = jnp.repeat(tiles, formats.BLOCK_SIZE, axis=0)
-    return dataclasses.replace(q, codes=codes, scales=scales, axis=-1)
+def _contracting(dims, operand, name: str) -> tuple[int, ...]:
+    """The contracting dims of one side, checked as `jax.lax.dot_general` checks them."""
+    dims = tuple(dims)
+    if any(
+        isinstance(d, bool) or not isinstance(d, (int, np.integer)) or not 0 <= d < operand.ndim
+        for d in dims
+    ):
+        raise TypeError(
+            f"dot_general: {name} contracting dimensions must be non-negative ints below the "
+            f"rank of {name} {operand.shape}, got {dims}"
+        )
+    if len(set(dims)) != len(dims):
+        raise TypeError(f"dot_general: {name} contracting dimensions must be distinct, got {dims}")
+    return tuple(int(d) for d in dims)
 
 
 def _normalize_dims(dimension_numbers, lhs, rhs):
-    """Checks the dimension numbers; returns (lhs contracting, rhs contracting), non-negative."""
+    """Checks the dimension numbers; returns (lhs contracting, rhs contracting)."""
     try:
         (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
+        lhs_contract, rhs_contract = tuple(lhs_contract), tuple(rhs_contract)
+        lhs_batch, rhs_batch = tuple(lhs_batch), tuple(rhs_batch)
     except (TypeError, ValueError):
-        raise ValueError(
+        raise TypeError(
             "dot_general: dimension_numbers must be ((lhs_contracting, rhs_contracting), "
             f"(lhs_batch, rhs_batch)), got {dimension_numbers!r}"
         ) from None
-    if tuple(lhs_batch) or tuple(rhs_batch):
+    if lhs_batch or rhs_batch:
         raise ValueError(
             "dot_general: batch dimensions are not supported by the NVFP4 dot_general (it "
             f"quantizes one weight matrix), got lhs_batch={lhs_batch}, rhs_batch={rhs_batch} "
             f"for lhs {lhs.shape} and rhs {rhs.shape}"
         )
-    lhs_contract = tuple(d % lhs.ndim for d in lhs_contract)
-    rhs_contract = tuple(d % rhs.ndim for d in rhs_contract)
+    lhs_contract = _contracting(lhs_contract, lhs, "lhs")
+    rhs_contract = _contracting(rhs_contract, rhs, "rhs")
     sizes = ([lhs.shape[d] for d in lhs_contract], [rhs.shape[d] for d in rhs_contract])
     if not lhs_contract or sizes[0] != sizes[1]:
-        raise ValueError(
+        raise TypeError(
             f"dot_general: contracting dimensions {lhs_contract} of lhs {lhs.shape} and "
             f"{rhs_contract} of rhs {rhs.shape} must be non-empty and of equal sizes"
         )
@@ -249,7 +225,13 @@ def dot_general(
     n = math.prod(rhs.shape[d] for d in rhs_free)
     _check_operands(lhs, rhs, k, n)
     out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs, rhs))
-    backend = interop.resolve_gemm_backend(recipe.gemm_backend, "dot_general")
+    if not jnp.issubdtype(out_dtype, jnp.floating):
+        raise TypeError(
+            f"dot_general: preferred_element_type must be a float dtype, got {out_dtype}"
+        )
+    if not isinstance(recipe, NVFP4Recipe):
+        raise TypeError(f"dot_general: recipe must be an NVFP4Recipe, got {recipe!r}")
+    backend = gemm.resolve_gemm_backend(recipe.gemm_backend, "dot_general")
     recipe = dataclasses.replace(recipe, gemm_backend=backend)
     x = jnp.transpose(lhs, lhs_free + list(lhs_contract)).reshape(-1, k)
     w = jnp.transpose(rhs, list(rhs_contract) + rhs_free).reshape(k, n)

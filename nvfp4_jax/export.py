@@ -14,9 +14,10 @@ in_features; the file holds PyTorch's `(out_features, in_features)` orientation)
 * `<name>.weight`: uint8 (U8) `(N, K / 2)`, E2M1 codes, element 2i in the low nibble and
   2i+1 in the high nibble (bit 3 of a code is its sign);
 * `<name>.weight_scale`: F8_E4M3 `(N, K / 16)`, the block scales, row-major;
-* `<name>.weight_scale_2`: F32 `()`, `D = amax * RCP2688` (NUMERICS section 3);
+* `<name>.weight_scale_2`: F32 `()`, `D = amax * RCP2688` (docs/NUMERICS.md section 3);
 * `<name>.input_scale`: F32 `()`, only with `input_amax`: `amax_x * RCP2688`;
-* `<name>.weight_scale_swizzled`: F8_E4M3, flat, only with `swizzled_scales` (NUMERICS 11).
+* `<name>.weight_scale_swizzled`: F8_E4M3, flat, only with `swizzled_scales`
+  (docs/NUMERICS.md section 11).
 
 Every other leaf is written as it is, named by its path joined with "."; kernels that cannot
 be quantized (not 2-D, or a dim not a multiple of 16) are written transposed as
@@ -42,9 +43,11 @@ import ml_dtypes
 import numpy as np
 
 from nvfp4_jax import formats
+from nvfp4_jax._version import __version__
 from nvfp4_jax.array import is_nvfp4_array
 from nvfp4_jax.layout import swizzle_scales
-from nvfp4_jax.quantize import global_decode_scale, quantize
+from nvfp4_jax.ops import quantize
+from nvfp4_jax.reference import decode_scale as global_decode_scale
 
 WEIGHTS_FILE = "model.safetensors"
 QUANT_CONFIG_FILE = "hf_quant_config.json"
@@ -169,8 +172,6 @@ def _nvfp4_tensors(name, kernel, block_2d, swizzled, implementation) -> dict[str
 
 
 def _quant_config(excluded) -> dict:
-    from nvfp4_jax import __version__  # noqa: PLC0415
-
     return {
         "producer": {"name": "nvfp4_jax", "version": __version__},
         "quantization": {

@@ -1,8 +1,12 @@
-"""NVFP4 format constants, the E2M1 code table and nibble packing.
+"""NVFP4 format constants, the E2M1 code table, nibble packing and argument checks.
 
 NVFP4 stores each value as a 4-bit E2M1 code (bit 3 the sign, codes 0..7 the magnitudes
 0, 0.5, 1, 1.5, 2, 3, 4, 6), one E4M3 scale per block of 16 values and one f32 amax per
-tensor. Two codes share a byte: element 2i in the low nibble, element 2i+1 in the high one.
+tensor. Two codes share a byte: element 2i in the low nibble, element 2i+1 in the high one
+(docs/NUMERICS.md section 1).
+
+The argument checks live here, at the bottom of the package, so that the reference, the
+public ops and everything above them reject bad input with the same message.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ FLT_MAX = float(np.finfo(np.float32).max)
 # f32(1/6), bits 0x3E2AAAAB, and f32(1/2688): every implementation multiplies by these.
 RCP6 = np.float32(1.0) / np.float32(6.0)
 RCP2688 = np.float32(1.0) / np.float32(FP4_E4M3_MAX)
+# The E4M3 NaN byte: every scale of a tensor with non-finite input (section 8).
+E4M3_NAN_BYTE = 0x7F
 
 E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=np.float32)
 # Value of every 4-bit code, sign included (0x8 is -0).
@@ -32,6 +38,10 @@ _EDGES_TIE_DOWN = (0.25, 1.25, 2.5, 5.0)
 _EDGES_TIE_UP = (0.75, 1.75, 3.5)
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+_DTYPE_NAMES = "bfloat16, float16 or float32"
+
+
+# --- argument checks ---------------------------------------------------------------------
 
 
 def as_float_array(x, op: str, name: str = "x") -> jax.Array:
@@ -40,15 +50,120 @@ def as_float_array(x, op: str, name: str = "x") -> jax.Array:
     The dtype is checked before conversion: `jnp.asarray` would silently turn a NumPy
     float64 array into float32 when x64 is off.
     """
+    if x is None or isinstance(x, (str, bytes)):
+        raise TypeError(f"{op}: {name} must be an array, got {type(x).__name__}")
     dtype = getattr(x, "dtype", None)
     array = jnp.asarray(x)
     dtype = jnp.dtype(dtype if dtype is not None else array.dtype)
     if dtype not in SUPPORTED_DTYPES:
         raise TypeError(
-            f"{op}: {name} must be bfloat16, float16 or float32, got dtype {dtype} "
-            f"(shape {jnp.shape(x)})"
+            f"{op}: {name} must be {_DTYPE_NAMES}, got dtype {dtype} (shape {jnp.shape(x)})"
         )
     return array
+
+
+def check_dtype(dtype, op: str, name: str = "dtype") -> jnp.dtype:
+    """Returns `dtype` as a `jnp.dtype`, raising unless it is bf16, f16 or f32."""
+    if dtype is None:
+        raise TypeError(f"{op}: {name} must be {_DTYPE_NAMES}, got None")
+    try:
+        dtype = jnp.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"{op}: {name} must be {_DTYPE_NAMES}, got {dtype!r}") from None
+    if dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{op}: {name} must be {_DTYPE_NAMES}, got {dtype}")
+    return dtype
+
+
+def check_flag(value, op: str, name: str) -> bool:
+    """Returns `value` if it is a Python or NumPy bool, else raises a TypeError naming it."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{op}: {name} must be a bool, got {value!r}")
+    return bool(value)
+
+
+def normalize_axis(axis, shape: tuple[int, ...], op: str, name: str = "axis") -> int:
+    """Returns `axis` as a negative index into `shape`, raising if it is not an int in range.
+
+    `bool` is rejected although it is an `int` subclass: `axis=True` is a mistake, not 1.
+    """
+    ndim = len(shape)
+    if isinstance(axis, (bool, np.bool_)) or not isinstance(axis, (int, np.integer)):
+        raise TypeError(f"{op}: {name} must be an int, got {axis!r} for shape {tuple(shape)}")
+    if not -ndim <= axis < ndim:
+        raise ValueError(f"{op}: {name}={axis} is out of range for shape {tuple(shape)}")
+    return int(axis) - ndim if axis >= 0 else int(axis)
+
+
+def stored_shape(shape: tuple[int, ...], axis: int) -> tuple[int, ...]:
+    """The shape of the stored layout: `shape` with the quantized `axis` moved last."""
+    rest = list(shape)
+    last = rest.pop(axis)
+    return (*rest, last)
+
+
+def check_blocks(shape: tuple[int, ...], axis: int, block_2d: bool, op: str) -> None:
+    """Raises unless `shape` splits into 1x16 blocks along `axis` (16x16 with `block_2d`).
+
+    A quantized axis of length 0 is a multiple of 16: zero-size tensors are valid.
+    """
+    if shape[axis] % BLOCK_SIZE:
+        raise ValueError(
+            f"{op}: the quantized axis (axis={axis}) of x with shape {tuple(shape)} has size "
+            f"{shape[axis]}, which is not a multiple of {BLOCK_SIZE}"
+        )
+    if block_2d:
+        stored = stored_shape(shape, axis)
+        if len(stored) < 2 or stored[-2] % BLOCK_SIZE:
+            raise ValueError(
+                f"{op}: block_2d=True needs 16x16 tiles, but x of shape {tuple(shape)} "
+                f"quantized along axis={axis} is stored as {stored}, whose rows "
+                f"(second-to-last axis) are not a multiple of {BLOCK_SIZE}"
+            )
+
+
+def _concrete_float(value) -> float | None:
+    """The value of a concrete scalar, or None for a tracer (known only at run time)."""
+    if isinstance(value, jax.core.Tracer):
+        return None
+    return float(np.asarray(value, np.float32))
+
+
+def check_amax(amax, op: str) -> jax.Array | None:
+    """Returns a caller-given amax as an f32 scalar (None stays None), raising if invalid.
+
+    A concrete amax must be a non-negative number (NaN or negative is an error); a traced one
+    cannot be checked here and is handled as a NaN amax when invalid (docs/NUMERICS.md 8).
+    """
+    if amax is None:
+        return None
+    if isinstance(amax, (bool, np.bool_, str, bytes)):
+        raise TypeError(f"{op}: amax must be a float scalar, got {amax!r}")
+    dtype = jnp.result_type(amax)
+    if not (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)):
+        raise TypeError(f"{op}: amax must be a float scalar, got dtype {dtype}")
+    if jnp.shape(amax) != ():
+        raise ValueError(f"{op}: amax must be a scalar, got shape {jnp.shape(amax)}")
+    value = _concrete_float(amax)
+    if value is not None and not value >= 0:
+        raise ValueError(f"{op}: amax must be a non-negative number, got {value}")
+    return jnp.asarray(amax).astype(jnp.float32)
+
+
+def check_quantize_args(x, *, axis, block_2d, rht, stochastic_rounding, key, op) -> int:
+    """Validates quantize-style arguments; returns `axis` as a negative index."""
+    if x.ndim == 0:
+        raise ValueError(f"{op}: x must have at least one dimension, got shape {x.shape}")
+    axis = normalize_axis(axis, x.shape, op)
+    block_2d = check_flag(block_2d, op, "block_2d")
+    check_flag(rht, op, "rht")
+    if check_flag(stochastic_rounding, op, "stochastic_rounding") and key is None:
+        raise ValueError(f"{op}: stochastic_rounding=True needs a PRNG key, got key=None")
+    check_blocks(x.shape, axis, block_2d, op)
+    return axis
+
+
+# --- codes ---------------------------------------------------------------------------------
 
 
 def e2m1_magnitude_code(magnitude: jax.Array) -> jax.Array:
@@ -65,15 +180,10 @@ def e2m1_magnitude_code(magnitude: jax.Array) -> jax.Array:
     return count
 
 
-def code_values(codes: jax.Array) -> jax.Array:
-    """Decodes unpacked 4-bit codes (uint8 0..15) to their f32 values."""
-    return jnp.asarray(E2M1_CODE_VALUES)[codes.astype(jnp.int32)]
-
-
 # Every E2M1 value is m * 2^e with m in {0, 1, 3}. `scaled_code_values` uses this split so
 # that its only rounding multiply (factor * 3) never feeds an add directly: XLA contracts a
 # multiply followed by an add into one FMA on CPU and GPU (an optimization barrier does not
-# stop it), which would skip the rounding of `value * factor` that NUMERICS.md prescribes.
+# stop it), which would skip the rounding of `value * factor` (docs/NUMERICS.md section 3).
 _CODE_POW2 = np.array([0.0, 0.5, 1.0, 0.5, 2.0, 1.0, 4.0, 2.0], dtype=np.float32)
 _CODE_POW2 = np.concatenate([_CODE_POW2, -_CODE_POW2])
 _CODE_IS_TRIPLE = np.array([0, 0, 0, 1, 0, 1, 0, 1] * 2, dtype=bool)

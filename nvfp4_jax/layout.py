@@ -3,15 +3,16 @@
 Shape letters: a scale matrix has `R` rows and `G = K / 16` columns (one E4M3 scale per 16
 elements along the contraction axis K); leading dimensions, if any, are a batch of matrices.
 
-* `swizzle_scales` / `unswizzle_scales`: the cuBLAS/cuDNN block-scale layout of NUMERICS
-  section 11. Zero-padded to `R % 128 == 0`, `G % 4 == 0`, flattened into 512-byte tiles of
-  128 rows x 4 columns, tiles ordered by row block then column block, and inside a tile
+* `swizzle_scales` / `unswizzle_scales`: the cuBLAS/cuDNN block-scale layout of
+  docs/NUMERICS.md section 11. Zero-padded to `R % 128 == 0`, `G % 4 == 0`, flattened into
+  512-byte tiles of 128 rows x 4 columns, tiles ordered by row block then column block, and
+  inside a tile
 
       offset(r, c) = ((r // 128) * ceil(G / 4) + c // 4) * 512
                      + (r % 32) * 16 + ((r % 128) // 32) * 4 + (c % 4)
 
-  16x16 weight scales are already stored once per row (NUMERICS section 4), so they swizzle
-  like any other.
+  16x16 weight scales are already stored once per row (docs/NUMERICS.md section 4), so
+  they swizzle like any other.
 * `packed_shape` / `scales_shape`: the shapes of an `NVFP4Array`'s codes and scales.
 * `GEMM_ALIGNMENT`, `pad_to_alignment`, `unpad`: FP4 GEMM kernels want K (and usually N) in
   multiples of 32 elements (16 bytes of packed FP4); zero padding adds nothing to a product.
@@ -155,21 +156,13 @@ def unpad(x: jax.Array, axis: int, size: int) -> jax.Array:
 
 def _stored_shape(shape, axis, op):
     shape = tuple(int(d) for d in shape)
-    axis = _check_axis(shape, axis, op)
-    if shape[axis] % formats.BLOCK_SIZE:
-        raise ValueError(
-            f"{op}: axis {axis} of shape {shape} has size {shape[axis]}, not a multiple of "
-            f"{formats.BLOCK_SIZE}"
-        )
-    rest = list(shape)
-    last = rest.pop(axis)
-    return (*rest, last)
+    axis = formats.normalize_axis(axis, shape, op)
+    formats.check_blocks(shape, axis, False, op)
+    return formats.stored_shape(shape, axis)
 
 
 def _check_axis(shape, axis, op) -> int:
-    if not isinstance(axis, int) or not -len(shape) <= axis < len(shape):
-        raise ValueError(f"{op}: axis={axis!r} is out of range for shape {tuple(shape)}")
-    return axis % len(shape)
+    return formats.normalize_axis(axis, tuple(shape), op) % len(shape)
 
 
 def _ceil_div(a: int, b: int) -> int:

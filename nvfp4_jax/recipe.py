@@ -7,10 +7,12 @@ from typing import Literal
 
 import jax.numpy as jnp
 
-from nvfp4_jax import formats
+from nvfp4_jax import backends, formats
+from nvfp4_jax.backends import Implementation
 
-Implementation = Literal["reference", "ffi"] | None
-GemmBackend = Literal["emulated", "scaled_matmul"] | None
+# The GEMM backends of `nvfp4_jax.gemm`: emulated anywhere, or `jax.nn.scaled_matmul`.
+GemmBackend = Literal["emulated", "scaled_matmul"]
+GEMM_BACKENDS = ("emulated", "scaled_matmul")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -41,29 +43,24 @@ class NVFP4Recipe:
     # The dtype the quantized operands are handed to the GEMM in; bf16 holds them exactly.
     gemm_dtype: jnp.dtype = jnp.bfloat16
     # None: the native kernels where built, else the reference; or "reference" / "ffi".
-    implementation: Implementation = None
-    # The three GEMMs: "emulated" (NUMERICS section 9 in `gemm_dtype`, any platform),
+    implementation: Implementation | None = None
+    # The three GEMMs: "emulated" (docs/NUMERICS.md section 9 in `gemm_dtype`, anywhere),
     # "scaled_matmul" (`jax.nn.scaled_matmul` on Blackwell; an error elsewhere), or None:
     # "scaled_matmul" on CUDA devices of compute capability >= 10, else "emulated".
-    gemm_backend: GemmBackend = None
+    gemm_backend: GemmBackend | None = None
 
     def __post_init__(self):
         for name in ("weight_2d", "wgrad_rht", "stochastic_rounding"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"NVFP4Recipe.{name} must be a bool, got {getattr(self, name)!r}")
-        if jnp.dtype(self.gemm_dtype) not in formats.SUPPORTED_DTYPES:
-            raise TypeError(
-                f"NVFP4Recipe.gemm_dtype must be bfloat16, float16 or float32, got "
-                f"{self.gemm_dtype!r}"
-            )
-        object.__setattr__(self, "gemm_dtype", jnp.dtype(self.gemm_dtype))
-        if self.implementation not in (None, "reference", "ffi"):
+            formats.check_flag(getattr(self, name), "NVFP4Recipe", name)
+        dtype = formats.check_dtype(self.gemm_dtype, "NVFP4Recipe", "gemm_dtype")
+        object.__setattr__(self, "gemm_dtype", dtype)
+        names = (None, *backends.REGISTRY)
+        if self.implementation is not None and self.implementation not in backends.REGISTRY:
             raise ValueError(
-                f"NVFP4Recipe.implementation must be None, 'reference' or 'ffi', got "
-                f"{self.implementation!r}"
+                f"NVFP4Recipe.implementation must be one of {names}, got {self.implementation!r}"
             )
-        if self.gemm_backend not in (None, "emulated", "scaled_matmul"):
+        if self.gemm_backend not in (None, *GEMM_BACKENDS):
             raise ValueError(
-                f"NVFP4Recipe.gemm_backend must be None, 'emulated' or 'scaled_matmul', got "
+                f"NVFP4Recipe.gemm_backend must be one of {(None, *GEMM_BACKENDS)}, got "
                 f"{self.gemm_backend!r}"
             )

@@ -1,10 +1,11 @@
-"""An independent NumPy oracle for NUMERICS.md sections 2-5 and 7.
+"""An independent NumPy oracle for docs/NUMERICS.md sections 2-5, 7 and 8.
 
 Written straight from the specification, for clarity rather than speed: every formula is a
-sequence of np.float32 operations in exactly the order NUMERICS.md writes them, the E4M3
+sequence of np.float32 operations in exactly the order docs/NUMERICS.md writes them, the E4M3
 scale is an ``ml_dtypes.float8_e4m3fn`` cast after clamping to 448, E2M1 rounding is done by
 the decision edges of section 2 step 5, and the Threefry-2x32 hash for stochastic rounding is
-implemented here from its definition. Nothing here imports ``nvfp4_jax``.
+implemented here from its definition. Nothing here imports ``nvfp4_jax`` (JAX only turns a
+key into its two words).
 
 Shape letters: R rows, C elements per row (the quantized axis, last), B = C // 16 blocks.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import ml_dtypes
 import numpy as np
 
@@ -147,8 +149,6 @@ def sr_random_bytes(k0: int, k1: int, n_elements: int) -> np.ndarray:
 
 def sr_key_words(key) -> tuple[int, int]:
     """``k0, k1``: the two uint32 words of ``jax.random.bits(key, (2,), uint32)``."""
-    import jax
-
     bits = np.asarray(jax.random.bits(key, (2,), np.uint32))
     return int(bits[0]), int(bits[1])
 
@@ -237,7 +237,7 @@ def global_scales(a: np.float32) -> tuple[np.float32, np.float32]:
 def _block_amax(xs: np.ndarray, block_2d: bool) -> np.ndarray:
     """Per-element-block amax, shape (R, B) (for 2D, repeated on every row of a tile)."""
     r, c = xs.shape
-    ab = np.abs(xs).reshape(r, c // 16, 16).max(axis=-1)
+    ab = np.abs(xs).reshape(r, c // 16, 16).max(axis=-1, initial=0)
     if block_2d:
         tiles = ab.reshape(r // 16, 16, c // 16).max(axis=1)
         ab = np.repeat(tiles, 16, axis=0)
@@ -253,7 +253,7 @@ def quantize(
     sr_bytes: np.ndarray | None = None,
     amax: float | None = None,
 ) -> OracleResult:
-    """Quantize ``x`` (f32/bf16/f16 numpy) as NUMERICS.md sections 2, 4, 5, 6, 7 say.
+    """Quantize ``x`` (f32/bf16/f16 numpy) as docs/NUMERICS.md sections 2, 4, 5, 6, 7 say.
 
     ``sr_bytes``: random bytes in the stored flattened order for stochastic rounding.
     """
@@ -261,10 +261,13 @@ def quantize(
     stored_shape = xm.shape
     if rht:
         xm = fwht_rht(xm)
-    xs = xm.astype(np.float32).reshape(-1, stored_shape[-1])
+    xs = xm.astype(np.float32).reshape(int(np.prod(stored_shape[:-1])), stored_shape[-1])
     r, c = xs.shape
-    a = F32(np.max(np.abs(xs))) if amax is None else F32(amax)
-    if xs.size and amax is None and not np.all(np.isfinite(xs)):
+    a = F32(np.max(np.abs(xs), initial=0)) if amax is None else F32(amax)
+    # Section 8: non-finite input, or an amax that is NaN, inf or negative, makes the whole
+    # tensor NaN: amax NaN, every scale byte 0x7F, every code 0.
+    bad = not np.all(np.isfinite(xs)) or not (np.isfinite(a) and a >= 0)
+    if bad:
         a = F32(np.nan)
     s_enc, s_dec = global_scales(a)
     ab = _block_amax(xs, block_2d)
@@ -276,7 +279,11 @@ def quantize(
     enc_el = np.repeat(enc, 16, axis=1)
     with np.errstate(over="ignore", invalid="ignore"):
         y = (xs * enc_el).astype(np.float32)
-    if sr_bytes is None:
+    if bad:
+        scales = np.full(scales.shape, 0x7F, np.uint8).view(ml_dtypes.float8_e4m3fn)
+        sb = scales.astype(np.float32)
+        codes = np.zeros(y.shape, np.uint8)
+    elif sr_bytes is None:
         codes = e2m1_code_rn(y)
     else:
         codes = e2m1_code_sr(y, np.asarray(sr_bytes).reshape(r, c))

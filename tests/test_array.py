@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import nvfp4_jax
-from nvfp4_jax.quantize import quantize
+from nvfp4_jax import quantize
 
 
 def _data(shape, seed=0, dtype=jnp.bfloat16):

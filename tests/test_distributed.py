@@ -1,39 +1,408 @@
 """Sharded quantization and training on 8 CPU devices, bit for bit against one device.
 
-The checks live in `distributed_checks.py`, run once as a subprocess: the 8 host devices need
-`--xla_force_host_platform_device_count=8` before JAX initializes, and this pytest process
-has already initialized it. Each test below reports one check of that run.
+Every test process sees 8 CPU devices (conftest.py sets the XLA flag), so these are plain
+tests. Each compares a sharded computation with the same computation on one device, on the
+reference and on the native CPU kernels:
+
+* quantize under `jit` with a `NamedSharding` (rows sharded, or the quantized axis sharded
+  in multiples of 16, with and without SR, RHT and 16x16 blocks): codes, scales and amax;
+* quantize inside `shard_map` with the global amax, and with SR through
+  `distributed.quantize_shard` (global amax and the shard's `SRSeed`);
+* fake_quantize, dequantize, apply_rht, tensor_amax and non-finite inputs under `jit`;
+* the compiled HLO of the native ops on a row-sharded input runs the custom call on the
+  local shard: no all-gather (only scalar all-reduces for the amax);
+* a training step of a 2-layer NVFP4 MLP, data-parallel and FSDP-style: loss and gradients;
+* `quantize_master_weights` on 1-D and 2-D meshes.
 """
 
 from __future__ import annotations
 
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
+from helpers import DENSE, assert_same_bits, assert_same_q, bits, make_impl
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-SCRIPT = "distributed_checks.py"
-CHECKS = [
-    "quantize_jit_sharded",
-    "quantize_shard_map_global_amax",
-    "quantize_shard_map_sr",
-    "other_ops_jit_sharded",
-    "ffi_hlo_no_all_gather",
-    "data_parallel_step",
-    "fsdp_step",
-]
+from nvfp4_jax import (
+    NVFP4Recipe,
+    apply_rht,
+    dequantize,
+    distributed,
+    dot_general,
+    fake_quantize,
+    quantize,
+    quantize_master_weights,
+    tensor_amax,
+)
 
+AXIS = "x"
 
-@pytest.fixture(scope="module")
-def report(run_check_script):
-    """{check name: its PASS/FAIL line}, the whole output, and the exit code."""
-    return run_check_script(SCRIPT, CHECKS, timeout=600)
-
-
-@pytest.mark.parametrize("check", CHECKS)
-def test_sharded_equals_unsharded(report, check):
-    lines, output, returncode = report
-    assert check in lines, f"{check} did not report (exit code {returncode}):\n{output[-4000:]}"
-    assert lines[check].startswith("PASS"), output[-4000:]
+pytestmark = pytest.mark.skipif(jax.device_count("cpu") < 8, reason="needs 8 CPU devices")
 
 
-def test_script_fails_loudly_on_an_unknown_check(run_check_script):
-    lines, _, returncode = run_check_script(SCRIPT, ["no_such_check"], timeout=120)
-    assert returncode != 0 and lines["no_such_check"].startswith("FAIL")
+@pytest.fixture(params=["reference", "cpu"])
+def impl(request):
+    """The implementations that run on the 8 CPU devices."""
+    return make_impl(request.param)
+
+
+def mesh():
+    return jax.make_mesh((8,), (AXIS,), axis_types=(AxisType.Auto,), devices=jax.devices("cpu"))
+
+
+def on_one_device(*arrays):
+    return [jax.device_put(a, jax.devices("cpu")[0]) for a in arrays]
+
+
+def data(shape, seed=0):
+    """Normal times a lognormal factor per row, so blocks and shards have different amaxes."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(shape) * rng.lognormal(0.0, 1.5, (shape[0],) + (1,) * (len(shape) - 1))
+    return jnp.asarray(x.astype(np.float32))
+
+
+# --- quantize under jit with NamedSharding ------------------------------------------------
+
+# name -> (shape, partition spec of the input, quantize kwargs)
+JIT_CASES = {
+    "rows_sharded_1x16": ((128, 64), P(AXIS, None), {"axis": -1}),
+    "quantized_axis_sharded_1x16": ((64, 128), P(None, AXIS), {"axis": -1}),
+    "quantized_axis_sharded_axis0": ((128, 64), P(AXIS, None), {"axis": 0}),
+    "rows_sharded_2d": ((128, 64), P(AXIS, None), {"axis": -1, "block_2d": True}),
+    "quantized_axis_sharded_rht": ((128, 64), P(AXIS, None), {"axis": 0, "rht": True}),
+    "rows_sharded_sr": ((128, 64), P(AXIS, None), {"axis": -1, "stochastic_rounding": True}),
+    "rows_sharded_rht_sr_bf16": (
+        (128, 64),
+        P(AXIS, None),
+        {"axis": 0, "rht": True, "stochastic_rounding": True},
+    ),
+    "rows_sharded_rht_sr": ((128, 64), P(AXIS, None), {"rht": True, "stochastic_rounding": True}),
+    "rows_sharded_2d_sr": (
+        (128, 64),
+        P(AXIS, None),
+        {"block_2d": True, "stochastic_rounding": True},
+    ),
+    "rows_sharded_3d_sr": ((16, 8, 64), P(AXIS, None, None), {"stochastic_rounding": True}),
+    "middle_axis_sharded_3d_sr": ((4, 16, 64), P(None, AXIS, None), {"stochastic_rounding": True}),
+    "rows_sharded_2d_8_rows": ((64, 64), P(AXIS, None), {"block_2d": True}),
+}
+
+
+@pytest.mark.parametrize("case", list(JIT_CASES))
+def test_quantize_jit_sharded(impl, case):
+    shape, spec, kw = JIT_CASES[case]
+    x = data(shape)
+    if case.endswith("bf16"):
+        x = x.astype(jnp.bfloat16)
+
+    def run(x, key):
+        return quantize(x, key=key, implementation=impl.implementation, **kw)
+
+    key = jax.random.key(3)
+    expected = jax.jit(run)(*on_one_device(x, key))
+    q = jax.jit(run)(jax.device_put(x, NamedSharding(mesh(), spec)), key)
+    assert_same_q(q, expected, case)
+
+
+def other_ops(implementation):
+    """name -> fn(x, key) of the ops other than quantize."""
+    return {
+        "fake_quantize_sr": lambda x, k: fake_quantize(
+            x, stochastic_rounding=True, key=k, implementation=implementation
+        ),
+        "fake_quantize_rht_2d_bf16_out": lambda x, k: fake_quantize(
+            x, rht=True, block_2d=True, dtype=jnp.bfloat16, implementation=implementation
+        ),
+        "fake_quantize_no_global_scale": lambda x, k: fake_quantize(
+            x, global_scale=False, implementation=implementation
+        ),
+        "dequantize_rht": lambda x, k: dequantize(
+            quantize(x, rht=True, implementation=implementation), implementation=implementation
+        ),
+        "apply_rht": lambda x, k: apply_rht(x, implementation=implementation),
+        "tensor_amax_rht": lambda x, k: tensor_amax(x, rht=True, implementation=implementation),
+        "quantize_caller_amax": lambda x, k: quantize(
+            x, amax=jnp.float32(3), implementation=implementation
+        ),
+        "fake_quantize_caller_amax": lambda x, k: fake_quantize(
+            x, amax=jnp.float32(3), implementation=implementation
+        ),
+    }
+
+
+@pytest.mark.parametrize("finite", [True, False], ids=["finite", "inf_in_one_shard"])
+@pytest.mark.parametrize("op", list(other_ops("reference")))
+def test_other_ops_jit_sharded(impl, op, finite):
+    x = data((128, 64), seed=2)
+    if not finite:
+        x = x.at[37, 5].set(jnp.inf)
+    fn, key = other_ops(impl.implementation)[op], jax.random.key(5)
+    expected = jax.jit(fn)(*on_one_device(x, key))
+    actual = jax.jit(fn)(jax.device_put(x, NamedSharding(mesh(), P(AXIS, None))), key)
+    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+        assert_same_bits(a, e, op)
+
+
+# --- the native custom calls run on local shards (no all-gather in the compiled HLO) ---------
+
+# name -> (target, function of the row-sharded input)
+HLO_CASES = {
+    "amax": ("nvfp4_amax", lambda x: tensor_amax(x, rht=True, implementation="ffi")),
+    "quantize": ("nvfp4_quantize", lambda x: quantize(x, implementation="ffi").codes),
+    "quantize_sr_2d": (
+        "nvfp4_quantize",
+        lambda x: (
+            quantize(
+                x,
+                block_2d=True,
+                stochastic_rounding=True,
+                key=jax.random.key(0),
+                implementation="ffi",
+            ).codes
+        ),
+    ),
+    "fake_quantize_rht_sr": (
+        "nvfp4_fake_quantize",
+        lambda x: fake_quantize(
+            x, rht=True, stochastic_rounding=True, key=jax.random.key(0), implementation="ffi"
+        ),
+    ),
+    "dequantize": (
+        "nvfp4_dequantize",
+        lambda x: dequantize(quantize(x, rht=True, implementation="ffi"), implementation="ffi"),
+    ),
+    "apply_rht": ("nvfp4_rht", lambda x: apply_rht(x, implementation="ffi")),
+    "quantize_axis0": ("nvfp4_quantize", lambda x: quantize(x, axis=0, implementation="ffi").codes),
+}
+
+
+@pytest.mark.parametrize("case", list(HLO_CASES))
+def test_native_ops_run_on_local_shards_without_all_gather(case):
+    make_impl("cpu")
+    target, fn = HLO_CASES[case]
+    x = jax.device_put(data((128, 64), seed=3), NamedSharding(mesh(), P(AXIS, None)))
+    text = jax.jit(fn).lower(x).compile().as_text()
+    calls = [line for line in text.splitlines() if f'custom_call_target="{target}"' in line]
+    assert calls, f"no custom call {target} in the compiled HLO"
+    # The custom call must see the local shard (16 of 128 rows), and nothing gathered.
+    assert any("[16,64]" in line or "[64,16]" in line for line in calls), calls
+    gathers = [line.strip()[:300] for line in text.splitlines() if "all-gather(" in line]
+    assert not gathers, gathers
+
+
+# --- quantize inside shard_map with a global amax -------------------------------------------
+
+# name -> (shape, spec of the input, spec of codes and scales (stored layout), kwargs)
+SHARD_MAP_CASES = {
+    "rows_sharded_1x16": ((128, 64), P(AXIS, None), P(AXIS, None), {}),
+    "quantized_axis_sharded_1x16": ((64, 128), P(None, AXIS), P(None, AXIS), {}),
+    "quantized_axis_sharded_rht": ((64, 128), P(None, AXIS), P(None, AXIS), {"rht": True}),
+    "rows_sharded_2d": ((128, 64), P(AXIS, None), P(AXIS, None), {"block_2d": True}),
+}
+
+
+@pytest.mark.parametrize("case", list(SHARD_MAP_CASES))
+def test_quantize_shard_map_global_amax(impl, case):
+    shape, in_spec, out_spec, kw = SHARD_MAP_CASES[case]
+    x = data(shape, seed=1)
+    implementation = impl.implementation
+
+    def local(x_shard):
+        amax = distributed.global_amax(
+            x_shard, AXIS, rht=kw.get("rht", False), implementation=implementation
+        )
+        q = quantize(x_shard, amax=amax, implementation=implementation, **kw)
+        return q.codes, q.scales, q.amax[None]  # every shard's amax, to compare all
+
+    sharded = jax.jit(
+        jax.shard_map(local, mesh=mesh(), in_specs=in_spec, out_specs=(out_spec, out_spec, P(AXIS)))
+    )
+    codes, scales, amax = sharded(jax.device_put(x, NamedSharding(mesh(), in_spec)))
+    expected = jax.jit(functools.partial(quantize, implementation=implementation, **kw))(
+        *on_one_device(x)
+    )
+    assert_same_bits(codes, expected.codes, "codes")
+    assert_same_bits(scales, expected.scales, "scales")
+    for shard_amax in amax:
+        assert_same_bits(shard_amax, expected.amax, "amax")
+
+
+# name -> (shape, spec of the input = spec of codes and scales, kwargs)
+SHARD_MAP_SR_CASES = {
+    "rows_sharded_sr": ((128, 64), P(AXIS, None), {}),
+    "rows_sharded_rht_sr_bf16": ((128, 64), P(AXIS, None), {"rht": True}),
+    "rows_sharded_2d_sr": ((128, 64), P(AXIS, None), {"block_2d": True}),
+    "rows_sharded_3d_sr": ((16, 4, 64), P(AXIS, None, None), {}),
+    "axis0_sr": ((64, 128), P(None, AXIS), {"axis": 0}),  # stored (128, 64): rows sharded
+}
+
+
+@pytest.mark.parametrize("case", list(SHARD_MAP_SR_CASES))
+def test_quantize_shard_map_sr(impl, case):
+    shape, spec, kw = SHARD_MAP_SR_CASES[case]
+    x = data(shape, seed=4)
+    if case.endswith("bf16"):
+        x = x.astype(jnp.bfloat16)
+    stored_spec = spec if kw.get("axis", -1) == -1 else P(spec[1], spec[0])
+    flags = dict(stochastic_rounding=True, implementation=impl.implementation, **kw)
+
+    def local(x_shard, key):
+        q = distributed.quantize_shard(x_shard, axis_names=AXIS, key=key, **flags)
+        values = distributed.fake_quantize_shard(x_shard, axis_names=AXIS, key=key, **flags)
+        return q.codes, q.scales, q.amax[None], values
+
+    sharded = jax.jit(
+        jax.shard_map(
+            local,
+            mesh=mesh(),
+            in_specs=(spec, P()),
+            out_specs=(stored_spec, stored_spec, P(AXIS), spec),
+        )
+    )
+    key = jax.random.key(9)
+    codes, scales, amax, values = sharded(jax.device_put(x, NamedSharding(mesh(), spec)), key)
+
+    def unsharded(x, key):
+        return quantize(x, key=key, **flags), fake_quantize(x, key=key, **flags)
+
+    expected, expected_values = jax.jit(unsharded)(*on_one_device(x, key))
+    assert_same_bits(codes, expected.codes, "codes")
+    assert_same_bits(scales, expected.scales, "scales")
+    assert_same_bits(values, expected_values, "fake_quantize")
+    for shard_amax in amax:
+        assert_same_bits(shard_amax, expected.amax, "amax")
+
+
+# --- training steps ---------------------------------------------------------------------------
+
+BATCH, IN, WIDTH, OUT = 128, 128, 128, 64
+
+
+def mlp_loss(params, x, y, key, recipe):
+    # Layer 1 draws SR bits from a key; layer 2 from its gradient's bits (key=None): both
+    # must be sharding-invariant.
+    h = jax.nn.gelu(dot_general(x, params["w1"], DENSE, recipe=recipe, key=key) + params["b1"])
+    out = dot_general(h, params["w2"], DENSE, recipe=recipe, key=None)
+    return jnp.mean((out - y) ** 2)
+
+
+def train_setup():
+    rng = np.random.default_rng(7)
+    params = {
+        "w1": rng.standard_normal((IN, WIDTH)) / np.sqrt(IN),
+        "b1": rng.standard_normal((WIDTH,)) * 0.1,
+        "w2": rng.standard_normal((WIDTH, OUT)) / np.sqrt(WIDTH),
+    }
+    params = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params)
+    x = jnp.asarray(rng.standard_normal((BATCH, IN)), jnp.float32)
+    y = jnp.asarray(rng.standard_normal((BATCH, OUT)), jnp.float32)
+    return params, x, y, jax.random.key(11)
+
+
+# Every quantized operand is the same bits sharded or not (quantization is blockwise, the
+# amax a max, SR bits positional, the derived key a wrapping integer sum), and XLA gathers
+# the token axis for the wgrad GEMM (its blocks and RHT run along it), so the NVFP4 weight
+# gradients must be bit-exact. The bias gradient is a plain f32 sum over the sharded batch:
+# per-device partial sums and an all-reduce, another summation order than one device's; it
+# (and the loss, a mean over the batch) may differ by f32 rounding: 1e-5 relative.
+EXACT_LEAVES = ("w1", "w2")
+F32_SUM_TOLERANCE = 1e-5
+
+TRAIN_SPECS = {
+    "data_parallel": {"w1": P(), "b1": P(), "w2": P()},
+    # Weights sharded along their first axis (16 rows per device), the batch too.
+    "fsdp": {"w1": P(AXIS, None), "b1": P(AXIS), "w2": P(AXIS, None)},
+}
+
+
+@pytest.mark.parametrize("layout", list(TRAIN_SPECS))
+def test_train_step_sharded_equals_one_device(impl, layout):
+    params, x, y, key = train_setup()
+    recipe = NVFP4Recipe(implementation=impl.implementation)
+    step = jax.jit(jax.value_and_grad(mlp_loss), static_argnums=4)
+    loss_1, grads_1 = step(*on_one_device(params, x, y, key), recipe)
+    batch = NamedSharding(mesh(), P(AXIS, None))
+    sharded_params = jax.tree.map(
+        lambda a, s: jax.device_put(a, NamedSharding(mesh(), s)), params, TRAIN_SPECS[layout]
+    )
+    loss_8, grads_8 = step(
+        sharded_params, jax.device_put(x, batch), jax.device_put(y, batch), key, recipe
+    )
+    np.testing.assert_allclose(loss_8, loss_1, rtol=F32_SUM_TOLERANCE)
+    for name in EXACT_LEAVES:
+        assert_same_bits(grads_8[name], grads_1[name], name)
+    scale = np.max(np.abs(grads_1["b1"]))
+    np.testing.assert_allclose(grads_8["b1"], grads_1["b1"], atol=F32_SUM_TOLERANCE * scale)
+
+
+# --- master weights ---------------------------------------------------------------------------
+
+# name -> (weight spec, quantized axis, block_2d, mesh shape)
+MASTER_CASES = {
+    "rows_1d": (P("x", None), -1, False, (8,)),
+    "cols_1d": (P(None, "x"), -1, False, (8,)),
+    "rows_2d_blocks": (P("x", None), -1, True, (8,)),
+    "cols_2d_blocks_axis0": (P(None, "x"), 0, True, (8,)),
+    "both_axes_2d_blocks": (P("x", "y"), -1, True, (4, 2)),
+    # NaN on one device: the whole tensor is NaN on every device, as unsharded (section 8).
+    "nan_on_one_shard": (P("x", None), -1, False, (8,)),
+}
+
+
+@pytest.mark.parametrize("case", list(MASTER_CASES))
+def test_master_weights_sharded_equal_unsharded(impl, case):
+    spec, axis, block_2d, mesh_shape = MASTER_CASES[case]
+    names = ("x", "y")[: len(mesh_shape)]
+    mesh_ = jax.make_mesh(
+        mesh_shape, names, axis_types=(AxisType.Auto,) * len(names), devices=jax.devices("cpu")
+    )
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((256, 512)) * rng.lognormal(0, 1.5, (256, 1))
+    w[3, 7] = 900.0  # the global amax lives on one device only
+    if case == "nan_on_one_shard":
+        w[200, 5] = np.nan
+    w = jnp.asarray(w, jnp.float32)
+    flags = dict(axis=axis, block_2d=block_2d, implementation=impl.implementation)
+    sharded = jax.device_put(w, NamedSharding(mesh_, spec))
+    q = jax.jit(lambda a: quantize_master_weights(a, mesh=mesh_, spec=spec, **flags))(sharded)
+    expected = quantize(*on_one_device(w), **flags)
+    assert_same_q(q, expected, case)
+    for part in ("codes", "scales"):
+        leaf = getattr(q, part)
+        assert len(leaf.sharding.device_set) == 8, leaf.sharding
+        assert leaf.addressable_shards[0].data.size < leaf.size, f"{part} is not sharded"
+
+
+def test_master_weights_reject_blocks_across_devices():
+    mesh_ = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Auto,), devices=jax.devices("cpu"))
+    # 136 columns over 8 shards: 17 each, so blocks of 16 would straddle devices.
+    with pytest.raises(ValueError, match="multiple of 16"):
+        quantize_master_weights(jnp.ones((32, 136)), mesh=mesh_, spec=P(None, "x"))
+    # 2D blocks also need whole 16-row tiles per shard: 64 rows over 8 shards is 8 each.
+    with pytest.raises(ValueError, match="multiple of 16"):
+        quantize_master_weights(jnp.ones((64, 128)), mesh=mesh_, spec=P("x", None), block_2d=True)
+
+
+def test_master_weights_on_one_device_equal_quantize():
+    mesh_ = jax.make_mesh((1,), ("x",), devices=jax.devices("cpu")[:1])
+    w = data((32, 64))
+    q = quantize_master_weights(w, mesh=mesh_, spec=P(None, "x"))
+    assert_same_q(q, quantize(w))
+
+
+def test_shard_map_result_that_differs_between_shards_is_caught(impl):
+    """An op whose result is per-shard cannot be returned as replicated (out_specs=P())."""
+    x = data((128, 64))
+
+    def local(x_shard):
+        return tensor_amax(x_shard, implementation=impl.implementation)
+
+    with pytest.raises(Exception, match="(?i)replicat|vary|varying"):
+        jax.jit(jax.shard_map(local, mesh=mesh(), in_specs=P(AXIS, None), out_specs=P()))(
+            jax.device_put(x, NamedSharding(mesh(), P(AXIS, None)))
+        )
+    assert bits(np.zeros(1)).size == 1

@@ -23,21 +23,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import DENSE, assert_same_bits, bits, normal
 
-from nvfp4_jax import (
-    NVFP4Recipe,
-    dequantize,
-    dot_general,
-    kernels,
-    quantize,
-)
-from nvfp4_jax.quantize import block_values, global_decode_scale
+from nvfp4_jax import NVFP4Recipe, dequantize, dot_general, kernels, quantize
+from nvfp4_jax.reference import block_values
+from nvfp4_jax.reference import decode_scale as global_decode_scale
 
 F32_EPS = 2.0**-24
 # Unit roundoff of a result cast to the output dtype (on top of the f32 budget).
 CAST_EPS = {np.dtype(np.float32): 0.0, jnp.dtype(jnp.bfloat16): 2.0**-8}
 IMPLEMENTATIONS = ["reference"] + (["ffi"] if kernels.is_available("cpu") else [])
-DENSE = (((1,), (0,)), ((), ()))
 ALL_OFF = NVFP4Recipe(weight_2d=False, wgrad_rht=False, stochastic_rounding=False)
 RECIPES = {
     "default": NVFP4Recipe(),
@@ -56,21 +51,8 @@ def with_impl(recipe: NVFP4Recipe, implementation: str) -> NVFP4Recipe:
     )
 
 
-def normal(seed, shape, dtype=jnp.float32):
-    return jax.random.normal(jax.random.key(seed), shape, jnp.float32).astype(dtype)
-
-
 def f64(a) -> np.ndarray:
     return np.asarray(jnp.asarray(a, jnp.float32), np.float64)
-
-
-def bits(a) -> np.ndarray:
-    a = np.asarray(a)
-    return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
-
-
-def assert_same_bits(actual, expected, what=""):
-    np.testing.assert_array_equal(bits(actual), bits(expected), err_msg=what)
 
 
 def assert_same_up_to_summation_order(actual, expected, k):
@@ -343,7 +325,7 @@ def test_lossless_operands_give_exact_gradients(recipe_name, implementation):
 # --- the full recipe against the unquantized GEMMs ------------------------------------------
 
 # Relative Frobenius error of a GEMM of two independently quantized Gaussian operands is about
-# sqrt(rMSE_a + rMSE_b) (NUMERICS section 10: 1x16 RN 0.0090, 16x16 0.0124, 1x16 SR 0.0188):
+# sqrt(rMSE_a + rMSE_b) (docs/NUMERICS.md section 10: 1x16 RN 0.0090, 16x16 0.0124, 1x16 SR 0.0188):
 # fprop 0.146, dgrad 0.177, wgrad 0.167. The bound allows 30% above the largest on 256x128.
 REL_ERROR_BOUND = 0.23
 
@@ -510,10 +492,23 @@ def test_forward_saves_quantized_residuals_not_inputs():
             TypeError,
             r"lhs must be bfloat16.*int32 \(shape \(32, 64\)\)",
         ),
-        ((32, 64), (48, 32), DENSE, "float32", ValueError, "of equal sizes"),
-        ((32, 64), (64, 32), ((1,), (0,)), "float32", ValueError, "dimension_numbers must be"),
+        ((32, 64), (48, 32), DENSE, "float32", TypeError, "of equal sizes"),
+        ((32, 64), (64, 32), ((1,), (0,)), "float32", TypeError, "dimension_numbers must be"),
+        ((32, 64), (64, 32), (((2,), (0,)), ((), ())), "float32", TypeError, r"below the rank"),
+        ((32, 64), (64, 32), (((-1,), (0,)), ((), ())), "float32", TypeError, r"non-negative"),
+        ((32, 64), (64, 32), (((1, 1), (0, 0)), ((), ())), "float32", TypeError, "distinct"),
     ],
-    ids=["batch_dims", "k_not_16", "n_not_16", "int_dtype", "k_mismatch", "malformed_dims"],
+    ids=[
+        "batch_dims",
+        "k_not_16",
+        "n_not_16",
+        "int_dtype",
+        "k_mismatch",
+        "malformed_dims",
+        "dim_out_of_range",
+        "negative_dim",
+        "repeated_dim",
+    ],
 )
 def test_unsupported_calls_raise_clear_errors(lhs_shape, rhs_shape, dims, dtype, error, message):
     lhs = jnp.ones(lhs_shape, dtype)
@@ -530,7 +525,7 @@ def test_recipe_is_frozen_keyword_only_hashable_and_validated():
     with pytest.raises(dataclasses.FrozenInstanceError):
         NVFP4Recipe().weight_2d = False
     with pytest.raises(TypeError):
-        NVFP4Recipe(True)  # noqa: FBT003
+        NVFP4Recipe(True)
     with pytest.raises(TypeError, match="weight_2d must be a bool"):
         NVFP4Recipe(weight_2d=1)
     with pytest.raises(TypeError, match="gemm_dtype"):

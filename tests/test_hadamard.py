@@ -1,4 +1,7 @@
-"""The Random Hadamard Transform against scipy, first principles and the NumPy oracle FWHT."""
+"""The Random Hadamard Transform against scipy, first principles and the NumPy oracle FWHT.
+
+The transform tests run on every implementation (the `impl` fixture).
+"""
 
 from __future__ import annotations
 
@@ -11,20 +14,9 @@ import numerics_oracle as oracle
 import numpy as np
 import pytest
 import scipy.linalg
-from conftest import heavy_tailed, np_dtype
+from helpers import assert_same_bits, heavy_tailed, np_dtype
 
 import nvfp4_jax
-
-
-def eager_rht(x, inverse=False):
-    return nvfp4_jax.apply_rht(jnp.asarray(x), inverse=inverse, implementation="reference")
-
-
-_jit_rht = jax.jit(eager_rht, static_argnames="inverse")
-
-
-def ref_rht(x, inverse=False):
-    return _jit_rht(jnp.asarray(x), inverse=inverse)
 
 
 @pytest.mark.parametrize("n", [1, 2, 4, 8, 16, 32, 64])
@@ -73,19 +65,19 @@ RHT_SHAPES = {"k16": (16,), "m8_k64": (8, 64), "b2_m4_k32": (2, 4, 32), "r4": (2
 
 @pytest.mark.parametrize("shape_id", list(RHT_SHAPES))
 @pytest.mark.parametrize("dtype", ["f32", "bf16", "f16"])
-def test_apply_rht_matches_oracle_fwht_bits(dtype, shape_id):
+def test_apply_rht_matches_oracle_fwht_bits(impl, dtype, shape_id):
     shape = RHT_SHAPES[shape_id]
     x = heavy_tailed(shape, dtype, seed=len(shape_id))
-    got = np.asarray(ref_rht(x))
+    got = np.asarray(impl.apply_rht(x))
     want = oracle.fwht_rht(x)
     assert got.dtype == want.dtype == np_dtype(dtype)
     np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
 
 
 @pytest.mark.parametrize("dtype", ["f32", "bf16", "f16"])
-def test_apply_rht_equals_matmul_within_rounding(dtype):
+def test_apply_rht_equals_matmul_within_rounding(impl, dtype):
     x = heavy_tailed((64, 128), dtype, seed=9, outliers=False)
-    got = np.asarray(ref_rht(x), np.float64)
+    got = np.asarray(impl.apply_rht(x), np.float64)
     xm = x.astype(np.float64).reshape(-1, 16) @ oracle.rht_matrix().astype(np.float64)
     exact = xm.reshape(x.shape)
     eps = {"f32": 2.0**-23, "bf16": 2.0**-7, "f16": 2.0**-10}[dtype]
@@ -95,46 +87,55 @@ def test_apply_rht_equals_matmul_within_rounding(dtype):
     assert np.all(np.abs(got.reshape(-1, 16) - exact.reshape(-1, 16)) <= tol)
 
 
-def test_apply_rht_inverse_round_trip_f32():
+def test_apply_rht_inverse_round_trip_f32(impl):
     x = heavy_tailed((32, 64), "f32", seed=10)
-    y = ref_rht(x)
-    back = np.asarray(ref_rht(y, inverse=True))
+    y = impl.apply_rht(x)
+    back = np.asarray(impl.apply_rht(y, inverse=True))
     np.testing.assert_allclose(back, x, rtol=0, atol=1e-6 * float(np.max(np.abs(x))))
     # The inverse is M^T.
-    inv = np.asarray(ref_rht(x, inverse=True), np.float64).reshape(-1, 16)
+    inv = np.asarray(impl.apply_rht(x, inverse=True), np.float64).reshape(-1, 16)
     want = x.astype(np.float64).reshape(-1, 16) @ oracle.rht_matrix().T.astype(np.float64)
     np.testing.assert_allclose(inv, want, rtol=0, atol=1e-6 * float(np.max(np.abs(x))))
 
 
-def test_apply_rht_of_basis_vectors_gives_matrix_rows():
+def test_apply_rht_of_basis_vectors_gives_matrix_rows(impl):
     eye = np.eye(16, dtype=np.float32)
-    np.testing.assert_array_equal(np.asarray(ref_rht(eye)), oracle.rht_matrix())
+    np.testing.assert_array_equal(np.asarray(impl.apply_rht(eye)), oracle.rht_matrix())
     eye_bf16 = eye.astype(ml_dtypes.bfloat16)
     np.testing.assert_array_equal(
-        np.asarray(ref_rht(eye_bf16)).astype(np.float32), oracle.rht_matrix()
+        np.asarray(impl.apply_rht(eye_bf16)).astype(np.float32), oracle.rht_matrix()
     )
 
 
-def test_apply_rht_under_jit_and_vmap():
-    x = heavy_tailed((3, 8, 32), "bf16", seed=12)
-    eager = np.asarray(eager_rht(x))
-    jitted = np.asarray(jax.jit(eager_rht)(jnp.asarray(x)))
-    mapped = np.asarray(jax.vmap(eager_rht)(jnp.asarray(x)))
-    np.testing.assert_array_equal(jitted.view(np.uint16), eager.view(np.uint16))
-    np.testing.assert_array_equal(mapped.view(np.uint16), eager.view(np.uint16))
+def test_apply_rht_under_jit_and_vmap(impl):
+    x = jax.device_put(jnp.asarray(heavy_tailed((3, 8, 32), "bf16", seed=12)), impl.device)
+
+    def eager(v):
+        return nvfp4_jax.apply_rht(v, implementation=impl.implementation)
+
+    expected = oracle.fwht_rht(np.asarray(x))
+    assert_same_bits(eager(x), expected, "eager")
+    assert_same_bits(jax.jit(eager)(x), expected, "jit")
+    assert_same_bits(jax.jit(jax.vmap(eager))(x), expected, "vmap")
 
 
 @pytest.mark.parametrize("shape", [(8, 24), (40,), (4, 8)], ids=["k24", "k40", "k8"])
-def test_apply_rht_bad_last_dim_raises(shape):
+def test_apply_rht_bad_last_dim_raises(impl, shape):
     with pytest.raises(ValueError, match=re.escape(str(shape))):
-        eager_rht(np.ones(shape, np.float32))
+        impl.apply_rht(np.ones(shape, np.float32))
 
 
-def test_apply_rht_scalar_raises():
+def test_apply_rht_scalar_raises(impl):
     with pytest.raises(ValueError, match="shape"):
-        eager_rht(np.float32(1.0))
+        impl.apply_rht(np.float32(1.0))
 
 
-def test_apply_rht_bad_dtype_raises():
-    with pytest.raises(TypeError, match="int32"):
-        eager_rht(np.ones((4, 16), np.int32))
+@pytest.mark.parametrize("bad", [np.ones((4, 16), np.int32), np.ones((4, 16), np.float64)])
+def test_apply_rht_bad_dtype_raises(impl, bad):
+    with pytest.raises(TypeError, match=bad.dtype.name):  # the dtype before any conversion
+        nvfp4_jax.apply_rht(bad, implementation=impl.implementation)
+
+
+def test_apply_rht_inverse_must_be_a_bool(impl):
+    with pytest.raises(TypeError, match="inverse must be a bool"):
+        impl.apply_rht(np.ones((4, 16), np.float32), inverse=1)

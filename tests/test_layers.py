@@ -14,20 +14,10 @@ import optax
 import pytest
 from flax import linen as nn
 from flax import nnx
+from helpers import DENSE, assert_same_bits, bits
 
 import nvfp4_jax
 from nvfp4_jax import NVFP4Recipe, nvfp4_dot_general
-
-DENSE = (((1,), (0,)), ((), ()))
-
-
-def bits(a) -> np.ndarray:
-    a = np.asarray(a)
-    return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
-
-
-def assert_same_bits(actual, expected):
-    np.testing.assert_array_equal(bits(actual), bits(expected))
 
 
 def shapes(tree):

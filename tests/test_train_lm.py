@@ -7,7 +7,7 @@ import sys
 import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
-import train_lm  # noqa: E402
+import train_lm
 
 TINY = ["--width", "32", "--depth", "1", "--heads", "2", "--batch", "8", "--seq-len", "32"]
 

@@ -1,11 +1,10 @@
-"""The Random Hadamard Transform (RHT) used on the NVFP4 weight-gradient operands.
+"""The Random Hadamard Transform (RHT) of the NVFP4 weight-gradient operands, in pure jnp.
 
 Shapes: an input `x` of shape (..., C) with C a multiple of 16 is transformed in blocks of
 16 consecutive elements along its last axis. With `H` the 16x16 Sylvester Hadamard matrix
 and `s` the fixed sign vector, each block becomes `x_b @ M` where `M = diag(s) @ H / 4`, an
-orthogonal matrix whose entries are all +-0.25. The inverse is `y_b @ M.T`.
-
-Names follow TransformerEngine's JAX module.
+orthogonal matrix whose entries are all +-0.25; the inverse is `y_b @ M.T`
+(docs/NUMERICS.md section 5). Names follow TransformerEngine's JAX module.
 """
 
 from __future__ import annotations
@@ -14,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nvfp4_jax import dispatch, formats
+from nvfp4_jax import formats
 
 _WGRAD_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
 
@@ -31,7 +30,8 @@ def get_hadamard_matrix(n: int = formats.BLOCK_SIZE, dtype=jnp.float32) -> jax.A
       [[1.0, 1.0], [1.0, -1.0]]
 
     """
-    if not isinstance(n, (int, np.integer)) or n < 1 or n & (n - 1):
+    valid = isinstance(n, (int, np.integer)) and not isinstance(n, (bool, np.bool_))
+    if not valid or n < 1 or n & (n - 1):
         raise ValueError(f"get_hadamard_matrix: n must be a positive power of two, got n={n!r}")
     i = np.arange(n)
     parity = np.vectorize(lambda v: bin(v).count("1") & 1)(i[:, None] & i[None, :])
@@ -65,7 +65,7 @@ def get_rht_matrix(dtype=jnp.float32) -> jax.Array:
 
 
 def _fwht16(v: jax.Array) -> jax.Array:
-    """Unnormalized Walsh-Hadamard transform of f32 blocks (..., 16), in NUMERICS's fixed order.
+    """Unnormalized Walsh-Hadamard transform of f32 blocks (..., 16) in the contract's order.
 
     Stage h pairs (i, i + h) for every i with `i & h == 0` and writes (sum, difference).
     Viewing a block as (16 / 2h, 2, h), the pair partners are the two rows of the middle axis.
@@ -80,23 +80,38 @@ def _fwht16(v: jax.Array) -> jax.Array:
     return v
 
 
-def check_rht_input(x: jax.Array, name: str = "x") -> None:
-    """Raises unless the last axis of `x` is a multiple of 16 (dtype: `as_float_array`)."""
+def check_rht_input(x, op: str = "apply_rht") -> jax.Array:
+    """Returns `x` as an array, raising unless it is bf16/f16/f32 with a last axis of 16s."""
+    x = formats.as_float_array(x, op)
     if x.ndim == 0 or x.shape[-1] % formats.BLOCK_SIZE:
         raise ValueError(
-            f"{name}: the last axis must be a multiple of {formats.BLOCK_SIZE} for the RHT, "
+            f"{op}: the last axis of x must be a multiple of {formats.BLOCK_SIZE} for the RHT, "
             f"got shape {x.shape}"
         )
+    return x
 
 
-def apply_rht_reference(x: jax.Array, inverse: bool = False) -> jax.Array:
-    """Pure-jnp RHT: `x_b @ M` (or `x_b @ M.T` when `inverse`) per block of 16, f32 inside.
+def apply_rht(x: jax.Array, *, inverse: bool = False) -> jax.Array:
+    """The Random Hadamard Transform in blocks of 16 along the last axis, in pure jnp.
 
-    Forward: `v = s * x; v = H v (butterflies); y = v * 0.25`. Inverse: `v = H y; v = v * 0.25;
-    x = s * v`. The result is rounded to the input dtype.
+    Forward: `v = s * x; v = H v (butterflies h = 1, 2, 4, 8); y = v * 0.25`. Inverse:
+    `v = H y; v = v * 0.25; x = s * v`. All in f32, rounded to x's dtype at the end.
+
+    Args:
+      x: bf16, f16 or f32 array of any rank whose last dimension is a multiple of 16.
+      inverse: apply `M.T` (the inverse) instead of `M`.
+
+    Returns:
+      An array of x's shape and dtype.
+
+    Example:
+      >>> x = jnp.arange(16, dtype=jnp.float32)
+      >>> bool(jnp.allclose(apply_rht(apply_rht(x), inverse=True), x))
+      True
+
     """
-    x = formats.as_float_array(x, "apply_rht")
-    check_rht_input(x)
+    x = check_rht_input(x)
+    inverse = formats.check_flag(inverse, "apply_rht", "inverse")
     lead = x.shape[:-1]
     blocks = x.astype(jnp.float32).reshape(*lead, -1, formats.BLOCK_SIZE)
     signs = get_wgrad_sign_vector(jnp.float32)
@@ -106,29 +121,3 @@ def apply_rht_reference(x: jax.Array, inverse: bool = False) -> jax.Array:
     if inverse:
         blocks = blocks * signs
     return blocks.reshape(x.shape).astype(x.dtype)
-
-
-def apply_rht(x: jax.Array, inverse: bool = False, *, implementation: str | None = None):
-    """Applies the Random Hadamard Transform in blocks of 16 along the last axis of `x`.
-
-    Args:
-      x: bf16, f16 or f32 array of any rank whose last dimension is a multiple of 16.
-      inverse: apply `M.T` (the inverse) instead of `M`.
-      implementation: None (the native kernel when built for this platform, else the
-        reference), "reference" or "ffi".
-
-    Returns:
-      An array of x's shape and dtype. Accumulation is in f32, in a fixed order, so every
-      implementation rounds identically.
-
-    Example:
-      >>> x = jnp.arange(16, dtype=jnp.float32)
-      >>> bool(jnp.allclose(apply_rht(apply_rht(x), inverse=True), x))
-      True
-
-    """
-    x = formats.as_float_array(x, "apply_rht")
-    check_rht_input(x)
-    if dispatch.resolve(implementation, "apply_rht") == "ffi":
-        return dispatch.kernels().rht_ffi(x, inverse=inverse)
-    return apply_rht_reference(x, inverse=inverse)

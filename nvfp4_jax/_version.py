@@ -1,0 +1,3 @@
+"""The package version (read by __init__ and by what writes files: checkpoints, exports)."""
+
+__version__ = "0.2.0"

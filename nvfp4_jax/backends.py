@@ -1,0 +1,163 @@
+"""The implementations of the public ops, and the one place that decides which one runs.
+
+Every implementation computes the same bits (docs/NUMERICS.md) on the *stored layout* (the
+quantized axis last) with arguments the public ops in `nvfp4_jax.ops` have already checked:
+
+* `"reference"`: the pure-jnp specification (`nvfp4_jax.reference`); runs wherever JAX runs.
+* `"ffi"`: the native XLA FFI kernels (`nvfp4_jax.kernels`: C++ on CPU, CUDA on NVIDIA
+  GPUs). Asking for it where it cannot run is an error that says why; it never falls back.
+
+`resolve(None, op)` picks "ffi" when its kernels run on the current platform, else
+"reference". The backend is always an argument, never an environment variable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal, Protocol
+
+import jax
+
+from nvfp4_jax import kernels, reference
+from nvfp4_jax.array import NVFP4Array
+from nvfp4_jax.seed import SRSeed
+
+Implementation = Literal["reference", "ffi"]
+
+
+class Backend(Protocol):
+    """What an implementation provides: the five operations on the stored layout `(..., C)`."""
+
+    name: Implementation
+
+    def unavailable_reason(self) -> str:
+        """Why this backend cannot run on the current platform ("" when it can)."""
+
+    def amax(self, x: jax.Array, *, rht: bool) -> jax.Array:
+        """Max |x| as f32 (after the RHT with `rht`); NaN if x is not finite."""
+
+    def quantize(
+        self, x, amax: jax.Array | None, seed: SRSeed | None, *, block_2d: bool, rht: bool
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """(packed codes, scales, stored amax); `amax` None: computed; `seed` None: RN."""
+
+    def fake_quantize(
+        self, x, amax, seed, *, block_2d: bool, rht: bool, global_scale: bool, dtype
+    ) -> jax.Array:
+        """The dequantized values of `quantize` (no inverse RHT), in `dtype`."""
+
+    def dequantize(self, codes, scales, amax, *, rht: bool, dtype) -> jax.Array:
+        """The decoded values (with the inverse RHT when `rht`) in `dtype`."""
+
+    def rht(self, x: jax.Array, *, inverse: bool) -> jax.Array:
+        """The RHT (or its inverse) of every 16-group along the last axis."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ReferenceBackend:
+    """The pure-jnp specification."""
+
+    name: Implementation = "reference"
+
+    def unavailable_reason(self) -> str:
+        """Always "": the reference runs wherever JAX runs."""
+        return ""
+
+    def amax(self, x, *, rht):
+        """`reference.tensor_amax`."""
+        return reference.tensor_amax(x, rht=rht)
+
+    def quantize(self, x, amax, seed, *, block_2d, rht):
+        """`reference.quantize`, as (codes, scales, stored amax)."""
+        q = reference.quantize(
+            x,
+            block_2d=block_2d,
+            rht=rht,
+            stochastic_rounding=seed is not None,
+            key=seed,
+            amax=amax,
+        )
+        return q.codes, q.scales, q.amax
+
+    def fake_quantize(self, x, amax, seed, *, block_2d, rht, global_scale, dtype):
+        """`reference.fake_quantize`."""
+        return reference.fake_quantize(
+            x,
+            block_2d=block_2d,
+            rht=rht,
+            stochastic_rounding=seed is not None,
+            key=seed,
+            amax=amax,
+            global_scale=global_scale,
+            dtype=dtype,
+        )
+
+    def dequantize(self, codes, scales, amax, *, rht, dtype):
+        """`reference.dequantize` of the stored layout."""
+        q = NVFP4Array(codes, scales, amax, dtype=dtype, axis=-1, block_2d=False, rht=rht)
+        return reference.dequantize(q, dtype)
+
+    def rht(self, x, *, inverse):
+        """`reference.apply_rht`."""
+        return reference.apply_rht(x, inverse=inverse)
+
+
+@dataclasses.dataclass(frozen=True)
+class FfiBackend:
+    """The native kernels (C++ on CPU, CUDA on NVIDIA GPUs)."""
+
+    name: Implementation = "ffi"
+
+    def unavailable_reason(self) -> str:
+        """Why the native kernels cannot run on the current platform ("" when they can)."""
+        return kernels.unavailable_reason()
+
+    def amax(self, x, *, rht):
+        """The `nvfp4_amax` kernel."""
+        return kernels.amax(x, rht=rht)
+
+    def quantize(self, x, amax, seed, *, block_2d, rht):
+        """The `nvfp4_quantize` kernel, after `nvfp4_amax` when no amax is given."""
+        if amax is None:
+            amax = kernels.amax(x, rht=rht)
+        return kernels.quantize(x, amax, seed, block_2d=block_2d, rht=rht)
+
+    def fake_quantize(self, x, amax, seed, *, block_2d, rht, global_scale, dtype):
+        """The `nvfp4_fake_quantize` kernel, after `nvfp4_amax` when no amax is given."""
+        if amax is None:
+            amax = kernels.amax(x, rht=rht)
+        return kernels.fake_quantize(
+            x, amax, seed, block_2d=block_2d, rht=rht, global_scale=global_scale, dtype=dtype
+        )
+
+    def dequantize(self, codes, scales, amax, *, rht, dtype):
+        """The `nvfp4_dequantize` kernel."""
+        return kernels.dequantize(codes, scales, amax, rht=rht, dtype=dtype)
+
+    def rht(self, x, *, inverse):
+        """The `nvfp4_rht` kernel."""
+        return kernels.rht(x, inverse=inverse)
+
+
+REGISTRY: dict[str, Backend] = {"reference": ReferenceBackend(), "ffi": FfiBackend()}
+
+
+def resolve(implementation: Implementation | None, op: str) -> Backend:
+    """The backend that runs `op`: the one named; for None, "ffi" where it runs, else reference.
+
+    Raises:
+      ValueError: an unknown name, or a backend that cannot run on the current platform.
+    """
+    if implementation is None:
+        ffi = REGISTRY["ffi"]
+        return REGISTRY["reference"] if ffi.unavailable_reason() else ffi
+    backend = REGISTRY.get(implementation) if isinstance(implementation, str) else None
+    if backend is None:
+        names = (None, *REGISTRY)
+        raise ValueError(f"{op}: implementation must be one of {names}, got {implementation!r}")
+    reason = backend.unavailable_reason()
+    if reason:
+        raise ValueError(
+            f"{op}: implementation={implementation!r} was requested but cannot run: {reason}"
+        )
+    return backend

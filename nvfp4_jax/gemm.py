@@ -1,0 +1,336 @@
+"""The NVFP4 GEMM: exact emulation anywhere, or `jax.nn.scaled_matmul` on Blackwell.
+
+Shape letters: an operand is quantized along the contraction axis K and held in its stored
+layout `(rows, K)` (or a batch `(B, rows, K)`), G = K / 16. The product of two operands is
+(docs/NUMERICS.md section 9)
+
+    alpha * sum_k (q_a * s_a)(q_b * s_b),    alpha = D_a * D_b,  D = amax * RCP2688
+
+with f32 accumulation: what Blackwell's block-scaled tensor cores compute. Two backends:
+
+* `"emulated"`: each operand as `value(code) * s_b` (at most 6 significant bits, exact in
+  bf16) in the GEMM dtype, `lax.dot_general` with f32 accumulation, times alpha. Runs on
+  any platform and equals the hardware result up to f32 summation order.
+* `"scaled_matmul"`: `jax.nn.scaled_matmul` (cuDNN) on the packed operands, `float4_e2m1fn`
+  data and `float8_e4m3fn` scales in the plain row-major layout (XLA swizzles them for cuDNN
+  itself); it knows nothing of the tensor scale, so alpha is applied outside. Needs a CUDA
+  GPU of compute capability 10 or newer.
+
+`Operand` is one side of a GEMM in the form its backend takes; `quantize_operand` and
+`array_operand` build it, `matmul` multiplies two. `dot_general` and `scaled_matmul` are
+built from these three.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from nvfp4_jax import formats, kernels, layout, ops, reference
+from nvfp4_jax.array import NVFP4Array
+from nvfp4_jax.backends import Implementation
+from nvfp4_jax.recipe import GEMM_BACKENDS, GemmBackend
+from nvfp4_jax.seed import SRSeed
+
+_F32 = jnp.float32
+# The first compute capability whose tensor cores run block-scaled FP4 (Blackwell, sm_100).
+SCALED_MATMUL_MIN_CAPABILITY = 10.0
+
+
+# --- backend choice ---------------------------------------------------------------------------
+
+
+def scaled_matmul_unsupported_reason() -> str | None:
+    """Returns why `jax.nn.scaled_matmul` cannot run NVFP4 here, or None if it can."""
+    platform = kernels.current_platform()
+    if platform != "cuda":
+        return f"the default platform is {platform!r}, not a CUDA GPU"
+    device = jax.devices()[0]
+    capability = float(getattr(device, "compute_capability", 0) or 0)
+    if capability < SCALED_MATMUL_MIN_CAPABILITY:
+        return (
+            f"{device.device_kind} has compute capability {capability}; NVFP4 block-scaled "
+            f"GEMMs need {SCALED_MATMUL_MIN_CAPABILITY} or newer (Blackwell)"
+        )
+    return None
+
+
+def resolve_gemm_backend(backend: GemmBackend | None, op: str = "scaled_matmul") -> GemmBackend:
+    """Returns the GEMM backend to use: None picks "scaled_matmul" on Blackwell, else emulated.
+
+    Raises:
+      ValueError: for an unknown backend, or "scaled_matmul" where it cannot run.
+    """
+    if backend not in (None, *GEMM_BACKENDS):
+        raise ValueError(
+            f"{op}: gemm backend must be one of {(None, *GEMM_BACKENDS)}, got {backend!r}"
+        )
+    if backend == "emulated":
+        return "emulated"
+    reason = scaled_matmul_unsupported_reason()
+    if backend is None:
+        return "emulated" if reason else "scaled_matmul"
+    if reason:
+        raise ValueError(
+            f"{op}: gemm backend 'scaled_matmul' (jax.nn.scaled_matmul) was requested, but "
+            f"{reason}. Use 'emulated' (the same numbers, computed in bf16) or None."
+        )
+    return "scaled_matmul"
+
+
+# --- operands ---------------------------------------------------------------------------------
+
+
+class Operand(NamedTuple):
+    """One GEMM operand, quantized along K, in the stored layout `(..., rows, K)`.
+
+    Attributes:
+      data: for the emulated backend, `value(code) * s_b` in the GEMM dtype; for
+        "scaled_matmul", the packed `NVFP4Array`.
+      decode: the f32 tensor decode factor `D = amax * RCP2688`.
+    """
+
+    data: jax.Array | NVFP4Array
+    decode: jax.Array
+
+
+def quantize_operand(
+    x: jax.Array,
+    *,
+    axis: int,
+    backend: GemmBackend,
+    dtype=jnp.bfloat16,
+    block_2d: bool = False,
+    rht: bool = False,
+    stochastic_rounding: bool = False,
+    key: jax.Array | SRSeed | None = None,
+    implementation: Implementation | None = None,
+) -> Operand:
+    """Quantizes `x` along its contraction `axis` into a GEMM operand (stored layout).
+
+    The emulated backend never packs: `fake_quantize(global_scale=False)` gives the block
+    values directly, with the tensor amax computed once for both them and `D`.
+    """
+    flags = dict(block_2d=block_2d, rht=rht, stochastic_rounding=stochastic_rounding, key=key)
+    if backend == "scaled_matmul":
+        q = ops.quantize(x, axis=axis, implementation=implementation, **flags)
+        return Operand(q, reference.decode_scale(q.amax))
+    amax = ops.tensor_amax(x, axis=axis, rht=rht, implementation=implementation)
+    values = ops.fake_quantize(
+        x,
+        axis=axis,
+        amax=amax,
+        global_scale=False,
+        dtype=dtype,
+        implementation=implementation,
+        **flags,
+    )
+    return Operand(jnp.moveaxis(values, axis, -1), reference.decode_scale(amax))
+
+
+def array_operand(q: NVFP4Array, *, backend: GemmBackend, dtype=jnp.bfloat16) -> Operand:
+    """A quantized tensor (quantized along K, its stored layout `(..., rows, K)`) as an operand."""
+    if backend == "scaled_matmul":
+        return Operand(q, reference.decode_scale(q.amax))
+    return Operand(reference.block_values(q, dtype), reference.decode_scale(q.amax))
+
+
+def transpose_2d_blocks(q: NVFP4Array) -> NVFP4Array:
+    """A 16x16-block quantized `(N, K)` stored as `(K, N)`: the same codes and tile scales.
+
+    Every element of a tile has the tile's scale, so the transposed tensor quantized along
+    the other axis has exactly these values (docs/NUMERICS.md section 4).
+    """
+    if not q.block_2d or q.codes.ndim != 2:
+        raise ValueError(
+            f"transpose_2d_blocks: needs a 2-D NVFP4Array with 16x16 blocks, got {q!r}"
+        )
+    codes = formats.pack_nibbles(formats.unpack_nibbles(q.codes).T)
+    tiles = q.scales[:: formats.BLOCK_SIZE].T  # (K/16, N/16): one scale per tile
+    scales = jnp.repeat(tiles, formats.BLOCK_SIZE, axis=0)
+    # The logical (K, N) is the same; the quantized axis flips between its two dims.
+    return NVFP4Array(
+        codes, scales, q.amax, dtype=q.dtype, axis=-3 - q.axis, block_2d=True, rht=q.rht
+    )
+
+
+def matmul(a: Operand, b: Operand) -> jax.Array:
+    """`alpha * a @ b^T` in f32: `(..., M, K) x (..., N, K) -> (..., M, N)`."""
+    alpha = a.decode * b.decode
+    if isinstance(a.data, NVFP4Array):
+        product = _cudnn_product(a.data, b.data)
+    else:
+        batch = tuple(range(a.data.ndim - 2))
+        dims = (((a.data.ndim - 1,), (b.data.ndim - 1,)), (batch, batch))
+        product = jax.lax.dot_general(a.data, b.data, dims, preferred_element_type=_F32)
+    return product * alpha
+
+
+def _cudnn_product(lhs: NVFP4Array, rhs: NVFP4Array) -> jax.Array:
+    """`jax.nn.scaled_matmul` of two packed operands, K zero-padded to the GEMM alignment."""
+    operands = []
+    for q in (lhs, rhs):
+        data, scales, _ = to_scaled_matmul_operands(q)
+        shape = data.shape if data.ndim == 3 else (1, *data.shape)
+        data, scales = data.reshape(shape), scales.reshape(*shape[:2], -1)
+        # Zero codes with zero scales add nothing: pad K for the FP4 kernels.
+        pad = -shape[2] % layout.GEMM_ALIGNMENT
+        if pad:
+            data = jnp.pad(data, ((0, 0), (0, 0), (0, pad)))
+            scales = jnp.pad(scales, ((0, 0), (0, 0), (0, pad // formats.BLOCK_SIZE)))
+        operands.append((data, scales))
+    (a, sa), (b, sb) = operands
+    product = jax.nn.scaled_matmul(a, b, sa, sb, preferred_element_type=_F32)
+    return product if lhs.codes.ndim == 3 else product[0]
+
+
+# --- jax.nn.scaled_matmul operands ------------------------------------------------------------
+
+
+class ScaledMatmulOperands(NamedTuple):
+    """One operand of `jax.nn.scaled_matmul`, in the stored layout `(..., K)`.
+
+    Attributes:
+      data: float4_e2m1fn `(..., K)`, one E2M1 value per element.
+      scales: float8_e4m3fn `(..., K / 16)`, row-major (not swizzled).
+      global_scale: f32 scalar `D = amax * RCP2688`, to multiply the GEMM result by.
+    """
+
+    data: jax.Array
+    scales: jax.Array
+    global_scale: jax.Array
+
+
+def to_scaled_matmul_operands(q: NVFP4Array) -> ScaledMatmulOperands:
+    """Returns `q`'s codes as float4_e2m1fn, its scales and its global decode factor.
+
+    The packed byte `b` at `(..., i)` holds element `2i` in its low nibble and `2i + 1` in its
+    high nibble; XLA's bitcast of uint8 to float4_e2m1fn uses the same order, so this is a
+    bitcast, exact. With `q.rht` the values are in the rotated basis (a GEMM of two operands
+    rotated along K needs no inverse).
+
+    Example:
+      >>> ops = to_scaled_matmul_operands(nvfp4_jax.quantize(jnp.ones((4, 32))))
+      >>> ops.data.dtype, ops.data.shape, ops.scales.shape
+      (dtype(float4_e2m1fn), (4, 32), (4, 2))
+
+    """
+    if not isinstance(q, NVFP4Array):
+        raise TypeError(f"to_scaled_matmul_operands: expected an NVFP4Array, got {type(q)}")
+    data = jax.lax.bitcast_convert_type(q.codes, jnp.float4_e2m1fn)  # (..., K/2, 2)
+    data = data.reshape(*q.codes.shape[:-1], -1)
+    return ScaledMatmulOperands(data, q.scales, reference.decode_scale(q.amax))
+
+
+def from_scaled_matmul_operands(
+    data: jax.Array,
+    scales: jax.Array,
+    amax: jax.Array,
+    *,
+    dtype=jnp.bfloat16,
+    axis: int = -1,
+    block_2d: bool = False,
+    rht: bool = False,
+) -> NVFP4Array:
+    """Packs float4_e2m1fn values, E4M3 scales and the tensor amax into an `NVFP4Array`.
+
+    Inverse of `to_scaled_matmul_operands` (the amax is passed, not the decode factor: `A`
+    cannot be recovered exactly from `A * RCP2688`). `data` is in the stored layout; `dtype`,
+    `axis`, `block_2d`, `rht` are the metadata of the array it came from.
+    """
+    op = "from_scaled_matmul_operands"
+    data, scales = jnp.asarray(data), jnp.asarray(scales)
+    if data.dtype != jnp.float4_e2m1fn or scales.dtype != jnp.float8_e4m3fn:
+        raise TypeError(
+            f"{op}: data must be float4_e2m1fn and scales float8_e4m3fn, "
+            f"got {data.dtype} and {scales.dtype}"
+        )
+    if (
+        data.ndim < 1
+        or data.shape[-1] % formats.BLOCK_SIZE
+        or scales.shape != (*data.shape[:-1], data.shape[-1] // formats.BLOCK_SIZE)
+    ):
+        raise ValueError(
+            f"{op}: data {data.shape} needs a last axis that is a multiple of "
+            f"{formats.BLOCK_SIZE} and scales of shape (..., K/16), got scales {scales.shape}"
+        )
+    axis = formats.normalize_axis(axis, data.shape, op)
+    pairs = data.reshape(*data.shape[:-1], -1, 2)
+    codes = jax.lax.bitcast_convert_type(pairs, jnp.uint8)
+    return NVFP4Array(
+        codes=codes,
+        scales=scales,
+        amax=jnp.asarray(amax, jnp.float32),
+        dtype=formats.check_dtype(dtype, op),
+        axis=axis,
+        block_2d=formats.check_flag(block_2d, op, "block_2d"),
+        rht=formats.check_flag(rht, op, "rht"),
+    )
+
+
+# --- the public GEMM on two quantized tensors -------------------------------------------------
+
+
+def _check_operand(q, name: str) -> tuple[int, ...]:
+    if not isinstance(q, NVFP4Array) or q.codes.ndim not in (2, 3) or q.amax.ndim:
+        raise ValueError(
+            f"scaled_matmul: {name} must be one 2-D or 3-D NVFP4Array (stored (M, K) or "
+            f"(B, M, K)), got {q!r}"
+        )
+    return q.stored_shape
+
+
+def scaled_matmul(
+    lhs: NVFP4Array,
+    rhs: NVFP4Array,
+    *,
+    preferred_element_type=jnp.float32,
+    backend: GemmBackend | None = None,
+    gemm_dtype=jnp.bfloat16,
+) -> jax.Array:
+    """The NVFP4 GEMM `alpha * sum_k (q_a s_a)(q_b s_b)` of two operands quantized along K.
+
+    Args:
+      lhs: stored layout `(M, K)` or `(B, M, K)`.
+      rhs: stored layout `(N, K)` or `(B, N, K)`, quantized along K as well, and with the RHT
+        exactly when `lhs` is (the rotations cancel only in pairs).
+      preferred_element_type: the result dtype (a float dtype); accumulation is f32.
+      backend: "scaled_matmul" (`jax.nn.scaled_matmul`, Blackwell), "emulated" (any
+        platform) or None (the first where it runs).
+      gemm_dtype: the dtype of the emulated operands: bf16, f16 or f32 (all hold the block
+        values exactly).
+
+    Returns:
+      `(M, N)` or `(B, M, N)`.
+
+    Example:
+      >>> a = nvfp4_jax.quantize(jnp.ones((32, 64)))
+      >>> scaled_matmul(a, a, backend="emulated").shape
+      (32, 32)
+    """
+    op = "scaled_matmul"
+    backend = resolve_gemm_backend(backend, op)
+    lhs_shape, rhs_shape = _check_operand(lhs, "lhs"), _check_operand(rhs, "rhs")
+    if (
+        len(lhs_shape) != len(rhs_shape)
+        or lhs_shape[:-2] != rhs_shape[:-2]
+        or (lhs_shape[-1] != rhs_shape[-1])
+    ):
+        raise ValueError(
+            f"{op}: lhs stored as {lhs_shape} and rhs stored as {rhs_shape} need the same batch "
+            "and K (the last axis)"
+        )
+    if lhs.rht != rhs.rht:
+        raise ValueError(
+            f"{op}: lhs (rht={lhs.rht}) and rhs (rht={rhs.rht}) must both or neither be "
+            "quantized with the RHT: a product of one rotated operand is not the GEMM"
+        )
+    gemm_dtype = formats.check_dtype(gemm_dtype, op, "gemm_dtype")
+    out = jnp.dtype(_F32 if preferred_element_type is None else preferred_element_type)
+    if not jnp.issubdtype(out, jnp.floating):
+        raise TypeError(f"{op}: preferred_element_type must be a float dtype, got {out}")
+    a = array_operand(lhs, backend=backend, dtype=gemm_dtype)
+    b = array_operand(rhs, backend=backend, dtype=gemm_dtype)
+    return matmul(a, b).astype(out)

@@ -1,0 +1,34 @@
+"""The native kernels: loading, one `ffi_call` per XLA FFI target, each with its sharding rule.
+
+Every function takes the *stored layout* (the quantized axis last, C a multiple of 16) and
+arguments the public ops (`nvfp4_jax.ops`) have already checked; each raises a ValueError
+saying why when the native library cannot run on the current platform. One module per
+target: `_amax`, `_quantize` (with fake quantize), `_dequantize`, `_rht`.
+"""
+
+from nvfp4_jax.kernels._amax import amax
+from nvfp4_jax.kernels._dequantize import dequantize
+from nvfp4_jax.kernels._library import (
+    TARGETS,
+    current_platform,
+    is_available,
+    register,
+    unavailable_reason,
+)
+from nvfp4_jax.kernels._partition import pmax_keep_nan
+from nvfp4_jax.kernels._quantize import fake_quantize, quantize
+from nvfp4_jax.kernels._rht import rht
+
+__all__ = [
+    "TARGETS",
+    "amax",
+    "current_platform",
+    "dequantize",
+    "fake_quantize",
+    "is_available",
+    "pmax_keep_nan",
+    "quantize",
+    "register",
+    "rht",
+    "unavailable_reason",
+]

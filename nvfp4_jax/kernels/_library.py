@@ -1,0 +1,139 @@
+"""Loading the native libraries and registering their XLA FFI targets.
+
+The C++ (`nvfp4_jax._nvfp4_cpu`) and CUDA (`nvfp4_jax._nvfp4_cuda`) handlers are built by
+CMake from `ffi/` as tiny extension modules whose `registrations()` return PyCapsules. Each
+target is registered under one name for both platforms ("cpu" and "CUDA"), so XLA picks the
+handler for wherever the computation runs.
+
+`register()` runs when `nvfp4_jax` is imported: it imports the modules and registers every
+target without touching JAX's backends (registration is deferred by XLA until a backend
+starts, so it is safe before `jax.distributed.initialize`), which is what a function
+serialized with `jax.export` needs to run in a fresh process. It never raises: a missing or
+broken module is recorded and reported by `unavailable_reason`.
+
+Availability is decided separately and lazily, per platform, on the first op that asks: the
+CPU library when it loaded; the CUDA library when it loaded, JAX has a CUDA backend, and the
+module's `probe()` says its kernels can run on the device (a GPU of too low a compute
+capability, or too old a driver, makes it unavailable with the reason).
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+
+import jax
+
+TARGETS = (
+    "nvfp4_amax",
+    "nvfp4_quantize",
+    "nvfp4_fake_quantize",
+    "nvfp4_dequantize",
+    "nvfp4_rht",
+)
+# nvfp4_jax's platform name -> (extension module, XLA platform name).
+MODULES = {"cpu": ("nvfp4_jax._nvfp4_cpu", "cpu"), "cuda": ("nvfp4_jax._nvfp4_cuda", "CUDA")}
+
+_lock = threading.Lock()
+# platform -> the loaded module, or the reason it did not load.
+_loaded: dict[str, object] = {}
+# platform -> None when the kernels can run there, else the reason they cannot.
+_status: dict[str, str | None] = {}
+
+
+def current_platform() -> str:
+    """Returns the platform jitted code runs on by default: "cpu", "cuda", "rocm", "tpu"..."""
+    backend = jax.default_backend()
+    if backend != "gpu":
+        return backend
+    version = jax.devices()[0].client.platform_version.lower()
+    return "rocm" if "rocm" in version else "cuda"
+
+
+def _import(platform: str):
+    """Imports and registers the module of `platform`; returns it or the reason it failed."""
+    module_name, xla_platform = MODULES[platform]
+    try:
+        module = importlib.import_module(module_name)
+        capsules = module.registrations()
+    except Exception as error:  # noqa: BLE001  (any import failure must leave the package usable)
+        return f"importing {module_name} failed: {type(error).__name__}: {error}"
+    missing = sorted(set(TARGETS) - set(capsules))
+    if missing:
+        return f"{module_name} lacks the targets {missing}; rebuild nvfp4_jax"
+    for name in TARGETS:
+        jax.ffi.register_ffi_target(name, capsules[name], platform=xla_platform)
+    return module
+
+
+def _module(platform: str):
+    with _lock:
+        if platform not in _loaded:
+            _loaded[platform] = _import(platform)
+        return _loaded[platform]
+
+
+def register() -> None:
+    """Imports every native module and registers its targets (no backend is started)."""
+    for platform in MODULES:
+        _module(platform)
+
+
+def _cuda_reason(module) -> str | None:
+    try:
+        has_gpu = bool(jax.devices("cuda"))
+    except RuntimeError:
+        has_gpu = False
+    if not has_gpu:
+        return "the CUDA kernels are built, but this JAX has no CUDA GPU backend"
+    probe = getattr(module, "probe", None)
+    if probe is None:
+        return None
+    reason = probe()
+    return f"the CUDA kernels cannot run on this GPU: {reason}" if reason else None
+
+
+def _decide(platform: str) -> str | None:
+    if platform not in MODULES:
+        return f"nvfp4_jax has no native kernels for platform {platform!r}"
+    module = _module(platform)
+    if isinstance(module, str):
+        return module
+    return _cuda_reason(module) if platform == "cuda" else None
+
+
+def unavailable_reason(platform: str | None = None) -> str:
+    """Says why the native kernels cannot run on `platform` (default: the current one).
+
+    Returns "" when they can.
+    """
+    platform = current_platform() if platform is None else platform
+    with _lock:
+        known = platform in _status
+    if not known:
+        reason = _decide(platform)
+        with _lock:
+            _status.setdefault(platform, reason)
+    return _status[platform] or ""
+
+
+def is_available(platform: str | None = None) -> bool:
+    """Returns True when the native kernels run on `platform` ("cpu", "cuda"; default current)."""
+    return not unavailable_reason(platform)
+
+
+def require(op: str) -> None:
+    """Raises a ValueError naming `op` and the reason when the current platform has none."""
+    platform = current_platform()
+    reason = unavailable_reason(platform)
+    if reason:
+        raise ValueError(
+            f"{op}: implementation='ffi' was requested but the nvfp4_jax native library is not "
+            f"available for platform {platform!r}: {reason}"
+        )
+
+
+def module(platform: str):
+    """The loaded extension module of `platform` (for tests), or None."""
+    loaded = _module(platform)
+    return None if isinstance(loaded, str) else loaded

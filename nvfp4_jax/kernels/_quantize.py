@@ -1,0 +1,193 @@
+"""`nvfp4_quantize` and `nvfp4_fake_quantize`: the quantizing kernels and their sharding rule.
+
+Native twins: `QuantizeImpl` / `FakeQuantizeImpl` in ffi/cpu/handlers.cc (the per-block
+work in ffi/cpu/kernels_isa.cc) and ffi/cuda/handlers.cu (ffi/cuda/kernels.cuh); the
+numbers of both in ffi/include/nvfp4/numerics.h.
+
+Operands: the stored layout `x (..., C)`, the f32 tensor amax `A` to use, and the SR seed
+operand uint32 `(k0, k1, counter lo, counter hi)`. Quantize returns codes uint8
+`(..., C/2)`, scales float8_e4m3fn `(..., C/16)` and the stored amax (A, or NaN for
+non-finite input or an invalid A); fake quantize returns the dequantized values.
+
+Sharding: every leading dim keeps its sharding, and so does the quantized axis when each
+shard holds a multiple of 16 of it; the kernel runs on the local shard with the global
+amax. With SR only the first stored axis may stay sharded (a shard must be a contiguous slab
+of the flattened layout), and its shard's seed is advanced by `axis_index * local size`, so
+the random bits are the global ones; other sharded axes are gathered along that axis. 16x16
+blocks keep the second-to-last axis sharded only when each shard holds whole tiles.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from nvfp4_jax import formats
+from nvfp4_jax.kernels import _library
+from nvfp4_jax.kernels import _partition as part
+from nvfp4_jax.seed import SRSeed
+
+_F32 = jnp.float32
+_BLOCK = formats.BLOCK_SIZE
+
+
+def _call_quantize(x, amax, words, *, block_2d, rht, stochastic_rounding):
+    lead, cols = x.shape[:-1], x.shape[-1]
+    out = (
+        jax.ShapeDtypeStruct((*lead, cols // 2), jnp.uint8),
+        jax.ShapeDtypeStruct((*lead, cols // _BLOCK), jnp.float8_e4m3fn),
+        jax.ShapeDtypeStruct((), _F32),
+    )
+    call = jax.ffi.ffi_call("nvfp4_quantize", out, vmap_method="sequential")
+    flags = dict(block_2d=block_2d, rht=rht, stochastic_rounding=stochastic_rounding)
+    return tuple(call(x, amax, words, **flags))
+
+
+def _call_fake_quantize(x, amax, words, *, block_2d, rht, stochastic_rounding, global_scale, dtype):
+    out = jax.ShapeDtypeStruct(x.shape, dtype)
+    call = jax.ffi.ffi_call("nvfp4_fake_quantize", out, vmap_method="sequential")
+    flags = dict(block_2d=block_2d, rht=rht, stochastic_rounding=stochastic_rounding)
+    return call(x, amax, words, global_scale=global_scale, **flags)
+
+
+def _entries(mesh, x, *, block_2d: bool, sr: bool) -> list:
+    shape = x.shape
+    entries = part.blockwise_entries(mesh, x.sharding, shape)
+    if sr:
+        # A shard must be a contiguous slab of the flattened layout: only axis 0 stays
+        # sharded, and its shard offsets must fit the 32-bit counter arithmetic below.
+        entries = [entries[0]] + [None] * (len(shape) - 1)
+        if len(shape) == 1 or math.prod(shape) // 8 >= part.MAX_SR_COUNTERS:
+            entries = [None] * len(shape)
+    if block_2d:
+        entries = part.keep_whole_blocks(mesh, entries, shape, dim=-2)
+    return entries
+
+
+def _shard_words(words, entries, local_shape):
+    """The seed operand of this shard: advanced by (axis 0 index) * (local elements)."""
+    names = part.axes(entries[0])
+    if not names:
+        return words
+    offset = lax.axis_index(names).astype(jnp.uint32) * jnp.uint32(math.prod(local_shape))
+    return SRSeed.from_operand(words).advance(offset).operand()
+
+
+@functools.cache
+def _partitioned_quantize(ndim: int, block_2d: bool, rht: bool, sr: bool):
+    raw = part.positional(_call_quantize, block_2d=block_2d, rht=rht, stochastic_rounding=sr)
+
+    def infer(mesh, arg_shapes, result_shape):
+        del result_shape
+        out = part.named(mesh, _entries(mesh, arg_shapes[0], block_2d=block_2d, sr=sr))
+        return (out, out, part.replicated(mesh))
+
+    def partition(mesh, arg_shapes, result_shape):
+        del result_shape
+        entries = _entries(mesh, arg_shapes[0], block_2d=block_2d, sr=sr)
+        names = part.used_axes(entries)
+        x_sharding, rep = part.named(mesh, entries), part.replicated(mesh)
+
+        def lower(x, amax, words):
+            if sr:
+                words = _shard_words(words, entries, x.shape)
+            codes, scales, stored = raw(x, amax, words)
+            bad = part.any_device(jnp.isnan(stored), names)
+            # One shard with non-finite input makes the whole tensor NaN (section 8).
+            codes = jnp.where(bad, jnp.uint8(0), codes)
+            nan_scales = jnp.full(scales.shape, formats.E4M3_NAN_BYTE, jnp.uint8)
+            scales = jnp.where(bad, lax.bitcast_convert_type(nan_scales, scales.dtype), scales)
+            return codes, scales, jnp.where(bad, _F32(jnp.nan), stored)
+
+        return mesh, lower, (x_sharding, x_sharding, rep), (x_sharding, rep, rep)
+
+    d = part.dims(ndim)
+    rule = f"{d} (s k), , w -> {d} (s h), {d} s, "
+    return part.with_rule(raw, partition, infer, rule, k=_BLOCK, h=_BLOCK // 2)
+
+
+@functools.cache
+def _partitioned_fake_quantize(ndim, block_2d, rht, sr, global_scale, dtype):
+    raw = part.positional(
+        _call_fake_quantize,
+        block_2d=block_2d,
+        rht=rht,
+        stochastic_rounding=sr,
+        global_scale=global_scale,
+        dtype=dtype,
+    )
+
+    def infer(mesh, arg_shapes, result_shape):
+        del result_shape
+        return part.named(mesh, _entries(mesh, arg_shapes[0], block_2d=block_2d, sr=sr))
+
+    def partition(mesh, arg_shapes, result_shape):
+        del result_shape
+        entries = _entries(mesh, arg_shapes[0], block_2d=block_2d, sr=sr)
+        names = part.used_axes(entries)
+        x_sharding, rep = part.named(mesh, entries), part.replicated(mesh)
+
+        def lower(x, amax, words):
+            if sr:
+                words = _shard_words(words, entries, x.shape)
+            out = raw(x, amax, words)
+            if not names or out.size == 0:
+                return out
+            # The kernel fills its shard with NaN when its input (or A) is not finite; one
+            # such shard makes the whole tensor NaN, as on one device.
+            bad = part.any_device(jnp.isnan(out.reshape(-1)[0]), names)
+            return lax.cond(bad, lambda o: jnp.full_like(o, jnp.nan), lambda o: o, out)
+
+        return mesh, lower, x_sharding, (x_sharding, rep, rep)
+
+    d = part.dims(ndim)
+    return part.with_rule(raw, partition, infer, f"{d} c, , w -> {d} c")
+
+
+def _seed_operand(seed: SRSeed | None) -> jax.Array:
+    return jnp.zeros((4,), jnp.uint32) if seed is None else seed.operand()
+
+
+def quantize(
+    x: jax.Array, amax: jax.Array, seed: SRSeed | None, *, block_2d: bool, rht: bool
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Quantizes the stored layout x (..., C) with the f32 tensor amax `amax`.
+
+    `seed` None rounds to nearest; an `SRSeed` rounds stochastically with its bits.
+
+    Returns:
+      codes uint8 (..., C/2), scales float8_e4m3fn (..., C/16) and the stored amax.
+    """
+    _library.require("quantize")
+    sr = seed is not None
+    op = _partitioned_quantize(x.ndim - 1, bool(block_2d), bool(rht), sr)
+    operands = (x, jnp.asarray(amax, _F32).reshape(()), _seed_operand(seed))
+    return part.vary_like(tuple(op(*operands)), *operands)
+
+
+def fake_quantize(
+    x: jax.Array,
+    amax: jax.Array,
+    seed: SRSeed | None,
+    *,
+    block_2d: bool,
+    rht: bool,
+    global_scale: bool,
+    dtype,
+) -> jax.Array:
+    """Quantizes x like `quantize` and returns the dequantized values in `dtype`.
+
+    No inverse RHT: `value(code) * (f32(s_b) * A * RCP2688)` with `global_scale`, else
+    `value(code) * f32(s_b)`. Non-finite input (or an invalid A) gives NaN everywhere.
+    """
+    _library.require("fake_quantize")
+    sr = seed is not None
+    op = _partitioned_fake_quantize(
+        x.ndim - 1, bool(block_2d), bool(rht), sr, bool(global_scale), jnp.dtype(dtype)
+    )
+    operands = (x, jnp.asarray(amax, _F32).reshape(()), _seed_operand(seed))
+    return part.vary_like(op(*operands), *operands)
