@@ -13,7 +13,7 @@ from nvfp4_jax import layout, quantize
 
 
 def swizzle_oracle(scales: np.ndarray) -> np.ndarray:
-    """docs/NUMERICS.md section 11, element by element: offset(r, c) for every (r, c), zero padding."""
+    """docs/NUMERICS.md section 11 element by element: offset(r, c) for all (r, c), zero pads."""
     rows, cols = scales.shape
     padded_rows, padded_cols = math.ceil(rows / 128) * 128, math.ceil(cols / 4) * 4
     out = np.zeros(padded_rows * padded_cols, scales.dtype)

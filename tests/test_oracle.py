@@ -369,7 +369,8 @@ def test_caller_amax(impl, dtype, ratio):
 
 
 def test_caller_amax_zero(impl):
-    # A == 0 gives S_enc = 1 (docs/NUMERICS.md section 2) and D = 0: the data still gets codes, all decode to 0.
+    # A == 0 gives S_enc = 1 (docs/NUMERICS.md section 2) and D = 0: the data still gets codes,
+    # all decode to 0.
     x = heavy_tailed((16, 64), "f32", seed=22, outliers=False)
     q = impl.quantize(x, amax=jnp.float32(0))
     o = oracle.quantize(x, amax=0.0)

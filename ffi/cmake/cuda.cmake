@@ -44,7 +44,12 @@ set(CMAKE_CUDA_STANDARD_REQUIRED ON)
 message(STATUS "nvfp4_jax: building the CUDA kernels for sm ${CMAKE_CUDA_ARCHITECTURES}")
 
 nvfp4_add_module(_nvfp4_cuda Cuda cuda/handlers.cu)
-# IEEE division, no FMA contraction, denormals kept: the bits of NUMERICS.md.
+# The module's probe() names the architectures it was built for.
+file(CONFIGURE OUTPUT "${CMAKE_CURRENT_BINARY_DIR}/cuda_config/nvfp4_cuda_config.h"
+     CONTENT "#define NVFP4_CUDA_ARCHITECTURES \"${CMAKE_CUDA_ARCHITECTURES}\"\n" @ONLY)
+target_include_directories(_nvfp4_cuda PRIVATE "${CMAKE_CURRENT_BINARY_DIR}/cuda_config")
+target_compile_definitions(_nvfp4_cuda PRIVATE NVFP4_CUDA_PROBE)
+# IEEE division, no FMA contraction, denormals kept: the bits of docs/NUMERICS.md.
 target_compile_options(_nvfp4_cuda PRIVATE
   $<$<COMPILE_LANGUAGE:CUDA>:-O3 -fmad=false -prec-div=true -ftz=false>)
 # A static runtime: the module imports on a machine with no GPU or driver, and the

@@ -9,12 +9,10 @@
 
 #include <cstdint>
 
+#include "nvfp4/dtypes.h"
 #include "nvfp4/numerics.h"
 
 namespace nvfp4::cpu {
-
-// Index of a storage dtype in the tables: bf16, f16, f32.
-enum DtypeIndex : int { kBf16 = 0, kF16 = 1, kF32 = 2, kNumDtypes = 3 };
 
 struct QuantizeJob {
   const void* x = nullptr;
@@ -53,19 +51,19 @@ struct DequantizeJob {
 using QuantizeRangeFn = uint32_t (*)(const QuantizeJob& job, int64_t begin, int64_t end,
                                      uint32_t* scratch);
 // Rows [begin, end) of x (rows, cols); returns the max |x| bits (post-RHT when rht).
-using AmaxRangeFn = uint32_t (*)(const void* x, int64_t cols, bool rht, int64_t begin,
-                                 int64_t end);
+using AmaxRangeFn = uint32_t (*)(const void* x, int64_t cols, bool rht, int64_t begin, int64_t end);
 using DequantizeRangeFn = void (*)(const DequantizeJob& job, int64_t begin, int64_t end);
-using RhtRangeFn = void (*)(const void* x, void* out, int64_t cols, bool inverse,
-                            int64_t begin, int64_t end);
+using RhtRangeFn = void (*)(const void* x, void* out, int64_t cols, bool inverse, int64_t begin,
+                            int64_t end);
 
+// Indexed by the FloatType (bf16, f16, f32) that checks.h parses from the buffers.
 struct KernelTable {
   const char* isa;
-  AmaxRangeFn amax[kNumDtypes];                           // [input]
-  QuantizeRangeFn quantize[kNumDtypes];                   // [input]
-  QuantizeRangeFn fake_quantize[kNumDtypes][kNumDtypes];  // [input][output]
-  DequantizeRangeFn dequantize[kNumDtypes];               // [output]
-  RhtRangeFn rht[kNumDtypes];                             // [input = output]
+  AmaxRangeFn amax[kNumFloatTypes];                               // [input]
+  QuantizeRangeFn quantize[kNumFloatTypes];                       // [input]
+  QuantizeRangeFn fake_quantize[kNumFloatTypes][kNumFloatTypes];  // [input][output]
+  DequantizeRangeFn dequantize[kNumFloatTypes];                   // [output]
+  RhtRangeFn rht[kNumFloatTypes];                                 // [input = output]
 };
 
 namespace baseline {

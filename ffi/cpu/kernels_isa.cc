@@ -22,6 +22,7 @@ namespace {
 
 inline uint32_t MaxU32(uint32_t a, uint32_t b) { return a > b ? a : b; }
 
+#if defined(__AVX2__)
 // Rht16 of numerics.h with GCC vector extensions, the block as two halves of 8 lanes (one
 // AVX2 register each). Stage h < 8 computes, for every lane i of a half, v[i] + v[i ^ h]
 // where bit h of i is clear and v[i ^ h] - v[i] where it is set; stage 8 is lo + hi and
@@ -48,10 +49,6 @@ inline V8f FlipSigns(V8f v, V8u sign) {
 }
 
 inline void Rht16Vec(float block[kBlock], bool inverse) {
-#if !defined(__AVX2__)
-  // Without 8-lane shuffles the vector form is scalarized badly: the scalar butterflies win.
-  return Rht16(block, inverse);
-#endif
   // kRhtSignMask as lanes: elements 0..7, then 8..15.
   const V8u sign_lo = {0, 0, 0, 1, 0, 1, 1, 1};
   const V8u sign_hi = {1, 1, 1, 0, 1, 0, 1, 1};
@@ -66,8 +63,13 @@ inline void Rht16Vec(float block[kBlock], bool inverse) {
   __builtin_memcpy(block, &sum, sizeof(sum));
   __builtin_memcpy(block + 8, &diff, sizeof(diff));
 }
+#else
+// Without 8-lane shuffles the vector form is scalarized badly: the scalar butterflies win.
+inline void Rht16Vec(float block[kBlock], bool inverse) { Rht16(block, inverse); }
+#endif
 
-// LoadBlock of dtypes.h with the vector RHT.
+// 16 elements of T -> f32, with the forward RHT (rounded to T, docs/NUMERICS.md section 5) when
+// rht is set.
 template <class T>
 inline void LoadBlockCpu(const typename T::Storage* p, bool rht, float v[kBlock]) {
   NVFP4_SIMD_LOOP
@@ -82,8 +84,8 @@ inline void LoadBlockCpu(const typename T::Storage* p, bool rht, float v[kBlock]
 // Random words for `blocks` consecutive blocks from flat element n0: 4 per block. One
 // loop over counters, no branches: the threefry rounds vectorize across counters.
 // `counter_offset` is added to every counter (a shard's global element offset / 8).
-void FillRandomWords(uint32_t k0, uint32_t k1, uint64_t counter_offset, int64_t n0,
-                     int64_t blocks, uint32_t* words) {
+void FillRandomWords(uint32_t k0, uint32_t k1, uint64_t counter_offset, int64_t n0, int64_t blocks,
+                     uint32_t* words) {
   const uint64_t j0 = counter_offset + (static_cast<uint64_t>(n0) >> 3);
   for (int64_t c = 0; c < 2 * blocks; ++c) {
     const uint64_t j = j0 + static_cast<uint64_t>(c);
@@ -132,8 +134,7 @@ struct ValueSink {
 
 // Quantizes one row, handing each block to Sink; returns the max |x| bits seen.
 template <class T, class Sink>
-uint32_t QuantizeRow(const QuantizeJob& job, int64_t row, const uint32_t* tile,
-                     uint32_t* words) {
+uint32_t QuantizeRow(const QuantizeJob& job, int64_t row, const uint32_t* tile, uint32_t* words) {
   const auto* x = static_cast<const typename T::Storage*>(job.x) + row * job.cols;
   if (job.sr) {
     FillRandomWords(job.k0, job.k1, job.counter_offset, row * job.cols, job.blocks(), words);
@@ -165,8 +166,7 @@ uint32_t QuantizeRange(const QuantizeJob& job, int64_t begin, int64_t end, uint3
   for (int64_t item = begin; item < end; ++item) {
     const int64_t row0 = item * job.rows_per_item();
     if (tile) {
-      TileAmaxBits<T>(static_cast<const typename T::Storage*>(job.x) + row0 * job.cols, job,
-                      tile);
+      TileAmaxBits<T>(static_cast<const typename T::Storage*>(job.x) + row0 * job.cols, job, tile);
     }
     for (int64_t r = row0; r < row0 + job.rows_per_item(); ++r) {
       seen = MaxU32(seen, QuantizeRow<T, Sink>(job, r, tile, words));
@@ -199,8 +199,7 @@ void DequantizeRange(const DequantizeJob& job, int64_t begin, int64_t end) {
 }
 
 template <class T>
-void RhtRange(const void* xv, void* outv, int64_t cols, bool inverse, int64_t begin,
-              int64_t end) {
+void RhtRange(const void* xv, void* outv, int64_t cols, bool inverse, int64_t begin, int64_t end) {
   const auto* x = static_cast<const typename T::Storage*>(xv);
   auto* out = static_cast<typename T::Storage*>(outv);
   for (int64_t i = begin * cols; i < end * cols; i += kBlock) {
@@ -213,7 +212,7 @@ void RhtRange(const void* xv, void* outv, int64_t cols, bool inverse, int64_t be
 }
 
 template <class T>
-constexpr QuantizeRangeFn kFake[kNumDtypes] = {
+constexpr QuantizeRangeFn kFake[kNumFloatTypes] = {
     QuantizeRange<T, ValueSink<Bf16>>,
     QuantizeRange<T, ValueSink<F16>>,
     QuantizeRange<T, ValueSink<F32>>,
@@ -225,8 +224,7 @@ const KernelTable& Table() {
   static constexpr KernelTable kTable = {
       NVFP4_ISA_NAME,
       {AmaxRange<Bf16>, AmaxRange<F16>, AmaxRange<F32>},
-      {QuantizeRange<Bf16, CodeSink>, QuantizeRange<F16, CodeSink>,
-       QuantizeRange<F32, CodeSink>},
+      {QuantizeRange<Bf16, CodeSink>, QuantizeRange<F16, CodeSink>, QuantizeRange<F32, CodeSink>},
       {{kFake<Bf16>[0], kFake<Bf16>[1], kFake<Bf16>[2]},
        {kFake<F16>[0], kFake<F16>[1], kFake<F16>[2]},
        {kFake<F32>[0], kFake<F32>[1], kFake<F32>[2]}},

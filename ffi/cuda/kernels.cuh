@@ -24,8 +24,7 @@ __device__ __forceinline__ int64_t GlobalThread() {
 
 // 16 elements of T at p. `vec`: p is 16-byte aligned (uniform across the grid).
 template <class T>
-__device__ __forceinline__ void LoadRaw(const typename T::Storage* p, bool vec,
-                                        float v[kBlock]) {
+__device__ __forceinline__ void LoadRaw(const typename T::Storage* p, bool vec, float v[kBlock]) {
   using S = typename T::Storage;
   S s[kBlock];
   if (vec) {
@@ -43,7 +42,7 @@ __device__ __forceinline__ void LoadRaw(const typename T::Storage* p, bool vec,
   for (int i = 0; i < kBlock; ++i) v[i] = T::Load(s[i]);
 }
 
-// LoadBlock of dtypes.h with 16-byte loads: the forward RHT rounded to T when rht.
+// 16 elements of T with 16-byte loads, and the forward RHT rounded to T when rht.
 template <class T>
 __device__ __forceinline__ void LoadBlockVec(const typename T::Storage* p, bool vec, bool rht,
                                              float v[kBlock]) {
@@ -108,11 +107,10 @@ __global__ void AmaxKernel(const typename T::Storage* x, int64_t blocks, bool ve
 }
 
 // Max |x| bits -> f32 amax, NaN when any element was not finite.
-__global__ void AmaxFinalizeKernel(uint32_t* bits) {
-  *bits = *bits < kInfBits ? *bits : kNanBits;
-}
+__global__ void AmaxFinalizeKernel(uint32_t* bits) { *bits = *bits < kInfBits ? *bits : kNanBits; }
 
-// stored amax = A, or NaN when A is not finite (the quantize pass may still set NaN).
+// stored amax = A, or NaN when A is NaN, inf or negative (the quantize pass may still set
+// NaN: then the fill kernels below make the whole result the non-finite one).
 __global__ void StoredAmaxKernel(const float* amax, float* stored) {
   *stored = StoredAmax(*amax, true);
 }
@@ -129,7 +127,7 @@ struct QuantizeArgs {
   bool rht;
   bool sr;
   bool vec;             // all pointers aligned for 16-byte (codes: 8-byte) access
-  uint32_t* nonfinite;  // set to NaN bits / nonzero when an input is not finite
+  uint32_t* nonfinite;  // the stored amax's bits: set to NaN when an input is not finite
   // Quantize outputs.
   uint8_t* codes;
   uint8_t* scales;
@@ -139,9 +137,8 @@ struct QuantizeArgs {
 };
 
 struct CodeSink {
-  static __device__ __forceinline__ void Put(const QuantizeArgs& a, int64_t block,
-                                             uint32_t scale, const uint8_t q[kBlock / 2],
-                                             float /*global*/) {
+  static __device__ __forceinline__ void Put(const QuantizeArgs& a, int64_t block, uint32_t scale,
+                                             const uint8_t q[kBlock / 2], float /*global*/) {
     StoreCodes(q, a.vec, a.codes + block * (kBlock / 2));
     a.scales[block] = static_cast<uint8_t>(scale);
   }
@@ -149,9 +146,8 @@ struct CodeSink {
 
 template <class U>
 struct ValueSink {
-  static __device__ __forceinline__ void Put(const QuantizeArgs& a, int64_t block,
-                                             uint32_t scale, const uint8_t q[kBlock / 2],
-                                             float global) {
+  static __device__ __forceinline__ void Put(const QuantizeArgs& a, int64_t block, uint32_t scale,
+                                             const uint8_t q[kBlock / 2], float global) {
     const float s = E4m3ToF32(scale);
     float v[kBlock];
     DecodeBlock(q, a.use_global ? s * global : s, v);
@@ -188,8 +184,7 @@ __global__ void Quantize1dKernel(QuantizeArgs a) {
   const float amax = __ldg(a.amax);
   const GlobalScale g = MakeGlobalScale(amax);
   float v[kBlock];
-  LoadBlockVec<T>(static_cast<const typename T::Storage*>(a.x) + block * kBlock, a.vec, a.rht,
-                  v);
+  LoadBlockVec<T>(static_cast<const typename T::Storage*>(a.x) + block * kBlock, a.vec, a.rht, v);
   const uint32_t bits = MaxAbsBits16(v);
   if (bits >= kInfBits) *a.nonfinite = kNanBits;  // every writer writes the same value
   QuantizeBlock<Sink>(a, g, DecodeGlobal(amax), block, bits, v);
@@ -213,8 +208,7 @@ __global__ void Quantize2dKernel(QuantizeArgs a) {
   float v[kBlock];
   uint32_t bits = 0;
   if (valid) {
-    LoadBlockVec<T>(static_cast<const typename T::Storage*>(a.x) + block * kBlock, a.vec,
-                    a.rht, v);
+    LoadBlockVec<T>(static_cast<const typename T::Storage*>(a.x) + block * kBlock, a.vec, a.rht, v);
     bits = MaxAbsBits16(v);
     if (bits >= kInfBits) *a.nonfinite = kNanBits;
   }
@@ -227,22 +221,38 @@ __global__ void Quantize2dKernel(QuantizeArgs a) {
   if (valid) QuantizeBlock<Sink>(a, g, DecodeGlobal(amax), block, tile, v);
 }
 
-// Fake quantization with a NaN stored amax: every value NaN, like dequantize.
-template <class U>
-__global__ void FillNanKernel(const float* amax, const uint32_t* nonfinite, int64_t n,
-                              typename U::Storage* out) {
-  if (*nonfinite == 0 && StoredAmax(__ldg(amax), true) == __ldg(amax)) return;
+// docs/NUMERICS.md section 8, run after the quantize pass: when the stored amax is NaN (A or an
+// input element was not finite), every code 0 and every scale E4M3 NaN. Grid-stride over
+// the 16-blocks; the threads return at once for a finite tensor.
+__global__ void NonFiniteCodesKernel(const float* stored, int64_t blocks, uint8_t* codes,
+                                     uint8_t* scales) {
+  const float a = *stored;
+  if (a == a) return;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = GlobalThread(); i < n; i += stride) out[i] = U::Store(AsFloat(kNanBits));
+  for (int64_t b = GlobalThread(); b < blocks; b += stride) {
+    NVFP4_UNROLL
+    for (int i = 0; i < kBlock / 2; ++i) codes[b * (kBlock / 2) + i] = 0;
+    scales[b] = static_cast<uint8_t>(kE4m3Nan);
+  }
+}
+
+// Fake quantization of a non-finite tensor (NaN stored amax): every value NaN, as
+// dequantizing the non-finite codes gives. Grid-stride over the n values.
+template <class U>
+__global__ void FillNanKernel(const float* stored, int64_t n, typename U::Storage* out) {
+  const float a = *stored;
+  if (a == a) return;
+  const typename U::Storage nan = U::Store(AsFloat(kNanBits));
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = GlobalThread(); i < n; i += stride) out[i] = nan;
 }
 
 // ---------------------------------------------------------------------------
 // Dequantize and the RHT.
 
 template <class U>
-__global__ void DequantizeKernel(const uint8_t* codes, const uint8_t* scales,
-                                 const float* amax, int64_t blocks, bool rht, bool vec,
-                                 typename U::Storage* out) {
+__global__ void DequantizeKernel(const uint8_t* codes, const uint8_t* scales, const float* amax,
+                                 int64_t blocks, bool rht, bool vec, typename U::Storage* out) {
   const int64_t b = GlobalThread();
   if (b >= blocks) return;
   uint8_t q[kBlock / 2];

@@ -4,7 +4,10 @@
 // module and NVFP4_SUFFIX the handler symbols (NvFp4AmaxCpu, ...). A real extension
 // module is importable through scikit-build-core's editable redirect hook, which a bare
 // shared library next to __file__ is not. Raw C API: no binding library to depend on.
+// The CPU module also has set_isa() (tests), the CUDA module probe() (checked at load).
 #include <Python.h>
+
+#include <cstring>
 
 #include "xla/ffi/api/c_api.h"
 
@@ -26,6 +29,11 @@ XLA_FFI_Error* NVFP4_HANDLER(NvFp4Rht)(XLA_FFI_CallFrame* call_frame);
 namespace nvfp4::cpu {
 bool ForceTable(const char* isa);
 }
+#endif
+
+#if defined(NVFP4_CUDA_PROBE)
+// cuda/handlers.cu: why no kernel can run on the current CUDA device ("" when one can).
+extern "C" void NvFp4CudaProbe(char* buf, size_t size);
 #endif
 
 namespace {
@@ -68,6 +76,17 @@ PyObject* SetIsa(PyObject*, PyObject* arg) {
 }
 #endif
 
+#if defined(NVFP4_CUDA_PROBE)
+// probe() -> str: "" when this module's kernels can run on the current CUDA device, else why
+// not (no driver or device, driver too old, no kernel image for its compute capability).
+PyObject* Probe(PyObject*, PyObject*) {
+  char reason[1024];
+  Py_BEGIN_ALLOW_THREADS NvFp4CudaProbe(reason, sizeof(reason));
+  Py_END_ALLOW_THREADS return PyUnicode_DecodeUTF8(reason, static_cast<Py_ssize_t>(strlen(reason)),
+                                                   "replace");
+}
+#endif
+
 PyMethodDef kMethods[] = {
     {"registrations", Registrations, METH_NOARGS,
      "Returns {target name: PyCapsule} of this platform's XLA FFI handlers."},
@@ -76,19 +95,24 @@ PyMethodDef kMethods[] = {
      "Uses the CPU kernels built for an x86 level ('baseline', 'x86-64-v3', 'x86-64-v4'), "
      "or the best one for ''. Returns False if this CPU cannot run it. For tests."},
 #endif
+#if defined(NVFP4_CUDA_PROBE)
+    {"probe", Probe, METH_NOARGS,
+     "Returns '' when these CUDA kernels can run on the current device, else the reason "
+     "(no device, driver too old, no kernel image for the device's compute capability)."},
+#endif
     {nullptr, nullptr, 0, nullptr},
 };
 
 PyModuleDef kModule = {
     PyModuleDef_HEAD_INIT,
-    NVFP4_STR(NVFP4_MODULE),            // m_name
+    NVFP4_STR(NVFP4_MODULE),           // m_name
     "nvfp4_jax native FFI handlers.",  // m_doc
-    -1,                                 // m_size: no per-module state
-    kMethods,                           // m_methods
-    nullptr,                            // m_slots
-    nullptr,                            // m_traverse
-    nullptr,                            // m_clear
-    nullptr,                            // m_free
+    -1,                                // m_size: no per-module state
+    kMethods,                          // m_methods
+    nullptr,                           // m_slots
+    nullptr,                           // m_traverse
+    nullptr,                           // m_clear
+    nullptr,                           // m_free
 };
 
 }  // namespace

@@ -79,18 +79,29 @@ def register() -> None:
         _module(platform)
 
 
-def _cuda_reason(module) -> str | None:
+def _gpu_backend_present() -> bool:
     try:
-        has_gpu = bool(jax.devices("cuda"))
+        return bool(jax.devices("cuda"))
     except RuntimeError:
-        has_gpu = False
-    if not has_gpu:
+        return False
+
+
+def _cuda_reason(module) -> str | None:
+    """Why the loaded CUDA module cannot run here (no GPU backend, or its probe says), or None.
+
+    `probe()` checks the driver, the device and that the module holds a kernel image for the
+    device's compute capability, without launching anything.
+    """
+    if not _gpu_backend_present():
         return "the CUDA kernels are built, but this JAX has no CUDA GPU backend"
     probe = getattr(module, "probe", None)
-    if probe is None:
-        return None
-    reason = probe()
-    return f"the CUDA kernels cannot run on this GPU: {reason}" if reason else None
+    if probe is None:  # built from older sources, whose targets have other signatures
+        return f"{module.__name__} has no probe(); rebuild nvfp4_jax"
+    try:
+        reason = str(probe())
+    except Exception as error:  # noqa: BLE001  (a failing probe must leave the package usable)
+        reason = f"probe() failed: {type(error).__name__}: {error}"
+    return f"the CUDA kernels in {module.__name__} cannot run here: {reason}" if reason else None
 
 
 def _decide(platform: str) -> str | None:

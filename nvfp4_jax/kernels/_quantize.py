@@ -48,10 +48,15 @@ def _call_quantize(x, amax, words, *, block_2d, rht, stochastic_rounding):
 
 
 def _call_fake_quantize(x, amax, words, *, block_2d, rht, stochastic_rounding, global_scale, dtype):
-    out = jax.ShapeDtypeStruct(x.shape, dtype)
+    """(values, stored amax): the stored amax is `_call_quantize`'s, NaN when the values are.
+
+    The kernels decide the NaN fill on the device from it, so it is a result (whose memory
+    outlives the kernels), not scratch memory.
+    """
+    out = (jax.ShapeDtypeStruct(x.shape, dtype), jax.ShapeDtypeStruct((), _F32))
     call = jax.ffi.ffi_call("nvfp4_fake_quantize", out, vmap_method="sequential")
     flags = dict(block_2d=block_2d, rht=rht, stochastic_rounding=stochastic_rounding)
-    return call(x, amax, words, global_scale=global_scale, **flags)
+    return tuple(call(x, amax, words, global_scale=global_scale, **flags))
 
 
 def _entries(mesh, x, *, block_2d: bool, sr: bool) -> list:
@@ -123,7 +128,8 @@ def _partitioned_fake_quantize(ndim, block_2d, rht, sr, global_scale, dtype):
 
     def infer(mesh, arg_shapes, result_shape):
         del result_shape
-        return part.named(mesh, _entries(mesh, arg_shapes[0], block_2d=block_2d, sr=sr))
+        out = part.named(mesh, _entries(mesh, arg_shapes[0], block_2d=block_2d, sr=sr))
+        return (out, part.replicated(mesh))
 
     def partition(mesh, arg_shapes, result_shape):
         del result_shape
@@ -134,18 +140,19 @@ def _partitioned_fake_quantize(ndim, block_2d, rht, sr, global_scale, dtype):
         def lower(x, amax, words):
             if sr:
                 words = _shard_words(words, entries, x.shape)
-            out = raw(x, amax, words)
-            if not names or out.size == 0:
-                return out
+            out, stored = raw(x, amax, words)
+            if not names:
+                return out, stored
             # The kernel fills its shard with NaN when its input (or A) is not finite; one
             # such shard makes the whole tensor NaN, as on one device.
-            bad = part.any_device(jnp.isnan(out.reshape(-1)[0]), names)
-            return lax.cond(bad, lambda o: jnp.full_like(o, jnp.nan), lambda o: o, out)
+            bad = part.any_device(jnp.isnan(stored), names)
+            out = lax.cond(bad, lambda o: jnp.full_like(o, jnp.nan), lambda o: o, out)
+            return out, jnp.where(bad, _F32(jnp.nan), stored)
 
-        return mesh, lower, x_sharding, (x_sharding, rep, rep)
+        return mesh, lower, (x_sharding, rep), (x_sharding, rep, rep)
 
     d = part.dims(ndim)
-    return part.with_rule(raw, partition, infer, f"{d} c, , w -> {d} c")
+    return part.with_rule(raw, partition, infer, f"{d} c, , w -> {d} c, ")
 
 
 def _seed_operand(seed: SRSeed | None) -> jax.Array:
@@ -190,4 +197,5 @@ def fake_quantize(
         x.ndim - 1, bool(block_2d), bool(rht), sr, bool(global_scale), jnp.dtype(dtype)
     )
     operands = (x, jnp.asarray(amax, _F32).reshape(()), _seed_operand(seed))
-    return part.vary_like(op(*operands), *operands)
+    values, _ = op(*operands)  # the stored amax only served the NaN fill
+    return part.vary_like(values, *operands)

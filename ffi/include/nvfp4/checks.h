@@ -1,7 +1,13 @@
-// Argument checks and dtype dispatch shared by the CPU and CUDA FFI handlers (host code).
+// Argument checks shared by the CPU and CUDA FFI handlers (host code): one function per
+// target checks every operand and result of that target and returns its row layout and
+// parsed float dtypes, so a handler only runs its kernels.
 //
 // Every rejection is an ffi::Error::InvalidArgument whose message names the target, the
-// operand, its shape and dtype, so a user sees what was wrong without a debugger.
+// operand, its shape and dtype, so a user sees what was wrong without a debugger:
+//   nvfp4_amax: x of shape (4, 20) and dtype f32: the quantized (last) axis must be a
+//   multiple of 16
+// The handlers bind every buffer as ffi::AnyBuffer, so a wrong dtype reaches these checks
+// instead of XLA's generic "Wrong buffer dtype" decoding error.
 #ifndef NVFP4_CHECKS_H_
 #define NVFP4_CHECKS_H_
 
@@ -19,23 +25,55 @@ namespace ffi = xla::ffi;
 struct RowLayout {
   int64_t rows = 0;
   int64_t cols = 0;
-  int64_t blocks() const { return cols / kBlock; }
+  int64_t blocks() const { return cols / kBlock; }  // 16-blocks per row
   int64_t size() const { return rows * cols; }
 };
 
-inline const char* DtypeName(ffi::DataType t) {
+// What the checks of a target found. `x` is set by the targets with an x operand (amax,
+// quantize, fake quantize, rht), `result` by those with a values result (fake quantize,
+// dequantize, rht).
+struct CheckedArgs {
+  RowLayout layout;
+  FloatType x = FloatType::kF32;
+  FloatType result = FloatType::kF32;
+};
+
+inline std::string DtypeName(ffi::DataType t) {
   switch (t) {
-    case ffi::DataType::BF16: return "bf16";
+    case ffi::DataType::INVALID: return "invalid";
+    case ffi::DataType::PRED: return "pred";
+    case ffi::DataType::S1: return "s1";
+    case ffi::DataType::S2: return "s2";
+    case ffi::DataType::S4: return "s4";
+    case ffi::DataType::S8: return "s8";
+    case ffi::DataType::S16: return "s16";
+    case ffi::DataType::S32: return "s32";
+    case ffi::DataType::S64: return "s64";
+    case ffi::DataType::U1: return "u1";
+    case ffi::DataType::U2: return "u2";
+    case ffi::DataType::U4: return "u4";
+    case ffi::DataType::U8: return "u8";
+    case ffi::DataType::U16: return "u16";
+    case ffi::DataType::U32: return "u32";
+    case ffi::DataType::U64: return "u64";
     case ffi::DataType::F16: return "f16";
     case ffi::DataType::F32: return "f32";
     case ffi::DataType::F64: return "f64";
-    case ffi::DataType::U8: return "u8";
-    case ffi::DataType::U32: return "u32";
-    case ffi::DataType::S32: return "s32";
+    case ffi::DataType::BF16: return "bf16";
+    case ffi::DataType::C64: return "c64";
+    case ffi::DataType::C128: return "c128";
+    case ffi::DataType::TOKEN: return "token";
+    case ffi::DataType::F8E5M2: return "f8e5m2";
+    case ffi::DataType::F8E4M3: return "f8e4m3";
     case ffi::DataType::F8E4M3FN: return "f8e4m3fn";
+    case ffi::DataType::F8E4M3B11FNUZ: return "f8e4m3b11fnuz";
+    case ffi::DataType::F8E5M2FNUZ: return "f8e5m2fnuz";
+    case ffi::DataType::F8E4M3FNUZ: return "f8e4m3fnuz";
+    case ffi::DataType::F8E3M4: return "f8e3m4";
     case ffi::DataType::F4E2M1FN: return "f4e2m1fn";
-    default: return "an unsupported dtype";
+    case ffi::DataType::F8E8M0FNU: return "f8e8m0fnu";
   }
+  return "#" + std::to_string(static_cast<int>(t));  // a dtype newer than these headers
 }
 
 inline std::string ShapeString(ffi::AnyBuffer::Dimensions dims) {
@@ -47,111 +85,181 @@ inline std::string ShapeString(ffi::AnyBuffer::Dimensions dims) {
   return s + (dims.size() == 1 ? ",)" : ")");
 }
 
-inline std::string Describe(const char* what, const ffi::AnyBuffer& b) {
-  return std::string(what) + " of shape " + ShapeString(b.dimensions()) + " and dtype " +
-         DtypeName(b.element_type());
+// Runs the checks of one target in order and keeps the first failure; once a check has
+// failed, the later ones do nothing (and return placeholders).
+class ArgChecker {
+ public:
+  explicit ArgChecker(const char* target) : target_(target) {}
+
+  // A float tensor's dtype: bf16, f16 or f32, never a default for anything else.
+  FloatType Float(const char* what, const ffi::AnyBuffer& b) {
+    if (failed()) return FloatType::kF32;
+    switch (b.element_type()) {
+      case ffi::DataType::BF16: return FloatType::kBf16;
+      case ffi::DataType::F16: return FloatType::kF16;
+      case ffi::DataType::F32: return FloatType::kF32;
+      default: Fail(what, b, "expected dtype bf16, f16 or f32"); return FloatType::kF32;
+    }
+  }
+
+  // The rows x cols view of x (or, with `per_element` 2, of packed codes: two per byte),
+  // quantized along its last axis in 16-blocks; block_2d also needs rows % 16 == 0.
+  RowLayout Layout(const char* what, const ffi::AnyBuffer& b, bool block_2d,
+                   int64_t per_element = 1) {
+    if (failed()) return {};
+    const auto dims = b.dimensions();
+    if (dims.size() == 0) {
+      Fail(what, b, "needs rank >= 1");
+      return {};
+    }
+    RowLayout l;
+    l.cols = dims.back() * per_element;
+    l.rows = 1;
+    for (size_t i = 0; i + 1 < dims.size(); ++i) l.rows *= dims[i];
+    if (l.cols % kBlock != 0) {
+      Fail(what, b,
+           per_element == 1
+               ? "the quantized (last) axis must be a multiple of 16"
+               : "the last axis must be a multiple of 8 (16-blocks of codes, two per byte)");
+    } else if (block_2d && l.rows % kBlock != 0) {
+      Fail(what, b, "16x16 blocks need a row count that is a multiple of 16");
+    }
+    return l;
+  }
+
+  void Dtype(const char* what, const ffi::AnyBuffer& b, ffi::DataType dtype,
+             const char* note = "") {
+    if (failed() || b.element_type() == dtype) return;
+    Fail(what, b, "expected dtype " + DtypeName(dtype) + note);
+  }
+
+  void Count(const char* what, const ffi::AnyBuffer& b, int64_t count) {
+    if (failed() || static_cast<int64_t>(b.element_count()) == count) return;
+    Fail(what, b, "expected " + std::to_string(count) + " elements");
+  }
+
+  void CountOf(const char* what, const ffi::AnyBuffer& b, ffi::DataType dtype, int64_t count) {
+    if (failed()) return;
+    if (b.element_type() != dtype || static_cast<int64_t>(b.element_count()) != count) {
+      Fail(what, b, "expected " + std::to_string(count) + " elements of dtype " + DtypeName(dtype));
+    }
+  }
+
+  // Packed codes (rows, cols/2) u8 and scales (rows, cols/16) f8e4m3fn of a layout.
+  void CodesAndScales(const RowLayout& l, const ffi::AnyBuffer& codes,
+                      const ffi::AnyBuffer& scales) {
+    CountOf("codes", codes, ffi::DataType::U8, l.size() / 2);
+    CountOf("scales", scales, ffi::DataType::F8E4M3FN, l.rows * l.blocks());
+  }
+
+  // An f32 scalar of shape () (amax operand, amax results).
+  void ScalarF32(const char* what, const ffi::AnyBuffer& b) {
+    if (failed()) return;
+    if (b.element_type() != ffi::DataType::F32 || b.dimensions().size() != 0) {
+      Fail(what, b, "expected an f32 scalar of shape ()");
+    }
+  }
+
+  // The SR key words: uint32[4] (k0, k1, counter offset lo, hi).
+  void Key(const ffi::AnyBuffer& key) {
+    if (failed()) return;
+    const auto dims = key.dimensions();
+    if (key.element_type() != ffi::DataType::U32 || dims.size() != 1 || dims[0] != 4) {
+      error_ = ffi::Error::InvalidArgument(
+          std::string(target_) + ": key words of shape " + ShapeString(dims) +
+          ": expected uint32[4] (k0, k1, counter offset lo, hi), got dtype " +
+          DtypeName(key.element_type()));
+    }
+  }
+
+  ffi::ErrorOr<CheckedArgs> Finish(const CheckedArgs& args) const {
+    if (failed()) return ffi::Unexpected(error_);
+    return args;
+  }
+
+ private:
+  bool failed() const { return error_.failure(); }
+
+  void Fail(const char* what, const ffi::AnyBuffer& b, const std::string& problem) {
+    error_ = ffi::Error::InvalidArgument(std::string(target_) + ": " + what + " of shape " +
+                                         ShapeString(b.dimensions()) + " and dtype " +
+                                         DtypeName(b.element_type()) + ": " + problem);
+  }
+
+  const char* target_;
+  ffi::Error error_;
+};
+
+// nvfp4_amax(x) -> f32 scalar.
+inline ffi::ErrorOr<CheckedArgs> CheckAmaxArgs(const ffi::AnyBuffer& x,
+                                               const ffi::AnyBuffer& result) {
+  ArgChecker c("nvfp4_amax");
+  CheckedArgs a;
+  a.x = c.Float("x", x);
+  a.layout = c.Layout("x", x, /*block_2d=*/false);
+  c.ScalarF32("result", result);
+  return c.Finish(a);
 }
 
-inline ffi::Error Invalid(const char* target, const std::string& message) {
-  return ffi::Error::InvalidArgument(std::string(target) + ": " + message);
+// nvfp4_quantize(x, amax, key) -> codes, scales, stored_amax.
+inline ffi::ErrorOr<CheckedArgs> CheckQuantizeArgs(
+    const ffi::AnyBuffer& x, const ffi::AnyBuffer& amax, const ffi::AnyBuffer& key,
+    const ffi::AnyBuffer& codes, const ffi::AnyBuffer& scales, const ffi::AnyBuffer& stored_amax,
+    bool block_2d) {
+  ArgChecker c("nvfp4_quantize");
+  CheckedArgs a;
+  a.x = c.Float("x", x);
+  a.layout = c.Layout("x", x, block_2d);
+  c.ScalarF32("amax", amax);
+  c.Key(key);
+  c.CodesAndScales(a.layout, codes, scales);
+  c.ScalarF32("stored_amax", stored_amax);
+  return c.Finish(a);
 }
 
-// Rows x cols of a float tensor quantized along its last axis (cols % 16 == 0, and rows
-// % 16 == 0 for 16x16 blocks). Returns the error for anything else.
-inline ffi::ErrorOr<RowLayout> QuantizedLayout(const char* target, const char* what,
-                                               const ffi::AnyBuffer& x, bool block_2d,
-                                               int64_t cols_per_element = 1) {
-  const auto dims = x.dimensions();
-  if (dims.size() == 0) {
-    return ffi::Unexpected(Invalid(target, Describe(what, x) + ": needs rank >= 1"));
-  }
-  RowLayout l;
-  l.cols = dims.back() * cols_per_element;
-  l.rows = 1;
-  for (size_t i = 0; i + 1 < dims.size(); ++i) l.rows *= dims[i];
-  if (l.cols % kBlock != 0) {
-    return ffi::Unexpected(Invalid(
-        target, Describe(what, x) + ": the quantized (last) axis must be a multiple of 16"));
-  }
-  if (block_2d && l.rows % kBlock != 0) {
-    return ffi::Unexpected(Invalid(
-        target, Describe(what, x) + ": 16x16 blocks need a row count that is a multiple of 16"));
-  }
-  return l;
+// nvfp4_fake_quantize(x, amax, key) -> result (the values), stored_amax.
+inline ffi::ErrorOr<CheckedArgs> CheckFakeQuantizeArgs(
+    const ffi::AnyBuffer& x, const ffi::AnyBuffer& amax, const ffi::AnyBuffer& key,
+    const ffi::AnyBuffer& result, const ffi::AnyBuffer& stored_amax, bool block_2d) {
+  ArgChecker c("nvfp4_fake_quantize");
+  CheckedArgs a;
+  a.x = c.Float("x", x);
+  a.layout = c.Layout("x", x, block_2d);
+  c.ScalarF32("amax", amax);
+  c.Key(key);
+  a.result = c.Float("result", result);
+  c.Count("result", result, a.layout.size());
+  c.ScalarF32("stored_amax", stored_amax);
+  return c.Finish(a);
 }
 
-inline ffi::Error ExpectCount(const char* target, const char* what, const ffi::AnyBuffer& b,
-                              ffi::DataType dtype, int64_t count) {
-  if (b.element_type() != dtype || static_cast<int64_t>(b.element_count()) != count) {
-    return Invalid(target, Describe(what, b) + ": expected " + std::to_string(count) +
-                               " elements of dtype " + DtypeName(dtype));
-  }
-  return ffi::Error::Success();
+// nvfp4_dequantize(codes, scales, amax) -> result.
+inline ffi::ErrorOr<CheckedArgs> CheckDequantizeArgs(const ffi::AnyBuffer& codes,
+                                                     const ffi::AnyBuffer& scales,
+                                                     const ffi::AnyBuffer& amax,
+                                                     const ffi::AnyBuffer& result) {
+  ArgChecker c("nvfp4_dequantize");
+  CheckedArgs a;
+  c.Dtype("codes", codes, ffi::DataType::U8);
+  a.layout = c.Layout("codes", codes, /*block_2d=*/false, /*per_element=*/2);
+  c.CodesAndScales(a.layout, codes, scales);
+  c.ScalarF32("amax", amax);
+  a.result = c.Float("result", result);
+  c.Count("result", result, a.layout.size());
+  return c.Finish(a);
 }
 
-inline ffi::Error ExpectKey(const char* target, ffi::Buffer<ffi::U32> key) {
-  if (key.element_count() != 4) {
-    return Invalid(target, "key words of shape " + ShapeString(key.dimensions()) +
-                               ": expected uint32[4] (k0, k1, counter offset lo, hi)");
-  }
-  return ffi::Error::Success();
-}
-
-inline ffi::Error ExpectScalarF32(const char* target, const char* what,
-                                  ffi::Buffer<ffi::F32> b) {
-  if (b.element_count() != 1) {
-    return Invalid(target, std::string(what) + " of shape " + ShapeString(b.dimensions()) +
-                               ": expected an f32 scalar");
-  }
-  return ffi::Error::Success();
-}
-
-// Operands of nvfp4_quantize and nvfp4_fake_quantize: x, amax, key words.
-inline ffi::ErrorOr<RowLayout> CheckQuantizeInputs(const char* target, const ffi::AnyBuffer& x,
-                                                   ffi::Buffer<ffi::F32> amax,
-                                                   ffi::Buffer<ffi::U32> key, bool block_2d) {
-  auto layout = QuantizedLayout(target, "x", x, block_2d);
-  if (layout.has_error()) return layout;
-  if (auto e = ExpectScalarF32(target, "amax", amax); e.failure()) return ffi::Unexpected(e);
-  if (auto e = ExpectKey(target, key); e.failure()) return ffi::Unexpected(e);
-  return layout;
-}
-
-// Packed codes (rows, cols/2) u8 and scales (rows, cols/16) f8e4m3fn for a layout.
-inline ffi::Error CheckCodesAndScales(const char* target, const RowLayout& l,
-                                      const ffi::AnyBuffer& codes,
-                                      const ffi::AnyBuffer& scales) {
-  if (auto e = ExpectCount(target, "codes", codes, ffi::DataType::U8, l.size() / 2);
-      e.failure()) {
-    return e;
-  }
-  return ExpectCount(target, "scales", scales, ffi::DataType::F8E4M3FN, l.blocks() * l.rows);
-}
-
-// Output values: a float tensor with as many elements as the layout.
-inline ffi::Error CheckValues(const char* target, const char* what, const RowLayout& l,
-                              const ffi::AnyBuffer& out) {
-  const auto t = out.element_type();
-  const bool is_float =
-      t == ffi::DataType::BF16 || t == ffi::DataType::F16 || t == ffi::DataType::F32;
-  if (!is_float || static_cast<int64_t>(out.element_count()) != l.size()) {
-    return Invalid(target, Describe(what, out) + ": expected " + std::to_string(l.size()) +
-                               " elements of dtype bf16, f16 or f32");
-  }
-  return ffi::Error::Success();
-}
-
-// Calls fn(T{}) with the traits type of a bf16/f16/f32 buffer, or returns the error.
-template <class Fn>
-ffi::Error DispatchFloat(const char* target, const char* what, const ffi::AnyBuffer& b,
-                         Fn&& fn) {
-  switch (b.element_type()) {
-    case ffi::DataType::BF16: return fn(Bf16{});
-    case ffi::DataType::F16: return fn(F16{});
-    case ffi::DataType::F32: return fn(F32{});
-    default:
-      return Invalid(target, Describe(what, b) + ": expected dtype bf16, f16 or f32");
-  }
+// nvfp4_rht(x) -> result of x's dtype and shape.
+inline ffi::ErrorOr<CheckedArgs> CheckRhtArgs(const ffi::AnyBuffer& x,
+                                              const ffi::AnyBuffer& result) {
+  ArgChecker c("nvfp4_rht");
+  CheckedArgs a;
+  a.x = c.Float("x", x);
+  a.layout = c.Layout("x", x, /*block_2d=*/false);
+  c.Dtype("result", result, x.element_type(), " (the dtype of x)");
+  a.result = a.x;
+  c.Count("result", result, a.layout.size());
+  return c.Finish(a);
 }
 
 }  // namespace nvfp4

@@ -1,8 +1,8 @@
-// The NVFP4 numerics of NUMERICS.md, shared by the C++ CPU and the CUDA kernels.
+// The NVFP4 numerics of docs/NUMERICS.md, shared by the C++ CPU and the CUDA kernels.
 //
 // Every function here is compiled for host and device from this one file, so the two
 // kernels cannot drift apart. All arithmetic is f32, round to nearest even, in exactly
-// the order NUMERICS.md writes it; the build turns off FMA contraction and fast-math.
+// the order docs/NUMERICS.md writes it; the build turns off FMA contraction and fast-math.
 // Conversions are branch-free bit arithmetic (selects, no data-dependent branches), so
 // they vectorize on the CPU and do not diverge on the GPU.
 //
@@ -12,7 +12,6 @@
 #define NVFP4_NUMERICS_H_
 
 #include <cstdint>
-
 #include <cstring>
 
 #if defined(__CUDACC__)
@@ -48,6 +47,7 @@ constexpr uint32_t kRcp2688Bits = 0x39C30C31u;  // f32(1/2688)
 constexpr uint32_t kAbsMask = 0x7FFFFFFFu;
 constexpr uint32_t kInfBits = 0x7F800000u;
 constexpr uint32_t kNanBits = 0x7FC00000u;
+constexpr uint32_t kE4m3Nan = 0x7Fu;  // the E4M3 scale byte of a non-finite tensor
 // RHT sign vector as a bitmask: bit i set where sign i is -1.
 constexpr uint32_t kRhtSignMask = 0xD7E8u;
 
@@ -128,7 +128,7 @@ NVFP4_HD uint32_t F32ToE4m3(float v) {
   const uint32_t x = AsBits(v);
   const uint32_t normal = ((x + 0x7FFFFu + ((x >> 20) & 1u)) >> 20) - (120u << 3);
   uint32_t code = v < 0.015625f ? subnormal : normal;
-  return v != v ? 0x7Fu : code;
+  return v != v ? kE4m3Nan : code;
 }
 
 NVFP4_HD float E4m3ToF32(uint32_t c) {
@@ -153,7 +153,7 @@ constexpr uint32_t kOneBits = 0x3F800000u;
 constexpr uint32_t kOneTop = kOneBits >> 22;  // top 10 bits of 1.0f
 
 NVFP4_HD uint32_t E2m1Saturate(uint32_t code, uint32_t abits) {
-  code = code < 7u ? code : 7u;          // 6 and above (inf too) saturate to code 7
+  code = code < 7u ? code : 7u;         // 6 and above (inf too) saturate to code 7
   return abits > kInfBits ? 0u : code;  // NaN gives code 0, as the reference does
 }
 
@@ -169,7 +169,7 @@ NVFP4_HD uint32_t E2m1Rn(float y) {
   return code | ((bits >> 28) & 8u);
 }
 
-// NUMERICS section 7: t = |y| + u * step(|y|), then floor(t / step(t)) * step(t) clamped to
+// docs/NUMERICS.md section 7: t = |y| + u * step(|y|), then floor(t / step(t)) * step(t) clamped to
 // 6, which is the largest grid value <= t: the same counting as above, truncating.
 NVFP4_HD uint32_t E2m1Sr(float y, uint32_t random_byte) {
   const uint32_t bits = AsBits(y);
@@ -193,7 +193,7 @@ NVFP4_HD float E2m1ToF32(uint32_t c) {
 }
 
 // ---------------------------------------------------------------------------
-// Scale math (NUMERICS sections 2 and 3).
+// Scale math (docs/NUMERICS.md sections 2 and 3).
 
 struct GlobalScale {
   float enc;       // S_enc
@@ -217,13 +217,19 @@ NVFP4_HD float BlockEncode(uint32_t scale, const GlobalScale& g) {
   return MinNan(1.0f / (E4m3ToF32(scale) * g.dec), kFltMax);
 }
 
-// D = A * RCP2688 (a multiplication: see NUMERICS section 3).
+// D = A * RCP2688 (a multiplication: see docs/NUMERICS.md section 3).
 NVFP4_HD float DecodeGlobal(float amax) { return amax * AsFloat(kRcp2688Bits); }
 
-// Stored amax: A, or NaN when A or any input element is not finite.
+// Whether a tensor amax A is usable: finite and not negative (-0 counts as 0).
+NVFP4_HD bool AmaxValid(float amax) {
+  const uint32_t bits = AsBits(amax);
+  return bits < kInfBits || bits == 0x80000000u;
+}
+
+// Stored amax: A, or NaN when A is not valid or any input element is not finite
+// (docs/NUMERICS.md section 8: then every scale is E4M3 NaN and every code 0).
 NVFP4_HD float StoredAmax(float amax, bool input_finite) {
-  const bool finite = (AsBits(amax) & kAbsMask) < kInfBits;
-  return (finite && input_finite) ? amax : AsFloat(kNanBits);
+  return (AmaxValid(amax) && input_finite) ? amax : AsFloat(kNanBits);
 }
 
 // ---------------------------------------------------------------------------
@@ -276,7 +282,7 @@ NVFP4_HD uint32_t RandomByte(const uint32_t words[4], int i) {
 }
 
 // ---------------------------------------------------------------------------
-// Random Hadamard Transform on 16 values (NUMERICS section 5), butterflies in the fixed
+// Random Hadamard Transform on 16 values (docs/NUMERICS.md section 5), butterflies in the fixed
 // order h = 1, 2, 4, 8 so every implementation rounds identically.
 
 NVFP4_HD void Fwht16(float v[kBlock]) {
