@@ -1,19 +1,43 @@
 """Saving and restoring NVFP4Arrays (and pytrees or Flax nnx states holding them) with orbax.
 
-Orbax saves array leaves; an `NVFP4Array`'s static metadata (dtype, axis, block_2d, rht) is
-not a leaf. So a checkpoint has two items (an orbax `Composite`):
+On-disk layout (format `nvfp4_jax.checkpoint/2`). `path` is a directory:
 
-* `arrays`: a flat `{name: array}` dict. A plain leaf at path `a/b` is saved as `a/b`; an
-  `NVFP4Array` at `a/w` as `a/w/codes` (uint8), `a/w/scales` (float8_e4m3fn), `a/w/amax` (f32).
-  The bytes are saved as they are: restoring is bit-exact.
-* `nvfp4`: JSON, one entry per leaf in flattening order: its path, kind ("array" or
-  "nvfp4"), shapes and dtypes, and for NVFP4 leaves the static metadata.
+    path/
+      CURRENT                 one line: the name of the current snapshot
+      snapshot-000007/        the current snapshot, an orbax `Composite` checkpoint:
+        arrays/               a flat `{name: array}` dict (orbax `StandardSave`)
+        nvfp4/metadata        JSON: the format and one entry per leaf
+        ...                   orbax's own bookkeeping files
+      snapshot-000006/, snapshot-000008.orbax-checkpoint-tmp-*/, CURRENT.tmp
+                              leftovers of an interrupted save, removed by the next save
 
-`restore_checkpoint(path, target)` checks the JSON against `target` (a pytree of arrays,
-`jax.ShapeDtypeStruct`s, or NVFP4Arrays of either, e.g. the state of `nnx.eval_shape(...)`)
-before reading any array, and raises a `ValueError` naming the entry on a mismatch; without a
-target it rebuilds nested dicts from the paths. Every restored `NVFP4Array` passes
-`validate_nvfp4_array`.
+Inside a snapshot, a plain leaf at path `a/b` is stored as `a/b`; an `NVFP4Array` at `a/w` as
+`a/w/codes` (uint8), `a/w/scales` (float8_e4m3fn), `a/w/amax` (f32); a typed PRNG key array
+(an nnx rng stream's key) as its `jax.random.key_data` (uint32) under its own name. The bytes
+are stored as they are: restoring is bit-exact. NumPy leaves stay NumPy (a float64 stays
+float64). The JSON entry of a leaf holds its path, kind ("array", "nvfp4" or "key"), shapes
+and dtypes, the static metadata of an NVFP4 leaf (dtype, axis, block_2d, rht, logical shape)
+and the implementation of a key (e.g. "threefry2x32"). Every stored name belongs to exactly
+one leaf: `save_checkpoint` raises before writing anything if two leaves would share one
+(a "/" in a dict key, a plain leaf at `w/codes` beside an NVFP4Array at `w`, `{1: .., "1": ..}`).
+
+Atomicity: a save never touches the current snapshot nor `CURRENT` until its very end. It
+writes a new snapshot under a fresh name (orbax writes it into a temporary directory and
+renames it into place once complete), fsyncs every file and directory of it and `path`,
+writes the new name into `CURRENT.tmp`, fsyncs it and `os.replace`s it over `CURRENT` (an
+atomic rename on POSIX: Linux and macOS), and fsyncs `path`. Until that replace `CURRENT` names
+the old, complete snapshot; after it, the new, complete one. Only then are other snapshots
+deleted. So a crash at any point (an exception, SIGKILL, power loss) leaves the old or the new
+checkpoint, whole. One process saves to a `path` at a time.
+
+The first format, `nvfp4_jax.checkpoint/1` (the orbax `Composite` at `path` itself, no
+`CURRENT`), is still restored; a forced save over it converts it, atomically as above.
+
+`restore_checkpoint(path, target)` checks every JSON entry against itself, against
+`validate_nvfp4_array` and against the arrays orbax stored, and the checkpoint against `target`
+(a pytree of arrays, `jax.ShapeDtypeStruct`s, or NVFP4Arrays of either, e.g. the state of
+`nnx.eval_shape(...)`), before reading any array; it raises a `ValueError` naming the entry on
+a mismatch. Without a target it rebuilds nested dicts from the paths (keys become strings).
 
 Example (an nnx model):
     save_checkpoint(path, nnx.state(model))
@@ -23,46 +47,251 @@ Example (an nnx model):
 
 from __future__ import annotations
 
+import functools
 import os
+import re
+import shutil
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from nvfp4_jax.array import NVFP4Array, is_nvfp4_array, validate_nvfp4_array
 
-FORMAT = "nvfp4_jax.checkpoint/1"
+try:
+    import fcntl
+except ImportError:  # not POSIX
+    fcntl = None
+
+FORMAT = "nvfp4_jax.checkpoint/2"
+FORMAT_V1 = "nvfp4_jax.checkpoint/1"
+POINTER = "CURRENT"
+_POINTER_TMP = "CURRENT.tmp"
+_SNAPSHOT = re.compile(r"snapshot-([0-9]+)")
+# What the first format wrote at `path`; `nvfp4` (its JSON) last, as the marker.
+_V1_ITEMS = ("arrays", "_CHECKPOINT_METADATA", "_METADATA", "commit_success.txt", "nvfp4")
 _PARTS = ("codes", "scales", "amax")
+_PART_DTYPES = {"codes": "uint8", "scales": "float8_e4m3fn", "amax": "float32"}
+
+
+# --- save ----------------------------------------------------------------------------------
 
 
 def save_checkpoint(path: str | os.PathLike, tree: Any, *, force: bool = False) -> None:
-    """Saves a pytree (NVFP4Arrays, arrays, an nnx state) to the orbax checkpoint `path`.
+    """Saves a pytree (NVFP4Arrays, arrays, PRNG keys, an nnx state) to the checkpoint `path`.
+
+    The save is atomic: whatever happens during it, `path` afterwards holds the old checkpoint
+    or the new one, complete (see the module docstring).
 
     Args:
-      path: a directory; it must not exist unless `force`.
-      tree: any pytree whose leaves are arrays; NVFP4Arrays keep their static metadata.
-      force: overwrite an existing checkpoint.
+      path: a directory; relative paths are taken relative to the current directory now.
+      tree: any pytree whose leaves are arrays (jax, NumPy or Python scalars) or typed PRNG
+        key arrays; NVFP4Arrays keep their static metadata.
+      force: replace an existing checkpoint at `path`.
+
+    Raises:
+      FileExistsError: `path` is not a directory, or (without `force`) already holds a
+        checkpoint or other files.
+      ValueError: two leaves would be stored under the same name (the message names both).
+      TypeError: a leaf is not an array, or an NVFP4Array is invalid.
     """
+    path = _abspath(path)
+    arrays, entries = _arrays_and_entries(tree)
+    current = _prepare_directory(path, force)
+    name = _next_snapshot_name(path)
+    _remove_leftovers(path, keep=current)
+    snapshot = os.path.join(path, name)
+    _write_snapshot(snapshot, arrays, {"format": FORMAT, "entries": entries})
+    _fsync_tree(snapshot)
+    _fsync_path(path)
+    _write_pointer(path, name)
+    _remove_leftovers(path, keep=name)
+
+
+def _abspath(path) -> str:
+    return os.path.abspath(os.fsdecode(path))
+
+
+def _arrays_and_entries(tree) -> tuple[dict, list]:
+    """The flat `{stored name: array}` dict and the JSON entries; checks names are unique."""
+    arrays, entries, layout = {}, [], []
+    for keypath, names, leaf in _named_leaves(tree):
+        where = jax.tree_util.keystr(keypath) or "the root"
+        entry, stored = _save_leaf(names, leaf, where)
+        layout.append((where, names, [entry["key"], *stored]))
+        arrays.update(stored)
+        entries.append(entry)
+    _check_layout("save_checkpoint", layout)
+    return arrays, entries
+
+
+def _save_leaf(names, leaf, where) -> tuple[dict, dict]:
+    key = "/".join(names)
+    entry = {"key": key, "path": list(names)}
+    if is_nvfp4_array(leaf):
+        validate_nvfp4_array(leaf, f"save_checkpoint: {where}")
+        entry.update(_nvfp4_meta(leaf), kind="nvfp4", shape=list(leaf.shape))
+        return entry, {f"{key}/{part}": getattr(leaf, part) for part in _PARTS}
+    if _is_key_array(leaf):
+        impl = _key_impl_name(leaf, where)
+        entry.update(kind="key", impl=impl, shape=list(leaf.shape))
+        return entry, {key: jax.random.key_data(leaf)}
+    value = _as_array(leaf, where)
+    entry.update(kind="array", shape=list(value.shape), array_dtype=jnp.dtype(value.dtype).name)
+    return entry, {key: value}
+
+
+def _nvfp4_meta(q) -> dict:
+    return {
+        "dtype": jnp.dtype(q.dtype).name,
+        "axis": q.axis,
+        "block_2d": q.block_2d,
+        "rht": q.rht,
+        "shapes": {part: list(getattr(q, part).shape) for part in _PARTS},
+    }
+
+
+def _is_key_array(leaf) -> bool:
+    dtype = getattr(leaf, "dtype", None)
+    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def _key_impl_name(key, where) -> str:
+    """The name `jax.random.wrap_key_data` takes back for the implementation of `key`."""
+    name = str(jax.random.key_impl(key))
+    try:
+        if _key_dtype(name) == key.dtype:
+            return name
+    except (TypeError, ValueError):
+        pass
+    raise TypeError(f"save_checkpoint: the key at {where} has an unnamed PRNG impl ({name})")
+
+
+def _as_array(leaf, where):
+    if isinstance(leaf, (jax.Array, np.ndarray)):
+        value = leaf
+    elif isinstance(leaf, np.generic):
+        value = np.asarray(leaf)  # keeps a NumPy scalar's dtype (jnp would narrow float64)
+    else:
+        try:
+            value = jnp.asarray(leaf)
+        except TypeError as e:
+            raise TypeError(f"save_checkpoint: the leaf at {where} is not an array: {e}") from e
+    if np.dtype(value.dtype).kind in "OSUV":
+        raise TypeError(f"save_checkpoint: the leaf at {where} has dtype {value.dtype}")
+    return value
+
+
+def _prepare_directory(path: str, force: bool) -> str | None:
+    """Creates `path` or checks it may be written; returns the current snapshot's name."""
+    if os.path.lexists(path) and not os.path.isdir(path):
+        raise FileExistsError(f"save_checkpoint: {path} exists and is not a directory")
+    if not os.path.isdir(path):
+        _makedirs(path)
+        return None
+    current = _read_pointer(path)
+    if not force and not all(_is_leftover(name) for name in os.listdir(path)):
+        raise FileExistsError(
+            f"save_checkpoint: {path} already holds a checkpoint or other files "
+            "(force=True replaces the checkpoint)"
+        )
+    return current
+
+
+def _makedirs(path: str) -> None:
+    created, parent = [], path
+    while not os.path.lexists(parent):
+        created.append(parent)
+        parent = os.path.dirname(parent)
+    os.makedirs(path)
+    for directory in reversed(created):
+        _fsync_path(os.path.dirname(directory))
+
+
+def _is_leftover(name: str) -> bool:
+    return name.startswith("snapshot-") or name == _POINTER_TMP
+
+
+def _next_snapshot_name(path: str) -> str:
+    numbers = [int(m.group(1)) for m in map(_SNAPSHOT.match, os.listdir(path)) if m]
+    return f"snapshot-{max(numbers, default=0) + 1:06d}"
+
+
+def _remove_leftovers(path: str, keep: str | None) -> None:
+    """Removes every snapshot but `keep`, and, once `CURRENT` exists, a first-format one."""
+    for name in os.listdir(path):
+        if name != keep and _is_leftover(name):
+            _remove(os.path.join(path, name))
+    if os.path.isfile(os.path.join(path, POINTER)) and os.path.isdir(os.path.join(path, "nvfp4")):
+        for name in _V1_ITEMS:
+            if os.path.lexists(os.path.join(path, name)):
+                _remove(os.path.join(path, name))
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    else:
+        os.remove(path)
+
+
+def _checkpointer():
     import orbax.checkpoint as ocp  # noqa: PLC0415  (heavy, and only needed here)
 
-    arrays, entries = {}, []
-    for names, leaf in _named_leaves(tree):
-        key = "/".join(names)
-        if is_nvfp4_array(leaf):
-            validate_nvfp4_array(leaf, key)
-            arrays.update({f"{key}/{part}": getattr(leaf, part) for part in _PARTS})
-        else:
-            arrays[key] = jnp.asarray(leaf)
-        entries.append(_entry(names, leaf if is_nvfp4_array(leaf) else arrays[key]))
-    if len({e["key"] for e in entries}) != len(entries):
-        raise ValueError("save_checkpoint: two leaves map to the same name (a '/' in a key?)")
-    meta = {"format": FORMAT, "entries": entries}
-    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
-        checkpointer.save(
-            os.path.abspath(path),
-            ocp.args.Composite(arrays=ocp.args.StandardSave(arrays), nvfp4=ocp.args.JsonSave(meta)),
-            force=force,
-        )
+    handler = ocp.CompositeCheckpointHandler(
+        arrays=ocp.StandardCheckpointHandler(), nvfp4=ocp.JsonCheckpointHandler()
+    )
+    return ocp.Checkpointer(handler)
+
+
+def _write_snapshot(snapshot: str, arrays: dict, meta: dict) -> None:
+    import orbax.checkpoint as ocp  # noqa: PLC0415
+
+    items = {"nvfp4": ocp.args.JsonSave(meta)}
+    if arrays:  # orbax refuses an empty item (an empty tree)
+        items["arrays"] = ocp.args.StandardSave(arrays)
+    with _checkpointer() as checkpointer:
+        checkpointer.save(snapshot, ocp.args.Composite(**items))
+
+
+def _write_pointer(path: str, name: str) -> None:
+    tmp = os.path.join(path, _POINTER_TMP)
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(name + "\n")
+        f.flush()
+        _fsync_fd(f.fileno())
+    os.replace(tmp, os.path.join(path, POINTER))
+    _fsync_path(path)
+
+
+def _fsync_fd(fd: int) -> None:
+    if fcntl is not None and hasattr(fcntl, "F_FULLFSYNC"):  # macOS: fsync stops at the drive
+        try:
+            fcntl.fcntl(fd, fcntl.F_FULLFSYNC)
+            return
+        except OSError:
+            pass
+    os.fsync(fd)
+
+
+def _fsync_path(path: str) -> None:
+    """Flushes a file or a directory to disk (a directory: its entries, e.g. a rename)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        _fsync_fd(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(top: str) -> None:
+    for root, _, files in os.walk(top):
+        for name in files:
+            _fsync_path(os.path.join(root, name))
+        _fsync_path(root)
+
+
+# --- restore -------------------------------------------------------------------------------
 
 
 def restore_checkpoint(path: str | os.PathLike, target: Any = None) -> Any:
@@ -71,42 +300,221 @@ def restore_checkpoint(path: str | os.PathLike, target: Any = None) -> Any:
     Args:
       path: the checkpoint directory.
       target: optional pytree with the structure, shapes and dtypes to restore into (leaves:
-        arrays or `jax.ShapeDtypeStruct`s, shardings respected; NVFP4Arrays of either). Its
-        NVFP4 metadata must equal the saved one.
+        arrays or `jax.ShapeDtypeStruct`s, shardings respected; NVFP4Arrays of either; typed
+        PRNG keys). Its NVFP4 metadata must equal the saved one, and it must have a leaf for
+        every entry of the checkpoint.
 
     Returns:
-      A pytree like `target`, or, without a target, nested dicts keyed by path components.
+      A pytree like `target`, or, without a target, nested dicts keyed by path components
+      (the leaf itself for a checkpoint of a single leaf).
 
     Raises:
-      ValueError: the checkpoint and `target` disagree (missing entry, shape, dtype or NVFP4
-        metadata); the message names the entry.
+      FileNotFoundError: `path` holds no complete checkpoint.
+      ValueError: the checkpoint is inconsistent (its metadata and its arrays disagree), or
+        it and `target` disagree (missing entry, shape, dtype or NVFP4 metadata); the message
+        names the entry.
     """
-    import orbax.checkpoint as ocp  # noqa: PLC0415
-
-    path = os.path.abspath(path)
-    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
-        meta = checkpointer.restore(path, ocp.args.Composite(nvfp4=ocp.args.JsonRestore())).nvfp4
-        if meta.get("format") != FORMAT:
-            raise ValueError(f"restore_checkpoint: {path} is not an nvfp4_jax checkpoint")
-        saved = {e["key"]: e for e in meta["entries"]}
-        if target is None:
-            abstract = None
-        else:
-            named = _named_leaves(target)
-            abstract = _abstract_arrays(named, saved)
-        arrays = checkpointer.restore(
-            path, ocp.args.Composite(arrays=ocp.args.StandardRestore(abstract))
-        ).arrays
-    if target is None:
-        return _nested(meta["entries"], arrays)
-    leaves = [_rebuild(saved["/".join(names)], arrays) for names, _ in named]
+    path = _abspath(path)
+    snapshot = _find_snapshot(path)
+    with _checkpointer() as checkpointer:
+        entries = _read_entries(checkpointer, snapshot)
+        specs = _stored_specs(entries)
+        _compare(specs, _stored_metadata(checkpointer, snapshot), "the stored array")
+        named = None if target is None else _named_leaves(target)
+        abstract = None if named is None else _abstract_arrays(named, entries)
+        arrays = _read_arrays(checkpointer, snapshot, specs, abstract)
+    _compare(specs, {k: (v.shape, v.dtype) for k, v in arrays.items()}, "the array read")
+    if named is None:
+        return _nested(entries, arrays)
+    by_key = {entry["key"]: entry for entry in entries}
+    leaves = [_rebuild(by_key["/".join(names)], arrays) for _, names, _ in named]
     treedef = jax.tree_util.tree_structure(target, is_leaf=is_nvfp4_array)
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
-def _named_leaves(tree):
+def _find_snapshot(path: str) -> str:
+    if not os.path.isdir(path):
+        what = "is not a directory" if os.path.lexists(path) else "does not exist"
+        raise FileNotFoundError(f"restore_checkpoint: no checkpoint at {path}: it {what}")
+    name = _read_pointer(path)
+    if name is not None:
+        snapshot = os.path.join(path, name)
+        if not os.path.isdir(snapshot):
+            raise FileNotFoundError(
+                f"restore_checkpoint: {path}/{POINTER} names {name}, which is missing"
+            )
+        return snapshot
+    if os.path.isfile(os.path.join(path, "nvfp4", "metadata")):
+        return path  # the first format: the orbax checkpoint is `path` itself
+    raise FileNotFoundError(f"restore_checkpoint: no complete checkpoint at {path}")
+
+
+def _read_pointer(path: str) -> str | None:
+    try:
+        with open(os.path.join(path, POINTER), encoding="utf-8") as f:
+            name = f.read().strip()
+    except FileNotFoundError:
+        return None
+    if not _SNAPSHOT.fullmatch(name):
+        raise ValueError(f"{path}/{POINTER} holds {name[:80]!r}, not a snapshot name")
+    return name
+
+
+def _read_entries(checkpointer, snapshot: str) -> list:
+    import orbax.checkpoint as ocp  # noqa: PLC0415
+
+    args = ocp.args.Composite(nvfp4=ocp.args.JsonRestore())
+    meta = checkpointer.restore(snapshot, args).nvfp4
+    if not isinstance(meta, dict) or meta.get("format") not in (FORMAT, FORMAT_V1):
+        raise ValueError(f"restore_checkpoint: {snapshot} is not an nvfp4_jax checkpoint")
+    entries = meta.get("entries")
+    if not isinstance(entries, list):
+        raise ValueError(f"restore_checkpoint: {snapshot} has no list of entries")
+    for entry in entries:
+        _check_entry_head(entry)
+    return entries
+
+
+def _check_entry_head(entry) -> None:
+    path = entry.get("path") if isinstance(entry, dict) else None
+    if not isinstance(path, list) or not all(isinstance(name, str) for name in path):
+        raise ValueError(f"restore_checkpoint: entry {str(entry)[:200]} has no valid path")
+    if entry.get("key") != "/".join(path):
+        raise ValueError(f"restore_checkpoint: entry {entry.get('key')!r} has path {path}")
+
+
+def _stored_specs(entries: list) -> dict:
+    """`{stored name: (shape, dtype name, entry key)}`; checks each entry is consistent."""
+    specs, layout = {}, []
+    for entry in entries:
+        stored = _entry_specs(entry)
+        layout.append((repr(entry["key"]), tuple(entry["path"]), [entry["key"], *stored]))
+        specs.update({name: (*spec, entry["key"]) for name, spec in stored.items()})
+    _check_layout("restore_checkpoint", layout)
+    return specs
+
+
+def _entry_specs(entry: dict) -> dict:
+    key, kind = entry["key"], entry.get("kind")
+    if kind == "array":
+        return {key: (_shape_field(entry, "shape"), _dtype_field(entry, "array_dtype").name)}
+    if kind == "key":
+        data_shape = _shape_field(entry, "shape") + _key_data_shape(entry)
+        return {key: (data_shape, "uint32")}
+    if kind == "nvfp4":
+        _abstract_nvfp4(entry)
+        shapes = entry.get("shapes") if isinstance(entry.get("shapes"), dict) else {}
+        return {f"{key}/{p}": (_shape_field(shapes, p, key), _PART_DTYPES[p]) for p in _PARTS}
+    raise _bad(key, f"unknown kind {kind!r}")
+
+
+def _abstract_nvfp4(entry: dict) -> NVFP4Array:
+    """The NVFP4Array of `jax.ShapeDtypeStruct`s the entry describes, validated."""
+    key, shapes = entry["key"], entry.get("shapes")
+    if not isinstance(shapes, dict):
+        raise _bad(key, f"shapes {shapes!r} is not a dict")
+    parts = {
+        p: jax.ShapeDtypeStruct(_shape_field(shapes, p, key), jnp.dtype(_PART_DTYPES[p]))
+        for p in _PARTS
+    }
+    q = _validated(key, lambda: NVFP4Array(**parts, **_static_meta(entry)))
+    if "shape" in entry and _shape_field(entry, "shape") != q.shape:  # format 1 has no shape
+        raise _bad(key, f"the logical shape {entry['shape']} does not fit the parts {shapes}")
+    return q
+
+
+def _static_meta(entry: dict) -> dict:
+    """dtype, axis, block_2d and rht as the JSON has them (checked by the caller)."""
+    meta = {name: entry.get(name) for name in ("axis", "block_2d", "rht")}
+    return {"dtype": _dtype_field(entry, "dtype"), **meta}
+
+
+def _validated(key: str, make) -> NVFP4Array:
+    """`validate_nvfp4_array(make())`, its errors as a `ValueError` naming the entry."""
+    try:
+        return validate_nvfp4_array(make(), f"restore_checkpoint: entry {key!r}")
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{e} (the checkpoint's metadata and arrays disagree)") from e
+
+
+def _key_data_shape(entry: dict) -> tuple[int, ...]:
+    impl = entry.get("impl")
+    try:
+        return _key_data_trailing_shape(impl)
+    except (TypeError, ValueError):
+        raise _bad(entry["key"], f"impl {impl!r} is not a PRNG implementation") from None
+
+
+@functools.cache
+def _key_data_trailing_shape(impl: str) -> tuple[int, ...]:
+    if not isinstance(impl, str):
+        raise TypeError(impl)
+    return jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0, impl=impl))).shape
+
+
+@functools.cache
+def _key_dtype(impl: str):
+    return jax.eval_shape(lambda: jax.random.key(0, impl=impl)).dtype
+
+
+def _shape_field(fields: dict, name: str, key: str | None = None) -> tuple[int, ...]:
+    value = fields.get(name)
+    if not isinstance(value, list) or not all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in value
+    ):
+        raise _bad(key or fields["key"], f"{name} {value!r} is not a shape")
+    return tuple(value)
+
+
+def _dtype_field(entry: dict, name: str) -> np.dtype:
+    value = entry.get(name)
+    try:
+        if isinstance(value, str):
+            return jnp.dtype(value)
+    except TypeError:
+        pass
+    raise _bad(entry["key"], f"{name} {value!r} is not a dtype")
+
+
+def _bad(key: str, what: str) -> ValueError:
+    return ValueError(f"restore_checkpoint: entry {key!r}: {what}")
+
+
+def _stored_metadata(checkpointer, snapshot: str) -> dict:
+    """`{stored name: (shape, dtype)}` from orbax's own record of the arrays it stored."""
+    items = checkpointer.metadata(snapshot).item_metadata or {}
+    stored = items["arrays"] if "arrays" in items else None
+    return {} if stored is None else {k: (v.shape, v.dtype) for k, v in stored.items()}
+
+
+def _compare(specs: dict, found: dict, what: str) -> None:
+    """Checks that `found` (`{name: (shape, dtype)}`) holds exactly the arrays of `specs`."""
+    for name, (shape, dtype, key) in specs.items():
+        if name not in found:
+            raise _bad(key, f"the checkpoint has no stored array {name!r}")
+        got = (tuple(found[name][0]), jnp.dtype(found[name][1]).name)
+        if got != (shape, dtype):
+            raise _bad(
+                key,
+                f"the metadata gives {name!r} (shape, dtype) {(shape, dtype)}, {what} has {got}",
+            )
+    extra = sorted(set(found) - set(specs))
+    if extra:
+        raise ValueError(f"restore_checkpoint: stored arrays {extra[:5]} belong to no entry")
+
+
+def _read_arrays(checkpointer, snapshot: str, specs: dict, abstract) -> dict:
+    import orbax.checkpoint as ocp  # noqa: PLC0415
+
+    if not specs:
+        return {}
+    args = ocp.args.Composite(arrays=ocp.args.StandardRestore(abstract))
+    return dict(checkpointer.restore(snapshot, args).arrays)
+
+
+def _named_leaves(tree) -> list:
     flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_nvfp4_array)
-    return [(tuple(_key_name(k) for k in path), leaf) for path, leaf in flat]
+    return [(path, tuple(_key_name(k) for k in path), leaf) for path, leaf in flat]
 
 
 def _key_name(key) -> str:
@@ -116,56 +524,77 @@ def _key_name(key) -> str:
     return str(key)
 
 
-def _entry(names, leaf) -> dict:
-    entry = {"key": "/".join(names), "path": list(names)}
-    if is_nvfp4_array(leaf):
-        entry.update(
-            kind="nvfp4",
-            dtype=jnp.dtype(leaf.dtype).name,
-            axis=leaf.axis,
-            block_2d=leaf.block_2d,
-            rht=leaf.rht,
-            shapes={part: list(getattr(leaf, part).shape) for part in _PARTS},
-        )
-    else:
-        entry.update(kind="array", shape=list(leaf.shape), array_dtype=jnp.dtype(leaf.dtype).name)
-    return entry
+def _check_layout(op: str, layout: list) -> None:
+    """Every name is claimed by one leaf, and no leaf's path is a parent of another's.
 
-
-def _abstract_arrays(named, saved) -> dict:
-    """The orbax restore target; checks every target leaf against the saved entry first."""
-    abstract = {}
-    for names, leaf in named:
-        key = "/".join(names)
-        entry = saved.get(key)
-        if entry is None:
-            raise ValueError(f"restore_checkpoint: the checkpoint has no entry {key!r}")
-        if is_nvfp4_array(leaf):
-            _check_nvfp4_entry(key, entry, leaf)
-            abstract.update({f"{key}/{part}": _abstract(getattr(leaf, part)) for part in _PARTS})
-        else:
-            found = (entry.get("kind"), tuple(entry.get("shape", ())), entry.get("array_dtype"))
-            wanted = ("array", tuple(leaf.shape), jnp.dtype(leaf.dtype).name)
-            if found != wanted:
+    `layout` holds `(where, path, names)` per leaf: a description, the path components and
+    the names the leaf claims (its key and its stored arrays).
+    """
+    owner, leaves = {}, {}
+    for where, path, names in layout:
+        for name in dict.fromkeys(names):
+            if name in owner:
                 raise ValueError(
-                    f"restore_checkpoint: {key!r} was saved as (kind, shape, dtype) {found}, "
-                    f"the target wants {wanted}"
+                    f"{op}: the leaves at {owner[name]} and {where} are both stored as {name!r}"
                 )
-            abstract[key] = _abstract(leaf)
+            owner[name] = where
+        leaves[tuple(path)] = where
+    for path, where in leaves.items():
+        for depth in range(len(path)):
+            if path[:depth] in leaves:
+                raise ValueError(
+                    f"{op}: the leaf at {leaves[path[:depth]]} has the same path as a parent "
+                    f"of the leaf at {where}"
+                )
+
+
+def _abstract_arrays(named, entries) -> dict:
+    """The orbax restore target; checks every target leaf against the saved entry first."""
+    by_key = {entry["key"]: entry for entry in entries}
+    abstract = {}
+    for _, names, leaf in named:
+        key = "/".join(names)
+        if key not in by_key:
+            raise ValueError(f"restore_checkpoint: the checkpoint has no entry {key!r}")
+        abstract.update(_abstract_leaf(key, by_key[key], leaf))
+    unused = sorted(set(by_key) - {"/".join(names) for _, names, _ in named})
+    if unused:
+        raise ValueError(f"restore_checkpoint: the target has no leaf for the entries {unused}")
     return abstract
+
+
+def _abstract_leaf(key: str, entry: dict, leaf) -> dict:
+    if is_nvfp4_array(leaf):
+        _check_nvfp4_entry(key, entry, leaf)
+        return {f"{key}/{part}": _abstract(getattr(leaf, part)) for part in _PARTS}
+    if _is_key_array(leaf):
+        _check_key_entry(key, entry, leaf)
+        data = jax.eval_shape(jax.random.key_data, leaf)
+        return {key: _abstract(leaf, data.shape, data.dtype)}
+    found = (entry.get("kind"), tuple(entry.get("shape", ())), entry.get("array_dtype"))
+    wanted = ("array", tuple(leaf.shape), jnp.dtype(leaf.dtype).name)
+    if found != wanted:
+        raise ValueError(
+            f"restore_checkpoint: {key!r} was saved as (kind, shape, dtype) {found}, "
+            f"the target wants {wanted}"
+        )
+    return {key: leaf if isinstance(leaf, np.ndarray) else _abstract(leaf)}
+
+
+def _check_key_entry(key, entry, leaf):
+    found = (entry.get("kind"), tuple(entry.get("shape", ())), entry.get("impl"))
+    if found[0] != "key" or found[1] != tuple(leaf.shape) or _key_dtype(found[2]) != leaf.dtype:
+        raise ValueError(
+            f"restore_checkpoint: {key!r} was saved as (kind, shape, impl) {found}, the "
+            f"target wants a key of shape {tuple(leaf.shape)} and dtype {leaf.dtype}"
+        )
 
 
 def _check_nvfp4_entry(key, entry, leaf):
     validate_nvfp4_array(leaf, f"restore_checkpoint target {key!r}")
     if entry.get("kind") != "nvfp4":
-        raise ValueError(f"restore_checkpoint: {key!r} was saved as a plain array, not NVFP4")
-    wanted = {
-        "dtype": jnp.dtype(leaf.dtype).name,
-        "axis": leaf.axis,
-        "block_2d": leaf.block_2d,
-        "rht": leaf.rht,
-        "shapes": {part: list(getattr(leaf, part).shape) for part in _PARTS},
-    }
+        raise ValueError(f"restore_checkpoint: {key!r} was saved as {entry.get('kind')}, not NVFP4")
+    wanted = _nvfp4_meta(leaf)
     found = {name: entry.get(name) for name in wanted}
     if found != wanted:
         raise ValueError(
@@ -174,29 +603,28 @@ def _check_nvfp4_entry(key, entry, leaf):
         )
 
 
-def _abstract(leaf) -> jax.ShapeDtypeStruct:
+def _abstract(leaf, shape=None, dtype=None) -> jax.ShapeDtypeStruct:
     sharding = getattr(leaf, "sharding", None)
     if sharding is None:
         sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
+    shape = leaf.shape if shape is None else shape
+    return jax.ShapeDtypeStruct(shape, leaf.dtype if dtype is None else dtype, sharding=sharding)
 
 
 def _rebuild(entry, arrays):
     key = entry["key"]
-    if entry["kind"] != "nvfp4":
+    if entry["kind"] == "array":
         return arrays[key]
-    q = NVFP4Array(
-        **{part: arrays[f"{key}/{part}"] for part in _PARTS},
-        dtype=jnp.dtype(entry["dtype"]),
-        axis=int(entry["axis"]),
-        block_2d=bool(entry["block_2d"]),
-        rht=bool(entry["rht"]),
-    )
-    return validate_nvfp4_array(q, f"restored {key!r}")
+    if entry["kind"] == "key":
+        return jax.random.wrap_key_data(arrays[key], impl=entry["impl"])
+    parts = {part: arrays[f"{key}/{part}"] for part in _PARTS}
+    return _validated(key, lambda: NVFP4Array(**parts, **_static_meta(entry)))
 
 
-def _nested(entries, arrays) -> dict:
+def _nested(entries, arrays):
     """Nested dicts from the saved paths (no target to give the original containers)."""
+    if len(entries) == 1 and not entries[0]["path"]:
+        return _rebuild(entries[0], arrays)  # the tree was a single leaf
     root: dict = {}
     for entry in entries:
         *parents, last = entry["path"] or [""]

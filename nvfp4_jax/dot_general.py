@@ -233,7 +233,8 @@ def dot_general(
         raise TypeError(f"dot_general: recipe must be an NVFP4Recipe, got {recipe!r}")
     backend = gemm.resolve_gemm_backend(recipe.gemm_backend, "dot_general")
     recipe = dataclasses.replace(recipe, gemm_backend=backend)
-    x = jnp.transpose(lhs, lhs_free + list(lhs_contract)).reshape(-1, k)
+    m = math.prod(lhs.shape[d] for d in lhs_free)
+    x = jnp.transpose(lhs, lhs_free + list(lhs_contract)).reshape(m, k)
     w = jnp.transpose(rhs, list(rhs_contract) + rhs_free).reshape(k, n)
     y = _nvfp4_matmul(x, w, key, recipe, out_dtype)
     out_shape = [lhs.shape[d] for d in lhs_free] + [rhs.shape[d] for d in rhs_free]

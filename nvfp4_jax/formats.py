@@ -132,8 +132,9 @@ def _concrete_float(value) -> float | None:
 def check_amax(amax, op: str) -> jax.Array | None:
     """Returns a caller-given amax as an f32 scalar (None stays None), raising if invalid.
 
-    A concrete amax must be a non-negative number (NaN or negative is an error); a traced one
-    cannot be checked here and is handled as a NaN amax when invalid (docs/NUMERICS.md 8).
+    A concrete amax must be finite and non-negative (NaN, inf or negative is an error); a
+    traced one cannot be checked here and is handled as a NaN amax when invalid
+    (docs/NUMERICS.md section 8).
     """
     if amax is None:
         return None
@@ -145,8 +146,8 @@ def check_amax(amax, op: str) -> jax.Array | None:
     if jnp.shape(amax) != ():
         raise ValueError(f"{op}: amax must be a scalar, got shape {jnp.shape(amax)}")
     value = _concrete_float(amax)
-    if value is not None and not value >= 0:
-        raise ValueError(f"{op}: amax must be a non-negative number, got {value}")
+    if value is not None and not 0 <= value < np.inf:
+        raise ValueError(f"{op}: amax must be a finite, non-negative number, got {value}")
     return jnp.asarray(amax).astype(jnp.float32)
 
 

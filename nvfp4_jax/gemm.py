@@ -174,7 +174,8 @@ def _cudnn_product(lhs: NVFP4Array, rhs: NVFP4Array) -> jax.Array:
     for q in (lhs, rhs):
         data, scales, _ = to_scaled_matmul_operands(q)
         shape = data.shape if data.ndim == 3 else (1, *data.shape)
-        data, scales = data.reshape(shape), scales.reshape(*shape[:2], -1)
+        data = data.reshape(shape)
+        scales = scales.reshape(*shape[:2], shape[2] // formats.BLOCK_SIZE)
         # Zero codes with zero scales add nothing: pad K for the FP4 kernels.
         pad = -shape[2] % layout.GEMM_ALIGNMENT
         if pad:
@@ -220,7 +221,7 @@ def to_scaled_matmul_operands(q: NVFP4Array) -> ScaledMatmulOperands:
     if not isinstance(q, NVFP4Array):
         raise TypeError(f"to_scaled_matmul_operands: expected an NVFP4Array, got {type(q)}")
     data = jax.lax.bitcast_convert_type(q.codes, jnp.float4_e2m1fn)  # (..., K/2, 2)
-    data = data.reshape(*q.codes.shape[:-1], -1)
+    data = data.reshape(*q.codes.shape[:-1], 2 * q.codes.shape[-1])
     return ScaledMatmulOperands(data, q.scales, reference.decode_scale(q.amax))
 
 
@@ -257,7 +258,7 @@ def from_scaled_matmul_operands(
             f"{formats.BLOCK_SIZE} and scales of shape (..., K/16), got scales {scales.shape}"
         )
     axis = formats.normalize_axis(axis, data.shape, op)
-    pairs = data.reshape(*data.shape[:-1], -1, 2)
+    pairs = data.reshape(*data.shape[:-1], data.shape[-1] // 2, 2)
     codes = jax.lax.bitcast_convert_type(pairs, jnp.uint8)
     return NVFP4Array(
         codes=codes,

@@ -11,6 +11,7 @@ from nvfp4_jax.kernels._dequantize import dequantize
 from nvfp4_jax.kernels._library import (
     TARGETS,
     current_platform,
+    export_safety_checks,
     is_available,
     register,
     unavailable_reason,
@@ -24,6 +25,7 @@ __all__ = [
     "amax",
     "current_platform",
     "dequantize",
+    "export_safety_checks",
     "fake_quantize",
     "is_available",
     "pmax_keep_nan",

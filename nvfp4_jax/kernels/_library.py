@@ -144,6 +144,17 @@ def require(op: str) -> None:
         )
 
 
+def export_safety_checks() -> list:
+    """The `jax.export` safety checks to disable for a function that runs native kernels.
+
+    `jax.export` refuses custom calls it does not know unless told; pass these as
+    `jax.export.export(fn, disabled_checks=nvfp4_jax.kernels.export_safety_checks())`. The
+    process that runs the exported function must `import nvfp4_jax` first (the import
+    registers the targets).
+    """
+    return [jax.export.DisabledSafetyCheck.custom_call(name) for name in TARGETS]
+
+
 def module(platform: str):
     """The loaded extension module of `platform` (for tests), or None."""
     loaded = _module(platform)

@@ -113,7 +113,8 @@ def apply_rht(x: jax.Array, *, inverse: bool = False) -> jax.Array:
     x = check_rht_input(x)
     inverse = formats.check_flag(inverse, "apply_rht", "inverse")
     lead = x.shape[:-1]
-    blocks = x.astype(jnp.float32).reshape(*lead, -1, formats.BLOCK_SIZE)
+    groups = x.shape[-1] // formats.BLOCK_SIZE  # explicit: -1 is ambiguous for zero-size x
+    blocks = x.astype(jnp.float32).reshape(*lead, groups, formats.BLOCK_SIZE)
     signs = get_wgrad_sign_vector(jnp.float32)
     if not inverse:
         blocks = blocks * signs

@@ -85,7 +85,7 @@ def _quantize_core(xs, used, bad, seed: SRSeed | None, block_2d: bool):
     """
     s_enc = encode_scale(used)
     s_dec = _F32(1) / s_enc
-    blocks = xs.reshape(*xs.shape[:-1], -1, formats.BLOCK_SIZE)
+    blocks = xs.reshape(*xs.shape[:-1], xs.shape[-1] // formats.BLOCK_SIZE, formats.BLOCK_SIZE)
     block_max = _block_amax(blocks, block_2d)
     scaled = jnp.minimum(block_max * (s_enc * _F32(formats.RCP6)), _F32(formats.E4M3_MAX))
     scales = scaled.astype(jnp.float8_e4m3fn)
