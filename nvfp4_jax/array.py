@@ -33,8 +33,14 @@ class NVFP4Array:
         batch dimensions added by `vmap` leave it valid. The logical shape is derived from
         `codes`, never stored.
 
-    Leaves: `codes`, `scales`, `amax`. Static metadata: `dtype` (of the tensor that was
-    quantized), `axis`, `block_2d`, `rht`.
+      * `decode_scale`: None, or an f32 scalar (shaped like `amax`): the tensor decode factor
+        `D` to use instead of `amax * RCP2688` (docs/NUMERICS.md section 3). Only a tensor
+        read from another tool's checkpoint carries one (ModelOpt's `weight_scale_2` is
+        `amax / 2688`, which no f32 amax times `RCP2688` reproduces in every case); then
+        `amax` is `D * 2688`, the amax it stands for.
+
+    Leaves: `codes`, `scales`, `amax`, `decode_scale` (when not None). Static metadata:
+    `dtype` (of the tensor that was quantized), `axis`, `block_2d`, `rht`.
     """
 
     codes: jax.Array
@@ -44,6 +50,14 @@ class NVFP4Array:
     axis: int = dataclasses.field(metadata=dict(static=True))
     block_2d: bool = dataclasses.field(metadata=dict(static=True))
     rht: bool = dataclasses.field(metadata=dict(static=True))
+    decode_scale: jax.Array | None = None
+
+    @property
+    def global_scale(self) -> jax.Array:
+        """The tensor decode factor D: `decode_scale` if set, else `amax * RCP2688`."""
+        if self.decode_scale is not None:
+            return jnp.asarray(self.decode_scale, jnp.float32)
+        return formats.decode_scale(self.amax)
 
     @property
     def stored_shape(self) -> tuple[int, ...]:
@@ -122,8 +136,21 @@ def validate_nvfp4_array(q: NVFP4Array, name: str = "NVFP4Array") -> NVFP4Array:
         )
     if len(amax) >= len(codes) or amax != codes[: len(amax)]:
         raise ValueError(f"{name}: amax of shape {amax} does not fit codes {codes}")
+    _validate_decode_scale(q.decode_scale, name, amax)
     _validate_metadata(q, name, codes, rank=len(codes) - len(amax))
     return q
+
+
+def _validate_decode_scale(decode_scale, name: str, amax_shape: tuple[int, ...]) -> None:
+    if decode_scale is None:
+        return
+    if not hasattr(decode_scale, "shape") or jnp.dtype(decode_scale.dtype) != jnp.float32:
+        raise TypeError(f"{name}: decode_scale must be None or float32, got {decode_scale!r}")
+    if tuple(decode_scale.shape) != amax_shape:
+        raise ValueError(
+            f"{name}: decode_scale of shape {tuple(decode_scale.shape)} must be shaped like "
+            f"amax {amax_shape}"
+        )
 
 
 def _validate_metadata(q: NVFP4Array, name: str, codes: tuple[int, ...], rank: int) -> None:

@@ -46,8 +46,8 @@ class Backend(Protocol):
     ) -> jax.Array:
         """The dequantized values of `quantize` (no inverse RHT), in `dtype`."""
 
-    def dequantize(self, codes, scales, amax, *, rht: bool, dtype) -> jax.Array:
-        """The decoded values (with the inverse RHT when `rht`) in `dtype`."""
+    def dequantize(self, codes, scales, decode_scale, *, rht: bool, dtype) -> jax.Array:
+        """`value(code) * (f32(s_b) * D)` (the inverse RHT with `rht`) in `dtype`; D: f32."""
 
     def rht(self, x: jax.Array, *, inverse: bool) -> jax.Array:
         """The RHT (or its inverse) of every 16-group along the last axis."""
@@ -92,9 +92,10 @@ class ReferenceBackend:
             dtype=dtype,
         )
 
-    def dequantize(self, codes, scales, amax, *, rht, dtype):
+    def dequantize(self, codes, scales, decode_scale, *, rht, dtype):
         """`reference.dequantize` of the stored layout."""
-        q = NVFP4Array(codes, scales, amax, dtype=dtype, axis=-1, block_2d=False, rht=rht)
+        amax = decode_scale * 2688  # unused: the decode scale is given
+        q = NVFP4Array(codes, scales, amax, dtype, -1, False, rht, decode_scale=decode_scale)
         return reference.dequantize(q, dtype)
 
     def rht(self, x, *, inverse):
@@ -130,9 +131,9 @@ class FfiBackend:
             x, amax, seed, block_2d=block_2d, rht=rht, global_scale=global_scale, dtype=dtype
         )
 
-    def dequantize(self, codes, scales, amax, *, rht, dtype):
+    def dequantize(self, codes, scales, decode_scale, *, rht, dtype):
         """The `nvfp4_dequantize` kernel."""
-        return kernels.dequantize(codes, scales, amax, rht=rht, dtype=dtype)
+        return kernels.dequantize(codes, scales, decode_scale, rht=rht, dtype=dtype)
 
     def rht(self, x, *, inverse):
         """The `nvfp4_rht` kernel."""

@@ -164,6 +164,14 @@ def check_quantize_args(x, *, axis, block_2d, rht, stochastic_rounding, key, op)
     return axis
 
 
+# --- scales ---------------------------------------------------------------------------------
+
+
+def decode_scale(amax) -> jax.Array:
+    """The tensor decode factor `D = A * RCP2688` (a multiplication: docs/NUMERICS.md 3)."""
+    return jnp.asarray(amax).astype(jnp.float32) * jnp.float32(RCP2688)
+
+
 # --- codes ---------------------------------------------------------------------------------
 
 

@@ -23,6 +23,7 @@ built from these three.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
@@ -116,7 +117,7 @@ def quantize_operand(
     flags = dict(block_2d=block_2d, rht=rht, stochastic_rounding=stochastic_rounding, key=key)
     if backend == "scaled_matmul":
         q = ops.quantize(x, axis=axis, implementation=implementation, **flags)
-        return Operand(q, reference.decode_scale(q.amax))
+        return Operand(q, q.global_scale)
     amax = ops.tensor_amax(x, axis=axis, rht=rht, implementation=implementation)
     values = ops.fake_quantize(
         x,
@@ -133,8 +134,8 @@ def quantize_operand(
 def array_operand(q: NVFP4Array, *, backend: GemmBackend, dtype=jnp.bfloat16) -> Operand:
     """A quantized tensor (quantized along K, its stored layout `(..., rows, K)`) as an operand."""
     if backend == "scaled_matmul":
-        return Operand(q, reference.decode_scale(q.amax))
-    return Operand(reference.block_values(q, dtype), reference.decode_scale(q.amax))
+        return Operand(q, q.global_scale)
+    return Operand(reference.block_values(q, dtype), q.global_scale)
 
 
 def transpose_2d_blocks(q: NVFP4Array) -> NVFP4Array:
@@ -151,9 +152,7 @@ def transpose_2d_blocks(q: NVFP4Array) -> NVFP4Array:
     tiles = q.scales[:: formats.BLOCK_SIZE].T  # (K/16, N/16): one scale per tile
     scales = jnp.repeat(tiles, formats.BLOCK_SIZE, axis=0)
     # The logical (K, N) is the same; the quantized axis flips between its two dims.
-    return NVFP4Array(
-        codes, scales, q.amax, dtype=q.dtype, axis=-3 - q.axis, block_2d=True, rht=q.rht
-    )
+    return dataclasses.replace(q, codes=codes, scales=scales, axis=-3 - q.axis)
 
 
 def matmul(a: Operand, b: Operand) -> jax.Array:
@@ -222,7 +221,7 @@ def to_scaled_matmul_operands(q: NVFP4Array) -> ScaledMatmulOperands:
         raise TypeError(f"to_scaled_matmul_operands: expected an NVFP4Array, got {type(q)}")
     data = jax.lax.bitcast_convert_type(q.codes, jnp.float4_e2m1fn)  # (..., K/2, 2)
     data = data.reshape(*q.codes.shape[:-1], 2 * q.codes.shape[-1])
-    return ScaledMatmulOperands(data, q.scales, reference.decode_scale(q.amax))
+    return ScaledMatmulOperands(data, q.scales, q.global_scale)
 
 
 def from_scaled_matmul_operands(

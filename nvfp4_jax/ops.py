@@ -284,9 +284,10 @@ def dequantize(
 ) -> jax.Array:
     """Returns the tensor `q` encodes, in its logical shape, cast to `dtype`.
 
-    `x_hat = value(code) * (f32(s_b) * (A * RCP2688))` in f32, then the inverse RHT if `q`
-    was quantized with one, then the cast. A NaN amax gives NaN everywhere. Also
-    `q.dequantize(dtype)`. Differentiable in `q.scales` and `q.amax`.
+    `x_hat = value(code) * (f32(s_b) * D)` in f32, with `D = q.global_scale` (`A * RCP2688`,
+    or an imported checkpoint's decode scale), then the inverse RHT if `q` was quantized with
+    one, then the cast. A NaN amax gives NaN everywhere. Also `q.dequantize(dtype)`.
+    Differentiable in `q.scales` and `q.amax` (or `q.decode_scale`).
 
     Example:
       >>> x = jnp.full((16,), 1.5, jnp.float32)
@@ -298,35 +299,36 @@ def dequantize(
         raise TypeError(f"dequantize: q must be an NVFP4Array, got {type(q).__name__}")
     dtype = formats.check_dtype(dtype, "dequantize")
     backend = backends.resolve(implementation, "dequantize")
-    stored = _dequantize_batch(q.codes, q.scales, q.amax, backend, q.rht, dtype)
+    # D, in jnp: its derivative in `q.amax` (or `q.decode_scale`) is JAX's own.
+    stored = _dequantize_batch(q.codes, q.scales, q.global_scale, backend, q.rht, dtype)
     return jnp.moveaxis(stored, -1, q.axis)
 
 
-def _dequantize_batch(codes, scales, amax, backend, rht, dtype):
-    if amax.ndim:
+def _dequantize_batch(codes, scales, decode_scale, backend, rht, dtype):
+    if decode_scale.ndim:
         # A batch of tensors made by vmap (one amax each), dequantized outside of vmap.
-        return jax.vmap(lambda c, s, a: _dequantize_batch(c, s, a, backend, rht, dtype))(
-            codes, scales, amax
+        return jax.vmap(lambda c, s, d: _dequantize_batch(c, s, d, backend, rht, dtype))(
+            codes, scales, decode_scale
         )
-    return _dequantize(codes, scales, amax, backend, rht, dtype)
+    return _dequantize(codes, scales, decode_scale, backend, rht, dtype)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4, 5))
-def _dequantize(codes, scales, amax, backend: Backend, rht: bool, dtype):
-    return backend.dequantize(codes, scales, amax, rht=rht, dtype=dtype)
+def _dequantize(codes, scales, decode_scale, backend: Backend, rht: bool, dtype):
+    return backend.dequantize(codes, scales, decode_scale, rht=rht, dtype=dtype)
 
 
 @_dequantize.defjvp
 def _dequantize_jvp(backend, rht, dtype, primals, tangents):
-    codes, scales, amax = primals
-    _, d_scales, d_amax = tangents
+    codes, scales, decode_scale = primals
+    _, d_scales, d_decode = tangents
 
-    def decode(s, a):
-        q = NVFP4Array(codes, s, a, dtype=dtype, axis=-1, block_2d=False, rht=rht)
+    def decode(s, d):
+        q = NVFP4Array(codes, s, d * 2688, dtype, -1, False, rht, decode_scale=d)
         return reference.dequantize(q, dtype)
 
-    _, d_out = jax.jvp(decode, (scales, amax), (d_scales, d_amax))
-    return _dequantize(codes, scales, amax, backend, rht, dtype), d_out
+    _, d_out = jax.jvp(decode, (scales, decode_scale), (d_scales, d_decode))
+    return _dequantize(codes, scales, decode_scale, backend, rht, dtype), d_out
 
 
 bind_dequantize(dequantize)

@@ -359,12 +359,12 @@ ERROR_CASES = [
     (
         "dequantize-amax-f16",
         dequantize_case(amax=np.float16(1)),
-        f"nvfp4_dequantize: amax of shape () and dtype f16: {SCALAR_MSG}",
+        f"nvfp4_dequantize: decode_scale of shape () and dtype f16: {SCALAR_MSG}",
     ),
     (
         "dequantize-amax-shape",
         dequantize_case(amax=np.ones((1,), F32)),
-        f"nvfp4_dequantize: amax of shape (1,) and dtype f32: {SCALAR_MSG}",
+        f"nvfp4_dequantize: decode_scale of shape (1,) and dtype f32: {SCALAR_MSG}",
     ),
     (
         "dequantize-result-s32",

@@ -129,13 +129,13 @@ ffi::Error FakeQuantizeImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuff
 }
 
 ffi::Error DequantizeImpl(ffi::ThreadPool pool, ffi::AnyBuffer codes, ffi::AnyBuffer scales,
-                          ffi::AnyBuffer amax, ffi::Result<ffi::AnyBuffer> out, bool rht) {
-  auto args = CheckDequantizeArgs(codes, scales, amax, *out);
+                          ffi::AnyBuffer decode_scale, ffi::Result<ffi::AnyBuffer> out, bool rht) {
+  auto args = CheckDequantizeArgs(codes, scales, decode_scale, *out);
   if (args.has_error()) return args.error();
   DequantizeJob job;
   job.codes = static_cast<const uint8_t*>(codes.untyped_data());
   job.scales = static_cast<const uint8_t*>(scales.untyped_data());
-  job.global = DecodeGlobal(*F32Data(amax));
+  job.global = *F32Data(decode_scale);  // D: A * RCP2688, or an imported checkpoint's own
   job.cols = args->layout.cols;
   job.rht = rht;
   job.out = out->untyped_data();

@@ -41,7 +41,7 @@ struct QuantizeJob {
 struct DequantizeJob {
   const uint8_t* codes = nullptr;
   const uint8_t* scales = nullptr;
-  float global = 0.0f;  // D = A * RCP2688
+  float global = 0.0f;  // the decode scale D (A * RCP2688, or an imported one)
   int64_t cols = 0;
   bool rht = false;
   void* out = nullptr;

@@ -137,8 +137,8 @@ ffi::Error FakeQuantizeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffe
 }
 
 ffi::Error DequantizeImpl(cudaStream_t stream, ffi::AnyBuffer codes, ffi::AnyBuffer scales,
-                          ffi::AnyBuffer amax, ffi::Result<ffi::AnyBuffer> out, bool rht) {
-  auto args = CheckDequantizeArgs(codes, scales, amax, *out);
+                          ffi::AnyBuffer decode_scale, ffi::Result<ffi::AnyBuffer> out, bool rht) {
+  auto args = CheckDequantizeArgs(codes, scales, decode_scale, *out);
   if (args.has_error()) return args.error();
   const int64_t blocks = args->layout.size() / kBlock;
   const bool vec = Aligned(codes.untyped_data(), 8) && Aligned(out->untyped_data(), 16);
@@ -147,7 +147,7 @@ ffi::Error DequantizeImpl(cudaStream_t stream, ffi::AnyBuffer codes, ffi::AnyBuf
       using U = decltype(u);
       DequantizeKernel<U><<<GridFor(blocks), kThreads, 0, stream>>>(
           static_cast<const uint8_t*>(codes.untyped_data()),
-          static_cast<const uint8_t*>(scales.untyped_data()), F32Data(amax), blocks, rht, vec,
+          static_cast<const uint8_t*>(scales.untyped_data()), F32Data(decode_scale), blocks, rht, vec,
           static_cast<typename U::Storage*>(out->untyped_data()));
     });
   }

@@ -251,7 +251,7 @@ __global__ void FillNanKernel(const float* stored, int64_t n, typename U::Storag
 // Dequantize and the RHT.
 
 template <class U>
-__global__ void DequantizeKernel(const uint8_t* codes, const uint8_t* scales, const float* amax,
+__global__ void DequantizeKernel(const uint8_t* codes, const uint8_t* scales, const float* decode,
                                  int64_t blocks, bool rht, bool vec, typename U::Storage* out) {
   const int64_t b = GlobalThread();
   if (b >= blocks) return;
@@ -264,7 +264,7 @@ __global__ void DequantizeKernel(const uint8_t* codes, const uint8_t* scales, co
     for (int i = 0; i < kBlock / 2; ++i) q[i] = codes[b * (kBlock / 2) + i];
   }
   float v[kBlock];
-  DecodeBlock(q, E4m3ToF32(scales[b]) * DecodeGlobal(__ldg(amax)), v);
+  DecodeBlock(q, E4m3ToF32(scales[b]) * __ldg(decode), v);
   if (rht) Rht16(v, /*inverse=*/true);
   StoreBlockVec<U>(v, vec, out + b * kBlock);
 }

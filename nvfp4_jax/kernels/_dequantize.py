@@ -1,10 +1,10 @@
 """`nvfp4_dequantize`: the decoding kernel and its sharding rule.
 
 Native twin: `DequantizeImpl` in ffi/cpu/handlers.cc and ffi/cuda/handlers.cu. Operands:
-codes uint8 `(..., C/2)`, scales float8_e4m3fn `(..., C/16)`, the f32 amax; the result is
-`value(code) * (f32(s_b) * (A * RCP2688))` in f32, the inverse RHT with `rht`, cast to the
-result dtype. Leading dims keep their sharding; the last one too when codes and scales are
-sharded alike on it.
+codes uint8 `(..., C/2)`, scales float8_e4m3fn `(..., C/16)`, the f32 tensor decode scale D
+(`A * RCP2688`, or an imported checkpoint's own); the result is `value(code) * (f32(s_b) *
+D)` in f32, the inverse RHT with `rht`, cast to the result dtype. Leading dims keep their
+sharding; the last one too when codes and scales are sharded alike on it.
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ from nvfp4_jax.kernels import _partition as part
 _BLOCK = formats.BLOCK_SIZE
 
 
-def _call(codes, scales, amax, *, rht, dtype):
+def _call(codes, scales, decode_scale, *, rht, dtype):
     shape = (*codes.shape[:-1], 2 * codes.shape[-1])
     call = jax.ffi.ffi_call(
         "nvfp4_dequantize", jax.ShapeDtypeStruct(shape, dtype), vmap_method="sequential"
     )
-    return call(codes, scales, amax, rht=rht)
+    return call(codes, scales, decode_scale, rht=rht)
 
 
 @functools.cache
@@ -56,9 +56,9 @@ def _partitioned(ndim: int, rht: bool, dtype):
     return part.with_rule(raw, partition, infer, rule, k=_BLOCK, h=_BLOCK // 2)
 
 
-def dequantize(codes: jax.Array, scales: jax.Array, amax: jax.Array, *, rht: bool, dtype):
-    """Decodes codes uint8 (..., C/2) and scales (..., C/16) to (..., C) in `dtype`."""
+def dequantize(codes: jax.Array, scales: jax.Array, decode_scale, *, rht: bool, dtype):
+    """Decodes codes uint8 (..., C/2) and scales (..., C/16) with the f32 decode scale D."""
     _library.require("dequantize")
-    amax = jnp.asarray(amax, jnp.float32).reshape(())
+    decode_scale = jnp.asarray(decode_scale, jnp.float32).reshape(())
     op = _partitioned(codes.ndim - 1, bool(rht), jnp.dtype(dtype))
-    return part.vary_like(op(codes, scales, amax), codes, scales, amax)
+    return part.vary_like(op(codes, scales, decode_scale), codes, scales, decode_scale)

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 
 from nvfp4_jax import formats
 from nvfp4_jax.array import NVFP4Array
+from nvfp4_jax.formats import decode_scale
 from nvfp4_jax.reference import hadamard, stochastic
 from nvfp4_jax.seed import SRSeed, as_seed
 
@@ -38,11 +39,6 @@ def encode_scale(amax: jax.Array) -> jax.Array:
     amax = jnp.asarray(amax).astype(_F32)
     s_enc = jnp.minimum(_F32(formats.FP4_E4M3_MAX) / amax, _F32(formats.FLT_MAX))
     return jnp.where((amax == 0) | (s_enc == 0), _F32(1), s_enc)
-
-
-def decode_scale(amax: jax.Array) -> jax.Array:
-    """Returns the tensor decode factor `D = A * RCP2688` (a multiplication, section 3)."""
-    return jnp.asarray(amax).astype(_F32) * _F32(formats.RCP2688)
 
 
 def _e4m3_nan(shape) -> jax.Array:
@@ -214,7 +210,7 @@ def _dequantize_stored(q: NVFP4Array, dtype) -> jax.Array:
         return jax.vmap(lambda one: _dequantize_stored(one, dtype))(q)
     codes = formats.unpack_nibbles(q.codes)
     blocks = codes.reshape(*q.scales.shape, formats.BLOCK_SIZE)
-    factor = q.scales.astype(_F32) * decode_scale(q.amax)
+    factor = q.scales.astype(_F32) * q.global_scale
     x_hat = formats.scaled_code_values(blocks, factor[..., None]).reshape(codes.shape)
     if q.rht:
         x_hat = hadamard.apply_rht(x_hat, inverse=True)
@@ -224,8 +220,9 @@ def _dequantize_stored(q: NVFP4Array, dtype) -> jax.Array:
 def dequantize(q: NVFP4Array, dtype=jnp.float32) -> jax.Array:
     """Returns the tensor `q` encodes, in its logical shape, cast to `dtype`.
 
-    `x_hat = value(code) * (f32(s_b) * (A * RCP2688))` in f32, then the inverse RHT (in f32)
-    if `q` was quantized with one, then the cast. A NaN amax gives NaN everywhere.
+    `x_hat = value(code) * (f32(s_b) * D)` in f32 with `D = q.global_scale` (`A * RCP2688`,
+    or the decode scale an imported checkpoint carries), then the inverse RHT (in f32) if `q`
+    was quantized with one, then the cast. A NaN amax gives NaN everywhere.
 
     Example:
       >>> x = jnp.full((16,), 1.5, jnp.float32)

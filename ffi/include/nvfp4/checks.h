@@ -233,17 +233,17 @@ inline ffi::ErrorOr<CheckedArgs> CheckFakeQuantizeArgs(
   return c.Finish(a);
 }
 
-// nvfp4_dequantize(codes, scales, amax) -> result.
+// nvfp4_dequantize(codes, scales, decode_scale) -> result.
 inline ffi::ErrorOr<CheckedArgs> CheckDequantizeArgs(const ffi::AnyBuffer& codes,
                                                      const ffi::AnyBuffer& scales,
-                                                     const ffi::AnyBuffer& amax,
+                                                     const ffi::AnyBuffer& decode_scale,
                                                      const ffi::AnyBuffer& result) {
   ArgChecker c("nvfp4_dequantize");
   CheckedArgs a;
   c.Dtype("codes", codes, ffi::DataType::U8);
   a.layout = c.Layout("codes", codes, /*block_2d=*/false, /*per_element=*/2);
   c.CodesAndScales(a.layout, codes, scales);
-  c.ScalarF32("amax", amax);
+  c.ScalarF32("decode_scale", decode_scale);
   a.result = c.Float("result", result);
   c.Count("result", result, a.layout.size());
   return c.Finish(a);
