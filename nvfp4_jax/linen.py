@@ -1,11 +1,25 @@
-"""Flax linen layers whose GEMMs run in NVFP4."""
+"""Flax linen layers whose GEMMs run in NVFP4, for training and for serving quantized weights.
+
+`Dense` is `flax.linen.Dense` with NVFP4 GEMMs. With `calibrate=True` it records the largest
+activation magnitude it sees in the `calibration` collection (`apply(...,
+mutable=["calibration"])`), which a W4A4 export turns into `input_scale`. When its `kernel`
+parameter is an `NVFP4Array` (e.g. from `nvfp4_jax.load_hf_checkpoint`) it computes with that
+frozen weight instead: weight-only, or W4A4 with `activations="nvfp4"` and the static
+`input_scale` parameter beside the kernel, as vLLM's emulation does (both operands
+dequantized, one matmul in the activations' dtype). Exclude the `NVFP4Array` leaves from the
+optimizer (e.g. `optax.set_to_zero` through `optax.multi_transform`) to fine-tune the rest.
+"""
 
 from __future__ import annotations
+
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from nvfp4_jax import ops
+from nvfp4_jax.array import NVFP4Array
 from nvfp4_jax.dot_general import dot_general
 from nvfp4_jax.recipe import NVFP4Recipe
 
@@ -18,6 +32,10 @@ class Dense(nn.Dense):
       rng_collection: the rng collection stochastic rounding draws its key from
         (`apply(..., rngs={"quantize": key})`). Without it, the key is derived from the
         incoming gradient's bits, which change from step to step.
+      calibrate: record max |inputs| as `calibration/input_amax` (when that collection is
+        mutable).
+      activations: with an `NVFP4Array` kernel: "high_precision" (weight-only) or "nvfp4"
+        (W4A4, quantized with the amax `input_scale * 2688` of the `input_scale` param).
 
     Example:
       >>> layer = Dense(32)
@@ -28,32 +46,66 @@ class Dense(nn.Dense):
 
     recipe: NVFP4Recipe = NVFP4Recipe()
     rng_collection: str = "quantize"
+    calibrate: bool = False
+    activations: Literal["high_precision", "nvfp4"] = "high_precision"
+
+    def _record(self, inputs: jax.Array) -> None:
+        amax = self.variable("calibration", "input_amax", jnp.zeros, (), jnp.float32)
+        if self.is_mutable_collection("calibration"):
+            seen = jnp.max(jnp.abs(inputs.astype(jnp.float32)), initial=jnp.float32(0))
+            amax.value = jnp.maximum(amax.value, jax.lax.stop_gradient(seen))
+
+    def _quantized(self, inputs: jax.Array, kernel: NVFP4Array) -> jax.Array:
+        dtype = self.dtype or inputs.dtype
+        inputs = inputs.astype(dtype)
+        if self.activations == "nvfp4":
+            if not self.has_variable("params", "input_scale"):
+                raise ValueError(
+                    "nvfp4_jax.linen.Dense: activations='nvfp4' (W4A4) needs an 'input_scale' "
+                    "parameter beside the NVFP4 kernel"
+                )
+            amax = jnp.asarray(self.get_variable("params", "input_scale"), jnp.float32) * 2688
+            inputs = ops.fake_quantize(inputs, amax=amax.reshape(()), dtype=dtype)
+        return jnp.matmul(inputs, ops.dequantize(kernel, dtype))
 
     @nn.compact
     def __call__(self, inputs: jax.Array) -> jax.Array:
         """Applies the quantized linear map along the last axis of `inputs`."""
         if self.dot_general is not None or self.dot_general_cls is not None:
             raise TypeError("nvfp4_jax.linen.Dense: dot_general is fixed to the NVFP4 one")
-        kernel = self.param(
-            "kernel", self.kernel_init, (jnp.shape(inputs)[-1], self.features), self.param_dtype
+        if self.activations not in ("high_precision", "nvfp4"):
+            raise ValueError(
+                "nvfp4_jax.linen.Dense: activations must be 'high_precision' or 'nvfp4', got "
+                f"{self.activations!r}"
+            )
+        if self.calibrate:
+            self._record(inputs)
+        kernel = (
+            self.get_variable("params", "kernel") if self.has_variable("params", "kernel") else None
         )
+        if not isinstance(kernel, NVFP4Array):
+            shape = (jnp.shape(inputs)[-1], self.features)
+            kernel = self.param("kernel", self.kernel_init, shape, self.param_dtype)
         bias = (
             self.param("bias", self.bias_init, (self.features,), self.param_dtype)
             if self.use_bias
             else None
         )
-        inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
-        key = None
-        if self.recipe.stochastic_rounding and self.has_rng(self.rng_collection):
-            key = self.make_rng(self.rng_collection)
-        y = dot_general(
-            inputs,
-            kernel,
-            (((inputs.ndim - 1,), (0,)), ((), ())),
-            self.precision,
-            recipe=self.recipe,
-            key=key,
-        )
+        if isinstance(kernel, NVFP4Array):
+            y = self._quantized(inputs, kernel)
+        else:
+            inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
+            key = None
+            if self.recipe.stochastic_rounding and self.has_rng(self.rng_collection):
+                key = self.make_rng(self.rng_collection)
+            y = dot_general(
+                inputs,
+                kernel,
+                (((inputs.ndim - 1,), (0,)), ((), ())),
+                self.precision,
+                recipe=self.recipe,
+                key=key,
+            )
         if bias is not None:
-            y += jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
+            y += jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,)).astype(y.dtype)
         return y

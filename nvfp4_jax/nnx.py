@@ -1,13 +1,39 @@
-"""Flax nnx layers whose GEMMs run in NVFP4."""
+"""Flax nnx layers whose GEMMs run in NVFP4, for training and for serving quantized weights.
+
+`Linear` is `flax.nnx.Linear` with three uses:
+
+* training: every GEMM of the forward and backward passes in NVFP4 (`NVFP4Recipe`);
+* calibration: with `calibrate(model)` on, each layer records the largest activation
+  magnitude it sees (`input_amax`), which a W4A4 export turns into `input_scale`;
+* inference on a frozen, already quantized weight (`Linear.from_quantized`, e.g. from
+  `nvfp4_jax.load_hf_checkpoint`): weight-only (activations in high precision, what engines
+  serve as "W4A16_NVFP4") or W4A4 (activations quantized with the static input scale, what
+  engines serve as "NVFP4"), computed as vLLM's emulation does: both operands dequantized,
+  then one matmul in the activations' dtype.
+"""
 
 from __future__ import annotations
+
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from nvfp4_jax import formats, ops
+from nvfp4_jax.array import NVFP4Array, validate_nvfp4_array
 from nvfp4_jax.dot_general import constrain_output, dot_general
 from nvfp4_jax.recipe import NVFP4Recipe
+
+Activations = Literal["high_precision", "nvfp4"]
+
+
+class InputAmax(nnx.Variable):
+    """The largest |input| a layer has seen in calibration (an f32 scalar; not a parameter)."""
+
+
+class QuantizedKernel(nnx.Variable):
+    """A frozen NVFP4 weight (an `NVFP4Array`): not an `nnx.Param`, so optimizers skip it."""
 
 
 class Linear(nnx.Linear):
@@ -19,6 +45,11 @@ class Linear(nnx.Linear):
       recipe: the `NVFP4Recipe`.
       rng_collection: the rng stream stochastic rounding draws a fresh key from on every call
         (falls back to `rngs`' default stream when `rngs` has no stream of that name).
+
+    Attributes:
+      input_amax: `InputAmax`, the running max of |inputs| recorded while calibrating
+        (0 until then).
+      calibrating: record `input_amax` on every call (see `calibrate`).
 
     Example:
       >>> layer = Linear(64, 32, rngs=nnx.Rngs(0))
@@ -44,23 +75,125 @@ class Linear(nnx.Linear):
             self.quantize_rngs = rngs[rng_collection].fork()
         else:
             self.quantize_rngs = nnx.data(None)
+        self.input_amax = InputAmax(jnp.zeros((), jnp.float32))
+        self.calibrating = False
+        self.activations: Activations | None = None
+
+    @classmethod
+    def from_quantized(
+        cls,
+        kernel: NVFP4Array,
+        *,
+        bias: jax.Array | None = None,
+        input_scale: jax.Array | None = None,
+        activations: Activations = "high_precision",
+        dtype=jnp.bfloat16,
+    ) -> Linear:
+        """A layer computing with a frozen NVFP4 weight: an (in, out) kernel quantized along in.
+
+        Args:
+          kernel: the weight, an `NVFP4Array` of logical shape (in, out) quantized along axis
+            0 (what `load_hf_checkpoint` gives for a linear: the HF (out, in) bytes).
+          bias: an optional (out,) bias (a trainable `nnx.Param`).
+          input_scale: the static activation scale of W4A4 (`input_amax * RCP2688`, the
+            checkpoint's `.input_scale`); required with `activations="nvfp4"`.
+          activations: "high_precision" (weight-only) or "nvfp4" (W4A4: the inputs are
+            quantized in 1x16 blocks with the tensor amax `input_scale * 2688`; larger
+            values saturate).
+          dtype: the dtype activations and the dequantized weight are multiplied in.
+
+        Example:
+          >>> q = nvfp4_jax.quantize(jnp.ones((64, 32)), axis=0)
+          >>> Linear.from_quantized(q)(jnp.ones((2, 64))).shape
+          (2, 32)
+        """
+        validate_nvfp4_array(kernel, "Linear.from_quantized kernel")
+        if len(kernel.shape) != 2 or kernel.axis != -2:
+            raise ValueError(
+                f"Linear.from_quantized: kernel must be an (in, out) NVFP4Array quantized "
+                f"along axis 0 (in), got {kernel!r}"
+            )
+        if activations not in ("high_precision", "nvfp4"):
+            raise ValueError(
+                "Linear.from_quantized: activations must be 'high_precision' or 'nvfp4', got "
+                f"{activations!r}"
+            )
+        if activations == "nvfp4" and input_scale is None:
+            raise ValueError("Linear.from_quantized: activations='nvfp4' (W4A4) needs input_scale")
+        in_features, out_features = kernel.shape
+        dtype = formats.check_dtype(dtype, "Linear.from_quantized")
+        # Built abstract (no float kernel is ever allocated); every variable is replaced below.
+        layer = nnx.eval_shape(
+            lambda: cls(
+                in_features,
+                out_features,
+                use_bias=bias is not None,
+                dtype=dtype,
+                recipe=NVFP4Recipe(stochastic_rounding=False),
+                rngs=nnx.Rngs(0),
+            )
+        )
+        layer.kernel = QuantizedKernel(kernel)
+        if bias is not None:
+            layer.bias = nnx.Param(jnp.asarray(bias))
+        layer.activations = activations
+        scale = jnp.zeros((), jnp.float32) if input_scale is None else input_scale
+        layer.input_amax = InputAmax(jnp.asarray(scale, jnp.float32).reshape(()) * 2688)
+        return layer
+
+    def _record(self, inputs: jax.Array) -> None:
+        seen = jnp.max(jnp.abs(inputs.astype(jnp.float32)), initial=jnp.float32(0))
+        self.input_amax[...] = jnp.maximum(self.input_amax[...], jax.lax.stop_gradient(seen))
+
+    def _quantized_matmul(self, inputs: jax.Array) -> jax.Array:
+        """`inputs @ W` with the frozen NVFP4 weight (weight-only or W4A4)."""
+        dtype = self.dtype or inputs.dtype
+        inputs = inputs.astype(dtype)
+        if self.activations == "nvfp4":
+            inputs = ops.fake_quantize(inputs, amax=self.input_amax[...], dtype=dtype)
+        weight = ops.dequantize(self.kernel.get_value(), dtype)
+        return jnp.matmul(inputs, weight, preferred_element_type=self.preferred_element_type)
 
     def __call__(self, inputs: jax.Array, out_sharding=None) -> jax.Array:
         """Applies the quantized linear map along the last axis of `inputs`."""
-        kernel = self.kernel[...]
-        bias = self.bias[...] if self.bias is not None else None
-        inputs, kernel, bias = self.promote_dtype((inputs, kernel, bias), dtype=self.dtype)
-        key = self.quantize_rngs() if self.quantize_rngs is not None else None
-        y = dot_general(
-            inputs,
-            kernel,
-            (((inputs.ndim - 1,), (0,)), ((), ())),
-            self.precision,
-            self.preferred_element_type,
-            recipe=self.recipe,
-            key=key,
-        )
+        if self.calibrating:
+            self._record(inputs)
+        if self.activations is not None:
+            y = self._quantized_matmul(inputs)
+            bias = self.bias[...] if self.bias is not None else None
+        else:
+            kernel = self.kernel[...]
+            bias = self.bias[...] if self.bias is not None else None
+            inputs, kernel, bias = self.promote_dtype((inputs, kernel, bias), dtype=self.dtype)
+            key = self.quantize_rngs() if self.quantize_rngs is not None else None
+            y = dot_general(
+                inputs,
+                kernel,
+                (((inputs.ndim - 1,), (0,)), ((), ())),
+                self.precision,
+                self.preferred_element_type,
+                recipe=self.recipe,
+                key=key,
+            )
         y = constrain_output(y, out_sharding)
         if bias is not None:
-            y += jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
+            y += jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,)).astype(y.dtype)
         return y
+
+
+def calibrate(model: nnx.Module, enabled: bool = True) -> int:
+    """Turns recording of `input_amax` on (or off) in every `Linear` of `model`.
+
+    Run a few representative batches through the model with it on, then turn it off; the
+    recorded amaxes are what a W4A4 export writes as `input_scale`.
+
+    Returns:
+      The number of layers switched.
+    """
+    enabled = formats.check_flag(enabled, "calibrate", "enabled")
+    count = 0
+    for _, module in nnx.iter_graph(model):
+        if isinstance(module, Linear):
+            module.calibrating = enabled
+            count += 1
+    return count

@@ -242,3 +242,85 @@ def test_linen_mlp_trains_below_loss_bound():
     final = float(np.mean(losses[-10:]))
     assert np.all(np.isfinite(losses))
     assert final < LOSS_BOUND, f"loss {losses[0]:.3f} -> {final:.3f}"
+
+
+# --- frozen NVFP4 weights and calibration ----------------------------------------------------
+
+
+def quantized_kernel(seed=0, shape=(64, 32)):
+    return nvfp4_jax.quantize(jax.random.normal(jax.random.key(seed), shape), axis=0)
+
+
+@pytest.mark.parametrize("activations", ["high_precision", "nvfp4"])
+def test_nnx_linear_from_quantized_computes_like_the_engines(activations):
+    q, x = quantized_kernel(), inputs((8, 64))
+    input_scale = jnp.float32(3.0) * jnp.float32(1 / 2688)
+    layer = nvfp4_jax.nnx.Linear.from_quantized(
+        q, input_scale=input_scale, activations=activations, dtype=jnp.bfloat16
+    )
+    xb = x.astype(jnp.bfloat16)
+    if activations == "nvfp4":  # W4A4: the activations quantized with the static scale
+        xb = nvfp4_jax.fake_quantize(xb, amax=input_scale * 2688)
+    expected = jnp.matmul(xb, nvfp4_jax.dequantize(q, jnp.bfloat16))
+    assert_same_bits(layer(x), expected)
+    assert not jax.tree.leaves(nnx.state(layer, nnx.Param))  # the weight is not a parameter
+
+
+def test_nnx_linear_from_quantized_fine_tunes_the_other_parameters():
+    q = quantized_kernel(1)
+    layer = nvfp4_jax.nnx.Linear.from_quantized(q, bias=jnp.zeros(32), dtype=jnp.float32)
+    optimizer = nnx.Optimizer(layer, optax.adam(1e-1), wrt=nnx.Param)
+    x = inputs((16, 64))
+    target = layer(x) + 0.5  # the bias alone can reach it
+
+    @nnx.jit
+    def step(layer, optimizer):
+        loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - target) ** 2))(layer)
+        optimizer.update(layer, grads)
+        return loss
+
+    losses = [float(step(layer, optimizer)) for _ in range(30)]
+    assert losses[-1] < 0.05 * losses[0], losses
+    assert_same_bits(layer.kernel.get_value().codes, q.codes)  # the weight stayed frozen
+
+
+def test_nnx_linear_from_quantized_rejects_what_it_cannot_serve():
+    with pytest.raises(ValueError, match="needs input_scale"):
+        nvfp4_jax.nnx.Linear.from_quantized(quantized_kernel(), activations="nvfp4")
+    with pytest.raises(ValueError, match="quantized along axis 0"):
+        nvfp4_jax.nnx.Linear.from_quantized(nvfp4_jax.quantize(jnp.ones((64, 32))))
+    with pytest.raises(ValueError, match="activations must be"):
+        nvfp4_jax.nnx.Linear.from_quantized(quantized_kernel(), activations="fp8")
+
+
+def test_nnx_calibration_records_the_largest_input():
+    model = NnxMLP(nnx.Rngs(0, quantize=1))
+    assert nvfp4_jax.nnx.calibrate(model) == 2
+
+    @nnx.jit
+    def forward(model, x):
+        return model(x)
+
+    batches = [inputs((8, IN), seed) * scale for seed, scale in ((1, 1.0), (2, 4.0), (3, 2.0))]
+    for x in batches:
+        forward(model, x)
+    expected = max(float(jnp.max(jnp.abs(x))) for x in batches)
+    assert float(model.fc1.input_amax[...]) == expected
+    assert float(model.fc2.input_amax[...]) > 0
+    nvfp4_jax.nnx.calibrate(model, False)
+    forward(model, batches[1] * 10)
+    assert float(model.fc1.input_amax[...]) == expected  # off: nothing recorded
+
+
+def test_linen_dense_calibration_and_frozen_kernel():
+    layer, x = nvfp4_jax.linen.Dense(32, calibrate=True), inputs((8, 64))
+    params = layer.init(jax.random.key(0), x)
+    _, state = layer.apply(params, x * 3, mutable=["calibration"])
+    assert float(state["calibration"]["input_amax"]) == float(jnp.max(jnp.abs(x * 3)))
+    q = nvfp4_jax.quantize(params["params"]["kernel"], axis=0)
+    frozen = {"params": {"kernel": q, "bias": params["params"]["bias"], "input_scale": 0.01}}
+    w4a16 = nvfp4_jax.linen.Dense(32).apply(frozen, x)
+    assert_same_bits(w4a16, x @ nvfp4_jax.dequantize(q) + params["params"]["bias"])
+    w4a4 = nvfp4_jax.linen.Dense(32, activations="nvfp4").apply(frozen, x)
+    x_q = nvfp4_jax.fake_quantize(x, amax=jnp.float32(0.01) * 2688)
+    assert_same_bits(w4a4, x_q @ nvfp4_jax.dequantize(q) + params["params"]["bias"])
