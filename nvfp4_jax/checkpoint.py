@@ -12,14 +12,15 @@ On-disk layout (format `nvfp4_jax.checkpoint/2`). `path` is a directory:
                               leftovers of an interrupted save, removed by the next save
 
 Inside a snapshot, a plain leaf at path `a/b` is stored as `a/b`; an `NVFP4Array` at `a/w` as
-`a/w/codes` (uint8), `a/w/scales` (float8_e4m3fn), `a/w/amax` (f32); a typed PRNG key array
+`a/w/codes` (uint8), `a/w/scales` (float8_e4m3fn), `a/w/amax` (f32) and, when it has one,
+`a/w/decode_scale` (f32); a typed PRNG key array
 (an nnx rng stream's key) as its `jax.random.key_data` (uint32) under its own name. The bytes
 are stored as they are: restoring is bit-exact. NumPy leaves stay NumPy (a float64 stays
 float64). The JSON entry of a leaf holds its path, kind ("array", "nvfp4" or "key"), shapes
 and dtypes, the static metadata of an NVFP4 leaf (dtype, axis, block_2d, rht, logical shape)
 and the implementation of a key (e.g. "threefry2x32"). Every stored name belongs to exactly
 one leaf: `save_checkpoint` raises before writing anything if two leaves would share one
-(a "/" in a dict key, a plain leaf at `w/codes` beside an NVFP4Array at `w`, `{1: .., "1": ..}`).
+(a "/" in a dict key, a plain leaf at `w/codes` beside an NVFP4Array at `w`).
 
 Atomicity: a save never touches the current snapshot nor `CURRENT` until its very end. It
 writes a new snapshot under a fresh name (orbax writes it into a temporary directory and
@@ -28,7 +29,8 @@ writes the new name into `CURRENT.tmp`, fsyncs it and `os.replace`s it over `CUR
 atomic rename on POSIX: Linux and macOS), and fsyncs `path`. Until that replace `CURRENT` names
 the old, complete snapshot; after it, the new, complete one. Only then are other snapshots
 deleted. So a crash at any point (an exception, SIGKILL, power loss) leaves the old or the new
-checkpoint, whole. One process saves to a `path` at a time.
+checkpoint, whole. One process saves to a `path` at a time. A forced save replaces the
+checkpoint only: other files in `path` stay.
 
 The first format, `nvfp4_jax.checkpoint/1` (the orbax `Composite` at `path` itself, no
 `CURRENT`), is still restored; a forced save over it converts it, atomically as above.
@@ -69,10 +71,18 @@ FORMAT_V1 = "nvfp4_jax.checkpoint/1"
 POINTER = "CURRENT"
 _POINTER_TMP = "CURRENT.tmp"
 _SNAPSHOT = re.compile(r"snapshot-([0-9]+)")
+# A snapshot, or the temporary directory orbax writes one into: the names a save may remove.
+_SNAPSHOT_OR_TMP = re.compile(r"snapshot-[0-9]+(\.orbax-checkpoint-tmp.*)?")
 # What the first format wrote at `path`; `nvfp4` (its JSON) last, as the marker.
 _V1_ITEMS = ("arrays", "_CHECKPOINT_METADATA", "_METADATA", "commit_success.txt", "nvfp4")
 _PARTS = ("codes", "scales", "amax")
-_PART_DTYPES = {"codes": "uint8", "scales": "float8_e4m3fn", "amax": "float32"}
+# `decode_scale` is an optional fourth part (None in most NVFP4Arrays): stored when present.
+_PART_DTYPES = {
+    "codes": "uint8",
+    "scales": "float8_e4m3fn",
+    "amax": "float32",
+    "decode_scale": "float32",
+}
 
 
 # --- save ----------------------------------------------------------------------------------
@@ -132,7 +142,7 @@ def _save_leaf(names, leaf, where) -> tuple[dict, dict]:
     if is_nvfp4_array(leaf):
         validate_nvfp4_array(leaf, f"save_checkpoint: {where}")
         entry.update(_nvfp4_meta(leaf), kind="nvfp4", shape=list(leaf.shape))
-        return entry, {f"{key}/{part}": getattr(leaf, part) for part in _PARTS}
+        return entry, {f"{key}/{part}": getattr(leaf, part) for part in _parts_of(leaf)}
     if _is_key_array(leaf):
         impl = _key_impl_name(leaf, where)
         entry.update(kind="key", impl=impl, shape=list(leaf.shape))
@@ -148,8 +158,17 @@ def _nvfp4_meta(q) -> dict:
         "axis": q.axis,
         "block_2d": q.block_2d,
         "rht": q.rht,
-        "shapes": {part: list(getattr(q, part).shape) for part in _PARTS},
+        "shapes": {part: list(getattr(q, part).shape) for part in _parts_of(q)},
     }
+
+
+def _parts_of(q) -> tuple[str, ...]:
+    """The array parts of an NVFP4Array: codes, scales, amax, and decode_scale if set."""
+    return _PARTS + (("decode_scale",) if getattr(q, "decode_scale", None) is not None else ())
+
+
+def _entry_parts(shapes: dict) -> tuple[str, ...]:
+    return _PARTS + (("decode_scale",) if "decode_scale" in shapes else ())
 
 
 def _is_key_array(leaf) -> bool:
@@ -210,7 +229,8 @@ def _makedirs(path: str) -> None:
 
 
 def _is_leftover(name: str) -> bool:
-    return name.startswith("snapshot-") or name == _POINTER_TMP
+    """A name only saves write (while `CURRENT` does not name it, nothing refers to it)."""
+    return name == _POINTER_TMP or _SNAPSHOT_OR_TMP.fullmatch(name) is not None
 
 
 def _next_snapshot_name(path: str) -> str:
@@ -402,9 +422,12 @@ def _entry_specs(entry: dict) -> dict:
         data_shape = _shape_field(entry, "shape") + _key_data_shape(entry)
         return {key: (data_shape, "uint32")}
     if kind == "nvfp4":
-        _abstract_nvfp4(entry)
-        shapes = entry.get("shapes") if isinstance(entry.get("shapes"), dict) else {}
-        return {f"{key}/{p}": (_shape_field(shapes, p, key), _PART_DTYPES[p]) for p in _PARTS}
+        _abstract_nvfp4(entry)  # checks the metadata, `shapes` included
+        shapes = entry["shapes"]
+        return {
+            f"{key}/{p}": (_shape_field(shapes, p, key), _PART_DTYPES[p])
+            for p in _entry_parts(shapes)
+        }
     raise _bad(key, f"unknown kind {kind!r}")
 
 
@@ -415,7 +438,7 @@ def _abstract_nvfp4(entry: dict) -> NVFP4Array:
         raise _bad(key, f"shapes {shapes!r} is not a dict")
     parts = {
         p: jax.ShapeDtypeStruct(_shape_field(shapes, p, key), jnp.dtype(_PART_DTYPES[p]))
-        for p in _PARTS
+        for p in _entry_parts(shapes)
     }
     q = _validated(key, lambda: NVFP4Array(**parts, **_static_meta(entry)))
     if "shape" in entry and _shape_field(entry, "shape") != q.shape:  # format 1 has no shape
@@ -566,7 +589,7 @@ def _abstract_arrays(named, entries) -> dict:
 def _abstract_leaf(key: str, entry: dict, leaf) -> dict:
     if is_nvfp4_array(leaf):
         _check_nvfp4_entry(key, entry, leaf)
-        return {f"{key}/{part}": _abstract(getattr(leaf, part)) for part in _PARTS}
+        return {f"{key}/{part}": _abstract(getattr(leaf, part)) for part in _parts_of(leaf)}
     if _is_key_array(leaf):
         _check_key_entry(key, entry, leaf)
         data = jax.eval_shape(jax.random.key_data, leaf)
@@ -578,7 +601,9 @@ def _abstract_leaf(key: str, entry: dict, leaf) -> dict:
             f"restore_checkpoint: {key!r} was saved as (kind, shape, dtype) {found}, "
             f"the target wants {wanted}"
         )
-    return {key: leaf if isinstance(leaf, np.ndarray) else _abstract(leaf)}
+    if isinstance(leaf, (np.ndarray, np.generic)):
+        return {key: np.asarray(leaf)}  # restored as NumPy, keeping a 64-bit dtype
+    return {key: _abstract(leaf)}
 
 
 def _check_key_entry(key, entry, leaf):
@@ -617,7 +642,7 @@ def _rebuild(entry, arrays):
         return arrays[key]
     if entry["kind"] == "key":
         return jax.random.wrap_key_data(arrays[key], impl=entry["impl"])
-    parts = {part: arrays[f"{key}/{part}"] for part in _PARTS}
+    parts = {part: arrays[f"{key}/{part}"] for part in _entry_parts(entry["shapes"])}
     return _validated(key, lambda: NVFP4Array(**parts, **_static_meta(entry)))
 
 
@@ -627,7 +652,7 @@ def _nested(entries, arrays):
         return _rebuild(entries[0], arrays)  # the tree was a single leaf
     root: dict = {}
     for entry in entries:
-        *parents, last = entry["path"] or [""]
+        *parents, last = entry["path"]  # not empty: `_check_layout` allows that only alone
         node = root
         for name in parents:
             node = node.setdefault(name, {})
