@@ -1,6 +1,12 @@
-"""A small decoder-only transformer language model in Flax nnx whose dense layers can be NVFP4.
+"""A small Llama in Flax nnx whose linear layers can be NVFP4.
 
-Shape letters: B batch, T sequence length, D model width, H heads, V vocabulary (256 bytes).
+The architecture and the module names are Hugging Face's `LlamaForCausalLM` (RMSNorm, rotary
+position embeddings, SwiGLU MLP, grouped-query attention, untied head), so a trained model
+exports with `nvfp4_jax.export_hf_checkpoint` and `nvfp4_jax.hf.llama_name_map()` as a
+checkpoint vLLM serves, and a Hugging Face / ModelOpt Llama checkpoint loads into it.
+
+Shape letters: B batch, T sequence length, D hidden size, H query heads, G key/value heads,
+E head size (D / H), F MLP size, V vocabulary.
 """
 
 from __future__ import annotations
@@ -15,103 +21,257 @@ from flax import nnx
 import nvfp4_jax
 
 
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LMConfig:
     """The model's shape and which of its blocks compute in NVFP4."""
 
-    # Vocabulary: bytes.
+    # Vocabulary: bytes, by default.
     vocab: int = 256
-    # Model width D; a multiple of 16 (NVFP4 blocks) and of `heads`.
+    # Hidden size D; a multiple of 16 (NVFP4 blocks) and of `heads`.
     width: int = 128
-    # Number of transformer blocks.
+    # Number of decoder layers.
     depth: int = 4
-    # Attention heads.
+    # Query heads H.
     heads: int = 4
-    # Longest sequence the position embedding covers.
-    max_len: int = 128
-    # None: every dense layer in bf16; else the NVFP4 recipe of the quantized layers.
+    # Key/value heads G (grouped-query attention); divides `heads`. None: heads // 2 when
+    # heads is even, else heads.
+    kv_heads: int | None = None
+    # MLP size F; None: 8/3 * D rounded up to a multiple of 32 (SwiGLU's usual size).
+    intermediate: int | None = None
+    # Longest sequence (rotary embeddings need no table, this is for the HF config).
+    max_len: int = 256
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    # None: every linear layer in bf16; else the NVFP4 recipe of the quantized layers.
     recipe: nvfp4_jax.NVFP4Recipe | None = None
-    # Blocks kept in bf16 at the start and end of the stack (the NVFP4 paper keeps a few
-    # final blocks in bf16); the output head counts as part of the last block.
+    # Layers kept in bf16 at the start and end of the stack (the NVFP4 paper keeps a few
+    # final blocks in bf16); the output head counts as part of the last layer.
     bf16_first: int = 0
     bf16_last: int = 0
 
     def __post_init__(self):
+        for name in ("depth", "heads", "max_len", "vocab"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.width % 16 or self.width % self.heads:
             raise ValueError(
                 f"width must be a multiple of 16 and of heads={self.heads}, got {self.width}"
             )
-        for name in ("depth", "heads", "max_len"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.kv_heads is None:
+            object.__setattr__(
+                self, "kv_heads", self.heads // 2 if self.heads % 2 == 0 else self.heads
+            )
+        if self.kv_heads < 1 or self.heads % self.kv_heads:
+            raise ValueError(f"kv_heads={self.kv_heads} must divide heads={self.heads}")
+        if self.intermediate is None:
+            object.__setattr__(self, "intermediate", _round_up(8 * self.width // 3, 32))
+        if self.intermediate % 16 or self.head_dim * self.kv_heads % 16:
+            raise ValueError(
+                f"the MLP size {self.intermediate} and the key/value width "
+                f"{self.head_dim * self.kv_heads} must be multiples of 16 (NVFP4 blocks)"
+            )
         if self.bf16_first < 0 or self.bf16_last < 0:
             raise ValueError(
                 f"bf16_first/bf16_last must be >= 0, got {self.bf16_first}, {self.bf16_last}"
             )
 
+    @property
+    def head_dim(self) -> int:
+        """E = D / H."""
+        return self.width // self.heads
+
     def block_is_nvfp4(self, index: int) -> bool:
-        """Whether block `index` (0..depth-1; depth is the output head) runs in NVFP4."""
+        """Whether layer `index` (0..depth-1; depth is the output head) runs in NVFP4."""
         if self.recipe is None:
             return False
         return self.bf16_first <= index < self.depth + 1 - self.bf16_last
 
+    def hf_config(self) -> dict:
+        """The Hugging Face `LlamaConfig` of this model (what `config.json` holds)."""
+        return {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "hidden_act": "silu",
+            "hidden_size": self.width,
+            "intermediate_size": self.intermediate,
+            "num_hidden_layers": self.depth,
+            "num_attention_heads": self.heads,
+            "num_key_value_heads": self.kv_heads,
+            "head_dim": self.head_dim,
+            "vocab_size": self.vocab,
+            "max_position_embeddings": self.max_len,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_parameters": {"rope_theta": self.rope_theta, "rope_type": "default"},
+            "attention_bias": False,
+            "mlp_bias": False,
+            "tie_word_embeddings": False,
+            "dtype": "bfloat16",
+            "torch_dtype": "bfloat16",
+        }
 
-def dense(cfg: LMConfig, block: int, d_in: int, d_out: int, rngs: nnx.Rngs) -> nnx.Module:
-    """A bf16-compute dense layer: NVFP4 if block `block` is quantized, else plain nnx."""
-    if cfg.block_is_nvfp4(block):
+    @classmethod
+    def from_hf_config(cls, config: dict, **overrides) -> LMConfig:
+        """The shape of a Hugging Face Llama config (`config.json` as a dict)."""
+        rope = config.get("rope_parameters") or {}
+        return cls(
+            vocab=config["vocab_size"],
+            width=config["hidden_size"],
+            depth=config["num_hidden_layers"],
+            heads=config["num_attention_heads"],
+            kv_heads=config.get("num_key_value_heads", config["num_attention_heads"]),
+            intermediate=config["intermediate_size"],
+            max_len=config.get("max_position_embeddings", 256),
+            rope_theta=rope.get("rope_theta", config.get("rope_theta", 10000.0)),
+            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+            **overrides,
+        )
+
+
+def linear(cfg: LMConfig, layer: int, d_in: int, d_out: int, rngs: nnx.Rngs) -> nnx.Module:
+    """A bf16-compute linear layer without bias: NVFP4 if layer `layer` is quantized."""
+    if cfg.block_is_nvfp4(layer):
         return nvfp4_jax.nnx.Linear(
             d_in, d_out, recipe=cfg.recipe, dtype=jnp.bfloat16, use_bias=False, rngs=rngs
         )
     return nnx.Linear(d_in, d_out, dtype=jnp.bfloat16, use_bias=False, rngs=rngs)
 
 
-class Block(nnx.Module):
-    """Pre-norm causal self-attention and a GELU MLP, each with a residual connection."""
+def rotary(x: jax.Array, theta: float) -> jax.Array:
+    """Rotary position embedding of (B, T, heads, E), Hugging Face's "default" (half split)."""
+    t, e = x.shape[1], x.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, e, 2, dtype=jnp.float32) / e))
+    freqs = jnp.arange(t, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+    angles = jnp.concatenate([freqs, freqs], axis=-1)[None, :, None, :]
+    xf = x.astype(jnp.float32)
+    rotated = jnp.concatenate([-xf[..., e // 2 :], xf[..., : e // 2]], axis=-1)
+    return (xf * jnp.cos(angles) + rotated * jnp.sin(angles)).astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    """Causal grouped-query self-attention with rotary embeddings: (B, T, D) -> (B, T, D)."""
 
     def __init__(self, cfg: LMConfig, index: int, rngs: nnx.Rngs):
-        d = cfg.width
-        self.heads = cfg.heads
-        self.norm_attn = nnx.RMSNorm(d, rngs=rngs)
-        self.qkv = dense(cfg, index, d, 3 * d, rngs)
-        self.proj = dense(cfg, index, d, d, rngs)
-        self.norm_mlp = nnx.RMSNorm(d, rngs=rngs)
-        self.up = dense(cfg, index, d, 4 * d, rngs)
-        self.down = dense(cfg, index, 4 * d, d, rngs)
+        d, e = cfg.width, cfg.head_dim
+        self.cfg = cfg
+        self.q_proj = linear(cfg, index, d, cfg.heads * e, rngs)
+        self.k_proj = linear(cfg, index, d, cfg.kv_heads * e, rngs)
+        self.v_proj = linear(cfg, index, d, cfg.kv_heads * e, rngs)
+        self.o_proj = linear(cfg, index, cfg.heads * e, d, rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        """(B, T, D) -> (B, T, D)."""
-        b, t, d = x.shape
-        q, k, v = jnp.split(self.qkv(self.norm_attn(x)), 3, axis=-1)
-        q, k, v = (z.reshape(b, t, self.heads, d // self.heads) for z in (q, k, v))
-        attended = jax.nn.dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(attended.reshape(b, t, d)).astype(x.dtype)
-        hidden = jax.nn.gelu(self.up(self.norm_mlp(x)))
-        return x + self.down(hidden).astype(x.dtype)
+        b, t, _ = x.shape
+        cfg = self.cfg
+        q = self.q_proj(x).reshape(b, t, cfg.heads, cfg.head_dim)
+        k = self.k_proj(x).reshape(b, t, cfg.kv_heads, cfg.head_dim)
+        v = self.v_proj(x).reshape(b, t, cfg.kv_heads, cfg.head_dim)
+        q, k = rotary(q, cfg.rope_theta), rotary(k, cfg.rope_theta)
+        attended = jax.nn.dot_product_attention(q, k, v.astype(q.dtype), is_causal=True)
+        return self.o_proj(attended.reshape(b, t, cfg.heads * cfg.head_dim))
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: LMConfig, index: int, rngs: nnx.Rngs):
+        self.gate_proj = linear(cfg, index, cfg.width, cfg.intermediate, rngs)
+        self.up_proj = linear(cfg, index, cfg.width, cfg.intermediate, rngs)
+        self.down_proj = linear(cfg, index, cfg.intermediate, cfg.width, rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm attention and MLP, each with a residual connection."""
+
+    def __init__(self, cfg: LMConfig, index: int, rngs: nnx.Rngs):
+        eps = cfg.rms_norm_eps
+        self.input_layernorm = nnx.RMSNorm(cfg.width, epsilon=eps, rngs=rngs)
+        self.self_attn = Attention(cfg, index, rngs)
+        self.post_attention_layernorm = nnx.RMSNorm(cfg.width, epsilon=eps, rngs=rngs)
+        self.mlp = MLP(cfg, index, rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = x + self.self_attn(self.input_layernorm(x)).astype(x.dtype)
+        return x + self.mlp(self.post_attention_layernorm(x)).astype(x.dtype)
 
 
 class TransformerLM(nnx.Module):
-    """Byte-level decoder-only transformer: tokens (B, T) -> logits (B, T, V)."""
+    """A Llama: tokens (B, T) -> f32 logits (B, T, V). Module names are Hugging Face's."""
 
     def __init__(self, cfg: LMConfig, rngs: nnx.Rngs):
         self.cfg = cfg
-        self.embed = nnx.Embed(cfg.vocab, cfg.width, rngs=rngs)
-        self.pos = nnx.Param(0.02 * jax.random.normal(rngs.params(), (cfg.max_len, cfg.width)))
-        self.blocks = nnx.List([Block(cfg, i, rngs) for i in range(cfg.depth)])
-        self.norm = nnx.RMSNorm(cfg.width, rngs=rngs)
-        self.head = dense(cfg, cfg.depth, cfg.width, cfg.vocab, rngs)
+        self.embed_tokens = nnx.Embed(cfg.vocab, cfg.width, rngs=rngs)
+        self.layers = nnx.List([DecoderLayer(cfg, i, rngs) for i in range(cfg.depth)])
+        self.norm = nnx.RMSNorm(cfg.width, epsilon=cfg.rms_norm_eps, rngs=rngs)
+        self.lm_head = linear(cfg, cfg.depth, cfg.width, cfg.vocab, rngs)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """Returns f32 logits for every position."""
-        t = tokens.shape[1]
-        if t > self.cfg.max_len:
-            raise ValueError(f"sequence length {t} exceeds max_len={self.cfg.max_len}")
-        x = self.embed(tokens) + self.pos[...][:t]
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.norm(x)).astype(jnp.float32)
+        x = self.embed_tokens(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.lm_head(self.norm(x)).astype(jnp.float32)
+
+
+Llama = TransformerLM
 
 
 def loss_fn(model: TransformerLM, batch: jax.Array) -> jax.Array:
-    """Mean next-byte cross-entropy (nats) of a (B, T + 1) batch of bytes."""
+    """Mean next-token cross-entropy (nats) of a (B, T + 1) batch of tokens."""
     logits = model(batch[:, :-1])
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+
+
+def _module_at(model: nnx.Module, path: tuple) -> nnx.Module:
+    for key in path:
+        model = model[key] if isinstance(key, int) else getattr(model, key)
+    return model
+
+
+def from_params(
+    cfg: LMConfig,
+    params: dict,
+    *,
+    activations: str = "high_precision",
+    dtype=jnp.float32,
+) -> TransformerLM:
+    """A model holding `params`: the nested Flax tree `nvfp4_jax.load_hf_checkpoint` returns.
+
+    A linear whose `kernel` is an `NVFP4Array` becomes `nvfp4_jax.nnx.Linear.from_quantized`
+    (weight-only, or W4A4 with `activations="nvfp4"` and the `input_scale` beside it); every
+    other leaf is set as the parameter of the same path. Computes in `dtype`.
+    """
+    model = nnx.eval_shape(lambda: TransformerLM(cfg, nnx.Rngs(0)))
+    flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=nvfp4_jax.is_nvfp4_array)[0]
+    for key_path, leaf in flat:
+        path = tuple(getattr(k, "key", getattr(k, "idx", None)) for k in key_path)
+        path = tuple(int(p) if isinstance(p, str) and p.isdigit() else p for p in path)
+        *parent, name = path
+        if name == "input_scale":
+            continue
+        if nvfp4_jax.is_nvfp4_array(leaf):
+            owner = _module_at(model, tuple(parent[:-1]))
+            sibling = params
+            for part in parent:
+                sibling = sibling[str(part)] if str(part) in sibling else sibling[part]
+            layer = nvfp4_jax.nnx.Linear.from_quantized(
+                leaf, input_scale=sibling.get("input_scale"), activations=activations, dtype=dtype
+            )
+            last = parent[-1]
+            if isinstance(last, int):
+                owner[last] = layer
+            else:
+                setattr(owner, last, layer)
+            continue
+        module = _module_at(model, tuple(parent))
+        value = jnp.asarray(leaf)
+        if name == "kernel":
+            module.dtype = dtype
+        setattr(module, name, nnx.Param(value.astype(jnp.float32)))
+    return model

@@ -7,15 +7,21 @@ The text is the Python documentation every CPython install carries (`pydoc_data.
 split 90/10 into train and validation; `--data PATH` trains on a text file of your own.
 Both runs start from the same initial weights and see the same batches in the same order.
 The output folder gets `results.json`, `curves.png` and orbax checkpoints (`--resume`).
+Every flag is checked before anything runs: a bad value or combination exits with status 2
+and a message naming the flag.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import math
+import os
 import pathlib
 import sys
 import time
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -33,69 +39,253 @@ from lm_model import LMConfig, TransformerLM, loss_fn
 import nvfp4_jax
 
 RECIPES = ("nvfp4", "bf16")
+SWITCHES = ("weight_2d", "wgrad_rht", "stochastic_rounding")
 EVAL_BATCHES = 8
+# optax counts optimizer steps in int32.
+MAX_STEPS = 2**31 - 1
+MAX_SEED = 2**32 - 1
+# --eval-every and --save-every default to this, or to --steps when that is smaller.
+DEFAULT_INTERVAL = 100
+# The bytes of a --data file searched for a NUL byte, the mark of a binary file.
+BINARY_SNIFF_BYTES = 1 << 16
+# The flags a resumed run must share with its checkpoint: they fix the model, the batches
+# and the learning-rate schedule. The others (--eval-every, --save-every, --stop-after,
+# --recipe) may change between the parts of a run.
+RESUME_FLAGS = (
+    "steps",
+    "batch",
+    "seq_len",
+    "width",
+    "depth",
+    "heads",
+    "lr",
+    "warmup",
+    "seed",
+    "bf16_first",
+    "bf16_last",
+    "disable",
+)
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    """Parses and checks the command line; bad values exit with a message naming the flag."""
+class UsageError(Exception):
+    """A command-line problem found after parsing (checkpoints, the text); exits like argparse."""
+
+
+def _integer(low: int, high: int | None = None, multiple_of: int = 1, what: str | None = None):
+    """An argparse `type`: an integer in [low, high] that is a multiple of `multiple_of`."""
+    if what is None:
+        if high is not None:
+            what = f"an integer from {low} to {high}"
+        else:
+            what = "a positive integer" if low == 1 else f"an integer >= {low}"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
+        if value < low or (high is not None and value > high) or value % multiple_of:
+            raise argparse.ArgumentTypeError(f"must be {what}, got {value}")
+        return value
+
+    return parse
+
+
+def _positive_float(text: str) -> float:
+    """An argparse `type`: a finite number > 0 (NaN, inf, 0 and negatives are refused)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def _text_file(text: str) -> pathlib.Path:
+    """An argparse `type`: a readable, non-empty file that does not look binary."""
+    path = pathlib.Path(text)
+    try:
+        if not path.is_file():
+            kind = " (it is a folder)" if path.is_dir() else ""
+            raise argparse.ArgumentTypeError(f"{text} is not a file{kind}")
+        with path.open("rb") as file:
+            head = file.read(BINARY_SNIFF_BYTES)
+    except OSError as error:
+        raise argparse.ArgumentTypeError(f"cannot read {text}: {error.strerror or error}") from None
+    if not head:
+        raise argparse.ArgumentTypeError(f"{text} is empty")
+    if (nul := head.find(b"\0")) >= 0:
+        raise argparse.ArgumentTypeError(
+            f"{text} looks like a binary file (a NUL byte at offset {nul}); pass a text file"
+        )
+    return path
+
+
+def _out_folder(text: str) -> pathlib.Path:
+    """An argparse `type`: a folder that exists or can be created, and can be written."""
+    path = pathlib.Path(text)
+    try:
+        if path.exists() and not path.is_dir():
+            raise argparse.ArgumentTypeError(f"{text} exists and is not a folder")
+        ancestor = path.absolute()
+        while not ancestor.exists():
+            ancestor = ancestor.parent
+        if not ancestor.is_dir():
+            raise argparse.ArgumentTypeError(f"cannot create {text}: {ancestor} is not a folder")
+        if not os.access(ancestor, os.W_OK | os.X_OK):
+            raise argparse.ArgumentTypeError(f"cannot write {text}: no permission in {ancestor}")
+    except OSError as error:
+        raise argparse.ArgumentTypeError(f"cannot use {text}: {error.strerror or error}") from None
+    return path
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line; each flag's `type` checks its own value."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--recipe", choices=("nvfp4", "bf16", "both"), default="both")
-    p.add_argument("--data", type=pathlib.Path, default=None, help="a UTF-8/byte text file")
-    p.add_argument("--steps", type=int, default=600)
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--width", type=int, default=128)
-    p.add_argument("--depth", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--bf16-first", type=int, default=0, help="blocks kept in bf16 at the start")
-    p.add_argument("--bf16-last", type=int, default=0, help="blocks kept in bf16 at the end")
+    p.add_argument(
+        "--data", type=_text_file, default=None, help="a text file, read as bytes (not binary)"
+    )
+    p.add_argument("--steps", type=_integer(1, MAX_STEPS), default=600)
+    p.add_argument("--batch", type=_integer(1), default=16)
+    p.add_argument("--seq-len", type=_integer(1), default=64, help="at most a tenth of the text")
+    width_rule = f"a positive multiple of {nvfp4_jax.BLOCK_SIZE} (the NVFP4 block size)"
+    p.add_argument(
+        "--width",
+        type=_integer(nvfp4_jax.BLOCK_SIZE, multiple_of=nvfp4_jax.BLOCK_SIZE, what=width_rule),
+        default=128,
+    )
+    p.add_argument("--depth", type=_integer(1), default=4)
+    p.add_argument("--heads", type=_integer(1), default=4, help="must divide --width")
+    p.add_argument("--lr", type=_positive_float, default=3e-3, help="peak learning rate")
+    p.add_argument(
+        "--warmup",
+        type=_integer(0),
+        default=None,
+        help="linear warm-up steps, at most --steps (default: steps/20, at least 1)",
+    )
+    p.add_argument("--seed", type=_integer(0, MAX_SEED), default=0)
+    p.add_argument(
+        "--bf16-first", type=_integer(0), default=0, help="blocks kept in bf16 at the start"
+    )
+    p.add_argument(
+        "--bf16-last", type=_integer(0), default=0, help="blocks kept in bf16 at the end"
+    )
     p.add_argument(
         "--disable",
         action="append",
         default=[],
-        choices=("weight_2d", "wgrad_rht", "stochastic_rounding"),
+        choices=SWITCHES,
         help="turn off a switch of the NVFP4 recipe (repeatable)",
     )
-    p.add_argument("--eval-every", type=int, default=100)
-    p.add_argument("--save-every", type=int, default=100)
-    p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs/train_lm"))
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     p.add_argument(
-        "--stop-after", type=int, default=None, help="stop (with a checkpoint) after this step"
+        "--eval-every",
+        type=_integer(1),
+        default=None,
+        help=f"validation interval, at most --steps (default: {DEFAULT_INTERVAL} or --steps); "
+        "the last step is always evaluated",
     )
+    p.add_argument(
+        "--save-every",
+        type=_integer(0),
+        default=None,
+        help=f"checkpoint interval, at most --steps, 0: only at the end (default: "
+        f"{DEFAULT_INTERVAL} or --steps)",
+    )
+    p.add_argument("--out", type=_out_folder, default="runs/train_lm", help="the output folder")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the latest checkpoints in --out (needs the same flags)",
+    )
+    p.add_argument(
+        "--stop-after",
+        type=_integer(1),
+        default=None,
+        help="stop (with a checkpoint) after this step, at most --steps",
+    )
+    return p
+
+
+def parse_args(argv=None, parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
+    """Parses and checks the command line; bad values exit with a message naming the flag."""
+    p = build_parser() if parser is None else parser
     args = p.parse_args(argv)
-    for name in ("steps", "batch", "seq_len", "width", "depth", "heads", "eval_every"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    if args.save_every < 0 or args.lr <= 0:
-        p.error(f"--save-every must be >= 0 and --lr > 0, got {args.save_every}, {args.lr}")
-    if args.width % 16 or args.width % args.heads:
-        p.error(f"--width must be a multiple of 16 and of --heads={args.heads}, got {args.width}")
-    if args.bf16_first < 0 or args.bf16_last < 0:
-        p.error("--bf16-first and --bf16-last must be >= 0")
-    if args.stop_after is not None and args.stop_after < 1:
-        p.error(f"--stop-after must be positive, got {args.stop_after}")
-    if args.data is not None and not args.data.is_file():
-        p.error(f"--data {args.data} is not a file")
+    if args.width % args.heads:
+        p.error(f"--heads {args.heads} must divide --width {args.width}")
+    if args.bf16_first + args.bf16_last > args.depth + 1:
+        p.error(
+            f"--bf16-first {args.bf16_first} plus --bf16-last {args.bf16_last} is more than the "
+            f"{args.depth + 1} blocks of the model (--depth {args.depth} and the output head)"
+        )
+    defaults = {
+        "eval_every": DEFAULT_INTERVAL,
+        "save_every": DEFAULT_INTERVAL,
+        "warmup": max(1, args.steps // 20),
+        "stop_after": None,
+    }
+    for name, default in defaults.items():
+        value = getattr(args, name)
+        if value is None:
+            setattr(args, name, None if default is None else min(default, args.steps))
+        elif value > args.steps:
+            p.error(f"--{name.replace('_', '-')} {value} is more than --steps {args.steps}")
+    args.disable = sorted(set(args.disable))
+    size = text_size(args.data)
+    longest = longest_seq_len(size)
+    if args.seq_len > longest:
+        source = args.data or "the default text"
+        if longest < 1:
+            p.error(
+                f"--data {source} is too short to train on: {size} bytes, where --seq-len "
+                f"{args.seq_len} needs about {10 * (args.seq_len + 2):,}"
+            )
+        p.error(
+            f"--seq-len {args.seq_len} is too long for {source} ({size:,} bytes): its 10% "
+            f"validation part needs seq_len + 2 bytes, so --seq-len can be at most {longest:,}"
+        )
+    if (problem := check_model_shape(args)) is not None:
+        p.error(
+            f"--width {args.width} --heads {args.heads} --depth {args.depth} --seq-len "
+            f"{args.seq_len} make no working model: {problem}"
+        )
     return args
+
+
+@functools.cache
+def _default_text() -> bytes:
+    """The Python documentation topics of this CPython install, as UTF-8."""
+    from pydoc_data.topics import topics  # noqa: PLC0415
+
+    return "\n\n".join(topics[name] for name in sorted(topics)).encode("utf-8")
+
+
+def text_size(path: pathlib.Path | None) -> int:
+    """The length in bytes of the training text."""
+    return len(_default_text()) if path is None else path.stat().st_size
+
+
+def _split_point(size: int) -> int:
+    """Where the 90/10 train/validation split cuts a text of `size` bytes."""
+    return int(0.9 * size)
+
+
+def longest_seq_len(size: int) -> int:
+    """The longest --seq-len for which both parts of a `size`-byte text hold one sequence."""
+    cut = _split_point(size)
+    return min(cut, size - cut) - 2
 
 
 def load_text(path: pathlib.Path | None) -> np.ndarray:
     """Returns the training text as uint8 bytes."""
-    if path is not None:
-        data = path.read_bytes()
-    else:
-        from pydoc_data.topics import topics  # noqa: PLC0415
-
-        data = "\n\n".join(topics[name] for name in sorted(topics)).encode("utf-8")
+    data = _default_text() if path is None else path.read_bytes()
     return np.frombuffer(data, dtype=np.uint8)
 
 
 def split_text(data: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
     """Splits 90/10 into train and validation; each must hold at least one sequence."""
-    cut = int(0.9 * len(data))
+    cut = _split_point(len(data))
     train, val = data[:cut], data[cut:]
     if min(len(train), len(val)) <= seq_len + 1:
         raise ValueError(
@@ -117,9 +307,9 @@ def nvfp4_recipe(args) -> nvfp4_jax.NVFP4Recipe:
     return nvfp4_jax.NVFP4Recipe(**{name: False for name in args.disable})
 
 
-def make_model(args, recipe_name: str) -> TransformerLM:
-    """The model of one recipe; parameters come from the seed alone, so both runs start equal."""
-    cfg = LMConfig(
+def model_config(args, recipe_name: str) -> LMConfig:
+    """The model shape the flags ask for, with the recipe's NVFP4 settings."""
+    return LMConfig(
         width=args.width,
         depth=args.depth,
         heads=args.heads,
@@ -128,16 +318,63 @@ def make_model(args, recipe_name: str) -> TransformerLM:
         bf16_first=args.bf16_first,
         bf16_last=args.bf16_last,
     )
+
+
+def check_model_shape(args) -> str | None:
+    """Why the flags make no working model (None if they do): builds it and traces the loss of
+    one sequence abstractly (no memory, no compile), so any shape rule of `lm_model` counts."""
+    try:
+        cfg = model_config(args, "bf16")
+        tokens = jnp.zeros((1, args.seq_len + 1), jnp.int32)
+        nnx.eval_shape(lambda: loss_fn(TransformerLM(cfg, nnx.Rngs(0)), tokens))
+    except (ValueError, TypeError) as error:
+        return str(error)
+    return None
+
+
+def make_model(args, recipe_name: str) -> TransformerLM:
+    """The model of one recipe; parameters come from the seed alone, so both runs start equal."""
+    cfg = model_config(args, recipe_name)
     return TransformerLM(cfg, nnx.Rngs(params=args.seed, quantize=args.seed + 1))
+
+
+def lr_schedule(peak: float, steps: int, warmup: int) -> optax.Schedule:
+    """Linear warm-up to `peak`, then cosine decay to `peak / 10` at the last of `steps` updates.
+
+    The schedule maps optax's 0-based update count c to the rate of update n = c + 1: n / warmup
+    of the peak during the warm-up (the first update already moves, the warm-up's last one is at
+    the peak), then a cosine from the peak that reaches peak / 10 at update `steps`. Defined for
+    every steps >= 1 and warmup >= 0; a warm-up as long as the run, or longer, is all ramp.
+    """
+    final = peak / 10
+    decay = steps - warmup
+
+    def schedule(count):
+        n = jnp.asarray(count, jnp.float32) + 1
+        ramp = peak * jnp.minimum(n / max(warmup, 1), 1.0)
+        if decay <= 0:
+            return ramp
+        progress = jnp.clip((n - warmup) / decay, 0.0, 1.0)
+        cosine = final + (peak - final) * 0.5 * (1 + jnp.cos(jnp.pi * progress))
+        return jnp.where(n <= warmup, ramp, cosine)
+
+    return schedule
+
+
+@functools.cache
+def adamw(lr: float, steps: int, warmup: int) -> optax.GradientTransformation:
+    """AdamW on `lr_schedule`, gradients clipped to global norm 1.
+
+    Cached: the optimizer's graph holds this object and `nnx.jit` caches on that graph, so runs
+    with the same schedule in one process (a test session) share their compiled steps.
+    """
+    schedule = lr_schedule(lr, steps, warmup)
+    return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.1))
 
 
 def make_optimizer(model, args) -> nnx.Optimizer:
     """AdamW with linear warm-up and cosine decay."""
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0, args.lr, max(1, args.steps // 20), args.steps, args.lr / 10
-    )
-    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.1))
-    return nnx.Optimizer(model, tx, wrt=nnx.Param)
+    return nnx.Optimizer(model, adamw(args.lr, args.steps, args.warmup), wrt=nnx.Param)
 
 
 @nnx.jit
@@ -174,14 +411,36 @@ def _unsavable(saved, like):
 
 
 class Checkpoints:
-    """Orbax checkpoints of one run: model and optimizer state plus the loss history."""
+    """Orbax checkpoints of one run: model and optimizer state, loss history and run config."""
 
-    def __init__(self, folder: pathlib.Path, every: int):
+    def __init__(self, folder: pathlib.Path, every: int = 0, create: bool = True):
+        self.folder = folder
         self.every = every
-        options = ocp.CheckpointManagerOptions(max_to_keep=2, create=True)
+        options = ocp.CheckpointManagerOptions(max_to_keep=2, create=create)
         self.manager = ocp.CheckpointManager(folder.resolve(), options=options)
 
-    def save(self, step: int, model, optimizer, history: dict, force: bool = False):
+    def latest_step(self) -> int | None:
+        """The step of the newest checkpoint, None when there is none."""
+        return self.manager.latest_step()
+
+    def clear(self) -> list[int]:
+        """Deletes every checkpoint (a new run replaces an earlier one's); returns their steps."""
+        steps = sorted(self.manager.all_steps())
+        for step in steps:
+            self.manager.delete(step)
+        return steps
+
+    def config(self, step: int) -> dict | None:
+        """The run config saved with checkpoint `step` (`run_config`); None if it has none."""
+        try:
+            restored = self.manager.restore(
+                step, args=ocp.args.Composite(config=ocp.args.JsonRestore())
+            )
+        except KeyError:
+            return None
+        return restored["config"]
+
+    def save(self, step: int, model, optimizer, history: dict, config: dict, force: bool = False):
         """Saves at multiples of `every` (and when `force`)."""
         if not (force or (self.every and step % self.every == 0)):
             return
@@ -189,7 +448,9 @@ class Checkpoints:
         self.manager.save(
             step,
             args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state), history=ocp.args.JsonSave(history)
+                state=ocp.args.StandardSave(state),
+                history=ocp.args.JsonSave(history),
+                config=ocp.args.JsonSave(config),
             ),
             force=True,
         )
@@ -214,16 +475,105 @@ class Checkpoints:
         return step, restored["history"]
 
 
-def run(recipe_name: str, args, train, val, console: Console) -> dict:
+def checkpoint_folder(args, recipe_name: str) -> pathlib.Path:
+    """Where the checkpoints of one recipe's run live."""
+    return args.out / "checkpoints" / recipe_name
+
+
+def run_config(args, text: np.ndarray) -> dict:
+    """What a resumed run must share with its checkpoint: `RESUME_FLAGS` and the text itself."""
+    config = {name: getattr(args, name) for name in RESUME_FLAGS}
+    config["text"] = {"bytes": int(text.size), "crc32": zlib.crc32(text)}
+    return config
+
+
+def _config_change(key: str, saved, now) -> str:
+    """One difference between a checkpoint's config and the command line, in flag terms."""
+    if key == "text":
+        return "another text (--data)"
+    if isinstance(saved, list):
+        saved, now = (" ".join(v) or "nothing" for v in (saved, now))
+    return f"--{key.replace('_', '-')} {saved} (now {now})"
+
+
+def check_resume(args, names: tuple[str, ...], config: dict) -> None:
+    """--resume needs a checkpoint made with the same flags and not past --stop-after."""
+    found = {}
+    for name in names:
+        if checkpoint_folder(args, name).is_dir():
+            checkpoints = Checkpoints(checkpoint_folder(args, name), create=False)
+            if (step := checkpoints.latest_step()) is not None:
+                found[name] = (checkpoints, step)
+    if not found:
+        raise UsageError(
+            f"--resume: {args.out / 'checkpoints'} holds no checkpoint of the "
+            f"{' or '.join(names)} run; leave out --resume to start a new run"
+        )
+    for name, (checkpoints, step) in found.items():
+        saved = checkpoints.config(step)
+        if saved is None:
+            raise UsageError(
+                f"--resume: the {name} checkpoint in {checkpoints.folder} does not record the "
+                "flags it was made with (an older version of this script); start a new run"
+            )
+        changes = [
+            _config_change(k, saved.get(k), v) for k, v in config.items() if saved.get(k) != v
+        ]
+        if changes:
+            raise UsageError(
+                f"--resume: the {name} checkpoint (step {step}) was made with "
+                f"{'; '.join(changes)}. Resume with its flags, or start a new run without --resume"
+            )
+        if args.stop_after is not None and args.stop_after < step:
+            raise UsageError(
+                f"--stop-after {args.stop_after} is before step {step}, which the {name} "
+                "checkpoint has already reached"
+            )
+
+
+def _say(console: Console, recipe_name: str, text: str) -> None:
+    """Prints a line about one recipe's run (no rich markup: `[nvfp4]` is not a style)."""
+    console.print(f"[{recipe_name}] {text}", markup=False, highlight=False)
+
+
+def start(recipe_name: str, args, model, optimizer, checkpoints, console) -> tuple[int, dict]:
+    """Restores the checkpoint (--resume) or clears an earlier run's; returns (step, history)."""
+    history = {"step": [], "train_loss": [], "val_step": [], "val_loss": [], "seconds": 0.0}
+    if not args.resume:
+        if replaced := checkpoints.clear():
+            _say(
+                console,
+                recipe_name,
+                f"new run: deleted the checkpoints of an earlier run (up to step {replaced[-1]}) "
+                f"in {checkpoints.folder}; --resume would have continued it",
+            )
+        return 0, history
+    restored = checkpoints.restore(model, optimizer)
+    if restored is None:
+        _say(console, recipe_name, "no checkpoint to resume from: starting at step 1")
+        return 0, history
+    step, history = restored
+    if step >= args.steps:
+        _say(
+            console,
+            recipe_name,
+            f"the run already finished at step {step} (--steps {args.steps}): "
+            "nothing left to train",
+        )
+    else:
+        _say(console, recipe_name, f"resumed from step {step}")
+    return step, history
+
+
+def run(recipe_name: str, args, train, val, config: dict, console: Console) -> dict:
     """Trains one recipe; returns its history of train and validation losses."""
     model = make_model(args, recipe_name)
     optimizer = make_optimizer(model, args)
-    checkpoints = Checkpoints(args.out / "checkpoints" / recipe_name, args.save_every)
-    history = {"step": [], "train_loss": [], "val_step": [], "val_loss": [], "seconds": 0.0}
-    start_step = 0
-    if args.resume and (restored := checkpoints.restore(model, optimizer)) is not None:
-        start_step, history = restored
-        console.print(f"[{recipe_name}] resumed from step {start_step}")
+    checkpoints = Checkpoints(checkpoint_folder(args, recipe_name), args.save_every)
+    start_step, history = start(recipe_name, args, model, optimizer, checkpoints, console)
+    last = args.steps if args.stop_after is None else args.stop_after
+    if start_step >= last:
+        return history
     val_batches = jnp.stack(
         [batch_at(val, 10**9 + i, args.batch, args.seq_len, args.seed) for i in range(EVAL_BATCHES)]
     )
@@ -231,7 +581,6 @@ def run(recipe_name: str, args, train, val, console: Console) -> dict:
     with Progress(*columns, TimeRemainingColumn(), console=console) as progress:
         task = progress.add_task("", total=args.steps, completed=start_step, info="compiling")
         tick = time.perf_counter()
-        last = args.steps if args.stop_after is None else min(args.steps, args.stop_after)
         for step in range(start_step + 1, last + 1):
             loss = float(
                 train_step(
@@ -251,37 +600,77 @@ def run(recipe_name: str, args, train, val, console: Console) -> dict:
             progress.update(
                 task, advance=1, info=f"loss {loss:.3f}{val_text} {tokens_per_s:,.0f} tok/s"
             )
-            checkpoints.save(step, model, optimizer, history, force=step == last)
+            if not all(map(math.isfinite, [loss, *history["val_loss"][-1:]])):
+                history["diverged_at"] = step
+                break
+            checkpoints.save(step, model, optimizer, history, config, force=step == last)
+    if "diverged_at" in history:
+        _say(
+            console,
+            recipe_name,
+            f"the loss is not finite at step {history['diverged_at']}: training diverged, "
+            "this run stops here (a smaller --lr may help)",
+        )
     return history
+
+
+def _final(history: dict, tail: int) -> dict:
+    """The final losses of one history (None where it has none)."""
+    train = history["train_loss"][-tail:]
+    return {
+        "final_train_loss": float(np.mean(train)) if train else None,
+        "final_val_loss": history["val_loss"][-1] if history["val_loss"] else None,
+        "seconds": history["seconds"],
+        "diverged_at": history.get("diverged_at"),
+    }
+
+
+def _gap(val: float | None, base: float | None) -> float | None:
+    """The relative validation-loss gap to bf16, None where either loss is missing or bad."""
+    if val is None or base is None or not (math.isfinite(val) and math.isfinite(base)) or not base:
+        return None
+    return (val - base) / base
+
+
+def _number(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4f}"
 
 
 def summarize(histories: dict, args, console: Console) -> dict:
     """Prints the final-loss table; returns the numbers written to results.json."""
     tail = max(1, min(20, args.steps // 10))
-    rows = {}
-    for name, h in histories.items():
-        rows[name] = {
-            "final_train_loss": float(np.mean(h["train_loss"][-tail:])),
-            "final_val_loss": h["val_loss"][-1],
-            "seconds": h["seconds"],
-        }
-    table = Table(title=f"after {args.steps} steps (train loss: mean of the last {tail})")
+    rows = {name: _final(h, tail) for name, h in histories.items()}
+    diverged = {name: r["diverged_at"] for name, r in rows.items() if r["diverged_at"]}
+    table = Table(
+        title=f"after {args.steps} steps (train loss: mean of the last {tail})",
+        caption="; ".join(f"{name} diverged at step {step}" for name, step in diverged.items())
+        or None,
+    )
     for column in ("recipe", "train loss", "val loss", "val gap vs bf16", "time (s)"):
         table.add_column(column, justify="right")
     base = rows.get("bf16", {}).get("final_val_loss")
     for name, r in rows.items():
-        gap = (r["final_val_loss"] - base) / base if base else None
-        r["relative_val_gap"] = gap
-        gap_text = "-" if gap is None else f"{100 * gap:+.2f}%"
+        r["relative_val_gap"] = gap = _gap(r["final_val_loss"], base)
         table.add_row(
-            name,
-            f"{r['final_train_loss']:.4f}",
-            f"{r['final_val_loss']:.4f}",
-            gap_text,
+            f"{name} (diverged)" if name in diverged else name,
+            _number(r["final_train_loss"]),
+            _number(r["final_val_loss"]),
+            "-" if gap is None else f"{100 * gap:+.2f}%",
             f"{r['seconds']:.0f}",
         )
     console.print(table)
     return rows
+
+
+def _json_safe(value):
+    """`value` with NaN and infinities (a diverged run's losses) as None, for strict JSON."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_safe(v) for v in value]
+    return value
 
 
 def plot(histories: dict, path: pathlib.Path) -> None:
@@ -305,26 +694,61 @@ def plot(histories: dict, path: pathlib.Path) -> None:
 
 def main(argv=None) -> dict:
     """Runs the recipes the flags ask for and writes the table, plot and JSON."""
-    args = parse_args(argv)
+    parser = build_parser()
+    args = parse_args(argv, parser)
+    try:
+        return train_and_report(args)
+    except UsageError as error:
+        parser.error(str(error))
+
+
+def load_data(args) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The whole text and its train and validation parts; problems raise `UsageError`."""
+    try:
+        text = load_text(args.data)
+    except OSError as error:
+        raise UsageError(
+            f"--data {args.data}: cannot read it ({error.strerror or error})"
+        ) from None
+    try:
+        train, val = split_text(text, args.seq_len)
+    except ValueError as error:  # the file shrank since parse_args looked at it
+        raise UsageError(str(error)) from None
+    return text, train, val
+
+
+def train_and_report(args) -> dict:
+    """`main` after parsing: checks the checkpoints, trains, writes the results."""
     console = Console()
-    train, val = split_text(load_text(args.data), args.seq_len)
-    args.out.mkdir(parents=True, exist_ok=True)
+    text, train, val = load_data(args)
+    names = RECIPES if args.recipe == "both" else (args.recipe,)
+    config = run_config(args, text)
+    if args.resume:
+        check_resume(args, names, config)
+    try:
+        args.out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise UsageError(
+            f"--out {args.out}: cannot create it ({error.strerror or error})"
+        ) from None
     console.print(
         f"nvfp4_jax {nvfp4_jax.__version__} on {jax.default_backend()}: {len(train):,} train / "
         f"{len(val):,} validation bytes; width {args.width}, depth {args.depth}, "
-        f"batch {args.batch}x{args.seq_len}, {args.steps} steps"
+        f"batch {args.batch}x{args.seq_len}, {args.steps} steps",
+        markup=False,
     )
-    names = RECIPES if args.recipe == "both" else (args.recipe,)
-    histories = {name: run(name, args, train, val, console) for name in names}
+    histories = {name: run(name, args, train, val, config, console) for name in names}
     if args.stop_after is not None and args.stop_after < args.steps:
         console.print(f"stopped after step {args.stop_after}; continue with --resume")
         return {"histories": histories}
     rows = summarize(histories, args, console)
-    config = {k: str(v) if isinstance(v, pathlib.Path) else v for k, v in vars(args).items()}
-    results = {"config": config, "results": rows, "histories": histories}
-    (args.out / "results.json").write_text(json.dumps(results, indent=1))
+    flags = {k: str(v) if isinstance(v, pathlib.Path) else v for k, v in vars(args).items()}
+    results = {"config": flags, "results": rows, "histories": histories}
+    (args.out / "results.json").write_text(
+        json.dumps(_json_safe(results), indent=1, allow_nan=False)
+    )
     plot(histories, args.out / "curves.png")
-    console.print(f"wrote {args.out / 'results.json'} and {args.out / 'curves.png'}")
+    console.print(f"wrote {args.out / 'results.json'} and {args.out / 'curves.png'}", markup=False)
     return results
 
 

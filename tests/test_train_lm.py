@@ -1,9 +1,11 @@
 """The example training loop: a tiny configuration learns, resumes exactly, rejects bad flags."""
 
 import json
+import math
 import pathlib
 import sys
 
+import numpy as np
 import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
@@ -14,6 +16,16 @@ TINY = ["--width", "32", "--depth", "1", "--heads", "2", "--batch", "8", "--seq-
 
 def _run(tmp_path, *flags):
     return train_lm.main([*TINY, "--out", str(tmp_path), *flags])
+
+
+def _exits_with_usage_error(capsys, call, *args) -> str:
+    """Runs `call(*args)`, expects argparse's exit status 2, returns the message printed."""
+    with pytest.raises(SystemExit) as exit_info:
+        call(*args)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err
 
 
 def test_tiny_model_learns_with_both_recipes(tmp_path):
@@ -30,7 +42,7 @@ def test_tiny_model_learns_with_both_recipes(tmp_path):
     assert (tmp_path / "curves.png").stat().st_size > 10_000
 
 
-def test_resume_continues_exactly(tmp_path):
+def test_resume_continues_exactly(tmp_path, capsys):
     flags = ["--recipe", "nvfp4", "--steps", "6", "--eval-every", "3", "--save-every", "2"]
     straight = _run(tmp_path / "straight", *flags)["histories"]["nvfp4"]
     _run(tmp_path / "resumed", *flags, "--stop-after", "3")
@@ -38,28 +50,209 @@ def test_resume_continues_exactly(tmp_path):
     assert resumed["step"] == straight["step"] == list(range(1, 7))
     assert resumed["train_loss"] == straight["train_loss"]
     assert resumed["val_loss"] == straight["val_loss"]
+    # The recipe's name survives rich's markup parsing (it used to swallow "[nvfp4]").
+    assert "[nvfp4] resumed from step 3" in capsys.readouterr().out
+
+
+def test_steps_1_runs_to_the_end(tmp_path):
+    # Used to crash building the schedule (a cosine decay of 0 steps).
+    results = _run(tmp_path, "--recipe", "bf16", "--steps", "1")
+    history = results["histories"]["bf16"]
+    assert history["step"] == history["val_step"] == [1]
+    assert math.isfinite(history["val_loss"][0])
+    assert (tmp_path / "results.json").is_file()
+
+
+def test_resuming_a_finished_run_prints_its_summary(tmp_path, capsys):
+    flags = ["--recipe", "bf16", "--steps", "1"]  # the flags of test_steps_1: no new compile
+    finished = _run(tmp_path, *flags)
+    capsys.readouterr()
+    resumed = _run(tmp_path, *flags, "--resume")  # returns: exit status 0
+    out = capsys.readouterr().out
+    assert "[bf16] the run already finished at step 1" in out
+    assert "nothing left to train" in out
+    assert "after 1 steps" in out  # the summary table
+    assert resumed["histories"] == finished["histories"]
+    assert resumed["results"] == finished["results"]
+    # Running the same command again without --resume starts over; it used to fail with
+    # orbax's StepAlreadyExistsError.
+    again = _run(tmp_path, *flags)
+    assert "deleted the checkpoints of an earlier run" in capsys.readouterr().out
+    assert again["histories"]["bf16"]["train_loss"] == finished["histories"]["bf16"]["train_loss"]
+
+
+def test_a_diverging_run_stops_with_a_message(tmp_path, capsys):
+    results = _run(tmp_path, "--recipe", "bf16", "--steps", "6", "--lr", "1e6")
+    history = results["histories"]["bf16"]
+    assert history["diverged_at"] == history["step"][-1] < 6
+    assert "training diverged" in capsys.readouterr().out
+    # results.json stays strict JSON: NaN losses are written as null.
+    text = (tmp_path / "results.json").read_text()
+    assert "NaN" not in text
+    assert json.loads(text)["results"]["bf16"]["diverged_at"] == history["diverged_at"]
 
 
 @pytest.mark.parametrize(
-    "flags, message",
-    [
-        (["--width", "40"], "--width must be a multiple of 16"),
-        (["--steps", "0"], "--steps must be positive"),
-        (["--recipe", "fp8"], "invalid choice: 'fp8'"),
-        (["--data", "/nonexistent/text.txt"], "is not a file"),
-        (["--lr", "-1"], "--lr > 0"),
-    ],
-    ids=["width", "steps", "recipe", "data", "lr"],
+    "steps, warmup", [(1, 0), (1, 1), (2, 1), (5, 5), (5, 9), (10, 0), (10, 3), (600, 30)]
 )
-def test_bad_flags_exit_with_a_message(flags, message, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        train_lm.parse_args(flags)
-    assert exit_info.value.code == 2
-    assert message in capsys.readouterr().err
+def test_lr_schedule_is_sound_for_any_length(steps, warmup):
+    peak = 3e-3
+    rates = np.array([float(train_lm.lr_schedule(peak, steps, warmup)(c)) for c in range(steps)])
+    assert np.all(np.isfinite(rates)) and np.all(rates > 0) and np.all(rates <= peak * (1 + 1e-6))
+    ramp = min(warmup, steps)
+    # The warm-up rises linearly (its first update already moves), the decay falls to peak / 10.
+    np.testing.assert_allclose(rates[:ramp], peak * np.arange(1, ramp + 1) / warmup, rtol=1e-6)
+    assert np.all(np.diff(rates[ramp:]) <= 0)
+    if steps > warmup:
+        np.testing.assert_allclose(rates[-1], peak / 10, rtol=1e-6)
 
 
-def test_text_too_short_for_the_sequence(tmp_path):
+@pytest.fixture
+def files(tmp_path):
+    """Paths the bad-flag cases refer to as {name}."""
+    (tmp_path / "empty.txt").write_bytes(b"")
+    (tmp_path / "binary.bin").write_bytes(b"PK\x03\x04\x00\x00text")
+    (tmp_path / "short.txt").write_text("tiny text")
+    (tmp_path / "a_file").write_text("not a folder")
+    names = ("empty.txt", "binary.bin", "short.txt", "a_file")
+    return {name.split(".")[0]: str(tmp_path / name) for name in names} | {"folder": str(tmp_path)}
+
+
+BAD_FLAGS = {
+    "lr-nan": (["--lr", "nan"], "argument --lr: must be a finite number > 0, got nan"),
+    "lr-inf": (["--lr", "inf"], "argument --lr: must be a finite number > 0, got inf"),
+    "lr-minus-inf": (["--lr=-inf"], "argument --lr: must be a finite number > 0, got -inf"),
+    "lr-0": (["--lr", "0"], "argument --lr: must be a finite number > 0, got 0"),
+    "lr-negative": (["--lr", "-1"], "argument --lr: must be a finite number > 0, got -1"),
+    "lr-text": (["--lr", "fast"], "argument --lr: must be a finite number > 0, got 'fast'"),
+    "steps-0": (["--steps", "0"], "argument --steps: must be an integer from 1 to"),
+    "steps-fraction": (["--steps", "1.5"], "argument --steps: must be an integer"),
+    "steps-too-many": (["--steps", str(2**31)], "argument --steps: must be an integer from 1"),
+    "batch-0": (["--batch", "0"], "argument --batch: must be a positive integer, got 0"),
+    "seq-len-0": (["--seq-len", "0"], "argument --seq-len: must be a positive integer, got 0"),
+    "seq-len-too-long": (["--seq-len", "100000"], "--seq-len 100000 is too long for"),
+    "width-40": (["--width", "40"], "argument --width: must be a positive multiple of 16"),
+    "width-0": (["--width", "0"], "argument --width: must be a positive multiple of 16"),
+    "depth-0": (["--depth", "0"], "argument --depth: must be a positive integer, got 0"),
+    "heads-0": (["--heads", "0"], "argument --heads: must be a positive integer, got 0"),
+    "heads-not-dividing": (["--heads", "3"], "--heads 3 must divide --width 128"),
+    "seed-negative": (["--seed", "-1"], "argument --seed: must be an integer from 0 to"),
+    "seed-too-big": (["--seed", str(2**32)], "argument --seed: must be an integer from 0 to"),
+    "bf16-first-negative": (["--bf16-first", "-1"], "argument --bf16-first: must be an integer"),
+    "bf16-blocks-too-many": (
+        ["--depth", "2", "--bf16-first", "2", "--bf16-last", "2"],
+        "--bf16-first 2 plus --bf16-last 2 is more than the 3 blocks",
+    ),
+    "disable-unknown": (["--disable", "rht"], "argument --disable: invalid choice: 'rht'"),
+    "recipe": (["--recipe", "fp8"], "argument --recipe: invalid choice: 'fp8'"),
+    "eval-every-0": (["--eval-every", "0"], "argument --eval-every: must be a positive integer"),
+    "eval-every-past-steps": (
+        ["--steps", "10", "--eval-every", "20"],
+        "--eval-every 20 is more than --steps 10",
+    ),
+    "save-every-negative": (["--save-every", "-1"], "argument --save-every: must be an integer"),
+    "save-every-past-steps": (
+        ["--steps", "10", "--save-every", "11"],
+        "--save-every 11 is more than --steps 10",
+    ),
+    "warmup-negative": (["--warmup", "-1"], "argument --warmup: must be an integer >= 0"),
+    "warmup-past-steps": (["--steps", "10", "--warmup", "11"], "--warmup 11 is more than --steps"),
+    "stop-after-0": (["--stop-after", "0"], "argument --stop-after: must be a positive integer"),
+    "stop-after-past-steps": (
+        ["--steps", "10", "--stop-after", "11"],
+        "--stop-after 11 is more than --steps 10",
+    ),
+    "data-missing": (
+        ["--data", "/nonexistent/text.txt"],
+        "argument --data: /nonexistent/text.txt is not a file",
+    ),
+    "data-folder": (["--data", "{folder}"], "is not a file (it is a folder)"),
+    "data-empty": (["--data", "{empty}"], "empty.txt is empty"),
+    "data-binary": (["--data", "{binary}"], "binary.bin looks like a binary file"),
+    "data-too-short": (["--data", "{short}"], "short.txt is too short to train on: 9 bytes"),
+    "data-shorter-than-seq-len": (
+        ["--data", "{short}", "--seq-len", "1"],
+        "short.txt is too short to train on",
+    ),
+    "out-is-a-file": (["--out", "{a_file}"], "argument --out: {a_file} exists and is not a folder"),
+    "out-under-a-file": (["--out", "{a_file}/run"], "{a_file} is not a folder"),
+    "unknown-flag": (["--lr", "1e-3", "--learning-rate", "1"], "unrecognized arguments"),
+}
+
+
+@pytest.mark.parametrize("flags, message", list(BAD_FLAGS.values()), ids=list(BAD_FLAGS))
+def test_bad_flags_exit_with_a_message(flags, message, files, capsys):
+    flags = [flag.format_map(files) for flag in flags]
+    assert message.format_map(files) in _exits_with_usage_error(capsys, train_lm.parse_args, flags)
+
+
+def test_flags_the_model_rejects_exit_with_a_message(monkeypatch, capsys):
+    # Whatever shape rule lm_model has (e.g. grouped-query heads, rotary head sizes), a model
+    # the flags cannot build is a usage error, not a traceback.
+    def picky_config(**kwargs):
+        raise ValueError("heads=2 is not allowed")
+
+    monkeypatch.setattr(train_lm, "LMConfig", picky_config)
+    err = _exits_with_usage_error(capsys, train_lm.parse_args, TINY)
+    assert "--width 32 --heads 2 --depth 1 --seq-len 32 make no working model" in err
+    assert "heads=2 is not allowed" in err
+
+
+def test_defaults_fit_short_runs():
+    # --eval-every, --save-every and --warmup default to at most --steps.
+    args = train_lm.parse_args(["--steps", "10"])
+    assert (args.eval_every, args.save_every, args.warmup) == (10, 10, 1)
+    args = train_lm.parse_args([])
+    assert (args.eval_every, args.save_every, args.warmup) == (100, 100, 30)
+
+
+def test_text_too_short_for_the_sequence(tmp_path, capsys):
     short = tmp_path / "short.txt"
-    short.write_text("tiny text")
+    short.write_text("a text of fifty bytes, which is not enough for 32.")
+    err = _exits_with_usage_error(capsys, _run, tmp_path, "--data", str(short))
+    assert "--seq-len 32 is too long for" in err and "at most 3" in err
     with pytest.raises(ValueError, match="too short for --seq-len 32"):
-        _run(tmp_path, "--data", str(short))
+        train_lm.split_text(train_lm.load_text(short), 32)
+
+
+@pytest.fixture(scope="module")
+def stopped_run(tmp_path_factory):
+    """An output folder holding a bf16 run stopped at step 2 of 4 (one tiny training run)."""
+    out = tmp_path_factory.mktemp("stopped")
+    train_lm.main(
+        [*TINY, "--out", str(out), "--recipe", "bf16", "--steps", "4", "--stop-after", "2"]
+    )
+    return out
+
+
+RESUME_FLAGS = ["--recipe", "bf16", "--steps", "4", "--resume"]
+BAD_RESUMES = {
+    # Changing --steps used to resume "finished" runs without a final validation loss, and
+    # crash in the summary with an IndexError.
+    "changed-steps": (["--steps", "2"], "was made with --steps 4 (now 2)"),
+    "changed-width": (["--width", "64"], "was made with --width 32 (now 64)"),
+    "changed-lr-and-seed": (["--lr", "1e-2", "--seed", "1"], "--lr 0.003 (now 0.01); --seed 0"),
+    "changed-disable": (["--disable", "weight_2d"], "--disable nothing (now weight_2d)"),
+    "changed-text": (["--data", "{text}"], "another text (--data)"),
+    "stop-after-before-checkpoint": (["--stop-after", "1"], "--stop-after 1 is before step 2"),
+}
+
+
+@pytest.mark.parametrize("flags, message", list(BAD_RESUMES.values()), ids=list(BAD_RESUMES))
+def test_bad_resumes_exit_with_a_message(stopped_run, tmp_path, flags, message, capsys):
+    text = tmp_path / "text.txt"
+    text.write_text("A different text to train on. " * 100)
+    flags = [flag.format(text=text) for flag in flags]
+    err = _exits_with_usage_error(capsys, _run, stopped_run, *RESUME_FLAGS, *flags)
+    assert message in err
+
+
+def test_resume_without_a_checkpoint(stopped_run, tmp_path, capsys):
+    err = _exits_with_usage_error(capsys, _run, tmp_path / "new", *RESUME_FLAGS)
+    assert "--resume: " in err and "holds no checkpoint of the bf16 run" in err
+    assert not (tmp_path / "new").exists()
+    # With --recipe both, the bf16 checkpoint is enough: nvfp4 is the one without.
+    err = _exits_with_usage_error(
+        capsys, _run, stopped_run, "--recipe", "both", "--steps", "4", "--resume", "--width", "64"
+    )
+    assert "the bf16 checkpoint (step 2) was made with --width 32" in err
