@@ -247,7 +247,9 @@ def from_params(
     (weight-only, or W4A4 with `activations="nvfp4"` and the `input_scale` beside it); every
     other leaf is set as the parameter of the same path. Computes in `dtype`.
     """
-    model = nnx.eval_shape(lambda: TransformerLM(cfg, nnx.Rngs(0)))
+    # Built abstract with plain layers: every variable is replaced below.
+    plain = dataclasses.replace(cfg, recipe=None)
+    model = nnx.eval_shape(lambda: TransformerLM(plain, nnx.Rngs(0)))
     flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=nvfp4_jax.is_nvfp4_array)[0]
     for key_path, leaf in flat:
         path = tuple(getattr(k, "key", getattr(k, "idx", None)) for k in key_path)

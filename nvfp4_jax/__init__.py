@@ -14,8 +14,8 @@ Example:
 from nvfp4_jax import (
     checkpoint,
     distributed,
-    export,
     gemm,
+    hf,
     kernels,
     layout,
     linen,
@@ -27,9 +27,9 @@ from nvfp4_jax.array import NVFP4Array, is_nvfp4_array, validate_nvfp4_array
 from nvfp4_jax.checkpoint import restore_checkpoint, save_checkpoint
 from nvfp4_jax.distributed import quantize_master_weights
 from nvfp4_jax.dot_general import dot_general, nvfp4_dot_general
-from nvfp4_jax.export import export_nvfp4_safetensors
 from nvfp4_jax.formats import BLOCK_SIZE, E4M3_MAX, FP4_MAX
 from nvfp4_jax.gemm import from_scaled_matmul_operands, scaled_matmul, to_scaled_matmul_operands
+from nvfp4_jax.hf import export_hf_checkpoint, load_hf_checkpoint
 from nvfp4_jax.layout import (
     GEMM_ALIGNMENT,
     packed_shape,
@@ -67,8 +67,7 @@ __all__ = [
     "dequantize",
     "distributed",
     "dot_general",
-    "export",
-    "export_nvfp4_safetensors",
+    "export_hf_checkpoint",
     "fake_quantize",
     "from_scaled_matmul_operands",
     "gemm",
@@ -76,10 +75,12 @@ __all__ = [
     "get_rht_matrix",
     "get_sign_from_vector",
     "get_wgrad_sign_vector",
+    "hf",
     "is_nvfp4_array",
     "kernels",
     "layout",
     "linen",
+    "load_hf_checkpoint",
     "nnx",
     "nvfp4_dot_general",
     "packed_shape",

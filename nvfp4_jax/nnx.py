@@ -32,6 +32,10 @@ class InputAmax(nnx.Variable):
     """The largest |input| a layer has seen in calibration (an f32 scalar; not a parameter)."""
 
 
+class InputScale(nnx.Variable):
+    """A checkpoint's static activation scale (`input_amax * RCP2688`), kept bit for bit."""
+
+
 class QuantizedKernel(nnx.Variable):
     """A frozen NVFP4 weight (an `NVFP4Array`): not an `nnx.Param`, so optimizers skip it."""
 
@@ -138,12 +142,18 @@ class Linear(nnx.Linear):
             layer.bias = nnx.Param(jnp.asarray(bias))
         layer.activations = activations
         scale = jnp.zeros((), jnp.float32) if input_scale is None else input_scale
-        layer.input_amax = InputAmax(jnp.asarray(scale, jnp.float32).reshape(()) * 2688)
+        scale = jnp.asarray(scale, jnp.float32).reshape(())
+        # The amax W4A4 quantizes with; the scale itself is kept too, so that exporting the
+        # layer again writes the checkpoint's `input_scale` bits (amax * RCP2688 may not).
+        layer.input_amax = InputAmax(scale * 2688)
+        layer.input_scale = InputScale(scale)
         return layer
 
     def _record(self, inputs: jax.Array) -> None:
         seen = jnp.max(jnp.abs(inputs.astype(jnp.float32)), initial=jnp.float32(0))
         self.input_amax[...] = jnp.maximum(self.input_amax[...], jax.lax.stop_gradient(seen))
+        if hasattr(self, "input_scale"):  # a layer from a checkpoint: its scale follows
+            self.input_scale[...] = formats.decode_scale(self.input_amax[...])
 
     def _quantized_matmul(self, inputs: jax.Array) -> jax.Array:
         """`inputs @ W` with the frozen NVFP4 weight (weight-only or W4A4)."""
