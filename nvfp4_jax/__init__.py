@@ -13,6 +13,7 @@ Example:
 
 from nvfp4_jax import (
     checkpoint,
+    diagnostics,
     distributed,
     gemm,
     hf,
@@ -21,10 +22,12 @@ from nvfp4_jax import (
     linen,
     nnx,
     reference,
+    rules,
 )
 from nvfp4_jax._version import __version__
 from nvfp4_jax.array import NVFP4Array, is_nvfp4_array, validate_nvfp4_array
 from nvfp4_jax.checkpoint import restore_checkpoint, save_checkpoint
+from nvfp4_jax.diagnostics import ModelReport, analyze_layer, inspect_model
 from nvfp4_jax.distributed import quantize_master_weights
 from nvfp4_jax.dot_general import dot_general, nvfp4_dot_general
 from nvfp4_jax.formats import BLOCK_SIZE, E4M3_MAX, FP4_MAX
@@ -47,6 +50,16 @@ from nvfp4_jax.reference import (
     get_sign_from_vector,
     get_wgrad_sign_vector,
 )
+from nvfp4_jax.rules import (
+    NVFP4Einsum,
+    QuantizeReport,
+    Rule,
+    default_rules,
+    keep_bf16,
+    quantize_linen,
+    quantize_model,
+    quantized,
+)
 from nvfp4_jax.seed import SRSeed
 
 # Register the native targets now (no JAX backend is started), so that a function
@@ -54,48 +67,61 @@ from nvfp4_jax.seed import SRSeed
 kernels.register()
 
 __all__ = [
-    "BLOCK_SIZE",
-    "E4M3_MAX",
-    "FP4_MAX",
-    "GEMM_ALIGNMENT",
-    "NVFP4Array",
-    "NVFP4Recipe",
-    "SRSeed",
-    "__version__",
+    "analyze_layer",
     "apply_rht",
+    "BLOCK_SIZE",
     "checkpoint",
+    "default_rules",
     "dequantize",
+    "diagnostics",
     "distributed",
     "dot_general",
+    "E4M3_MAX",
     "export_hf_checkpoint",
     "fake_quantize",
+    "FP4_MAX",
     "from_scaled_matmul_operands",
     "gemm",
+    "GEMM_ALIGNMENT",
     "get_hadamard_matrix",
     "get_rht_matrix",
     "get_sign_from_vector",
     "get_wgrad_sign_vector",
     "hf",
+    "inspect_model",
     "is_nvfp4_array",
+    "keep_bf16",
     "kernels",
     "layout",
     "linen",
     "load_hf_checkpoint",
+    "ModelReport",
     "nnx",
     "nvfp4_dot_general",
+    "NVFP4Array",
+    "NVFP4Einsum",
+    "NVFP4Recipe",
     "packed_shape",
     "pad_to_alignment",
     "quantize",
+    "quantize_linen",
     "quantize_master_weights",
+    "quantize_model",
+    "quantized",
+    "QuantizeReport",
     "reference",
     "restore_checkpoint",
+    "Rule",
+    "rules",
     "save_checkpoint",
     "scaled_matmul",
     "scales_shape",
+    "SRSeed",
     "swizzle_scales",
     "tensor_amax",
     "to_scaled_matmul_operands",
     "unpad",
     "unswizzle_scales",
     "validate_nvfp4_array",
+    "__version__",
 ]

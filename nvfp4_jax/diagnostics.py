@@ -1,0 +1,742 @@
+"""Where NVFP4 hurts a model: per-layer quantization errors of the three GEMMs' operands.
+
+`inspect_model(model, *inputs)` runs one forward and backward pass of an nnx model,
+captures, for every linear layer that computes (or, under `rules`, would compute) in NVFP4,
+the operands of its three GEMMs (x, W, dy), and quantizes each exactly as the layer's
+`NVFP4Recipe` does:
+
+| operand    | GEMM  | quantized                                                  |
+| `x`        | fprop | 1x16 blocks along K                                        |
+| `w`        | fprop | 16x16 tiles (`weight_2d`), else 1x16 along K               |
+| `dy`       | dgrad | 1x16 along N, stochastic rounding (SR) if the recipe has it |
+| `x_wgrad`  | wgrad | 1x16 along the tokens M, with the RHT (`wgrad_rht`)        |
+| `dy_wgrad` | wgrad | 1x16 along the tokens M, with the RHT, SR                  |
+
+Per operand it reports the relative error `||dequantize(q) - x|| / ||x||`, the share of
+underflowing 16-blocks, the share of saturated values and the tensor amax; per layer the
+relative errors of the NVFP4 fprop and dgrad products and the angle between the NVFP4 weight
+gradient and the exact one `x^T dy`, each with and without stochastic rounding. The report
+prints as a `rich` table, plots with matplotlib, serializes to JSON, and suggests `Rule`s
+that keep the worst layers in high precision (ranked by the weight-gradient angle, or by
+the summed relative error of the operands: `ModelReport.scores`).
+
+Definitions (docs/NUMERICS.md's names: `S_enc` the tensor encode scale, `s_b` a block's
+E4M3 scale):
+
+* underflow: a block whose values are not all zero but whose scale `s_b` rounds to 0, so
+  that it dequantizes to zeros; the share is over all blocks (1x16, or rows of 16x16 tiles).
+* saturated: a value with `|x * enc_b| > 6` before rounding, `enc_b = 1 / (s_b / S_enc)`:
+  the E4M3 rounding of the block scale went down and the block's largest values clip to 6
+  (blocks that underflow are not counted); the share is over all values.
+* amax: the tensor amax the operand is quantized with (after the RHT for the wgrad ones).
+* angle: `2 asin(|a/|a| - b/|b|| / 2)` in degrees, the angle between two matrices seen as
+  vectors (0 for equal directions; 90 if one of them is zero and the other not).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import math
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from nvfp4_jax import formats, ops, reference
+from nvfp4_jax import nnx as nvfp4_nnx
+from nvfp4_jax.dot_general import dot_general
+from nvfp4_jax.recipe import NVFP4Recipe
+from nvfp4_jax.rules import (
+    Rule,
+    check_rules,
+    linear_problem,
+    match_rule,
+    named_layers,
+    recipe_from_dict,
+    recipe_to_dict,
+    replace_layers,
+    weight_problem,
+)
+
+_F32 = jnp.float32
+_DENSE = (((1,), (0,)), ((), ()))
+OPERANDS = ("x", "w", "dy", "x_wgrad", "dy_wgrad")
+# The operands' names in the table: the wgrad ones are transposed (quantized along M).
+SHORT_NAMES = {"x": "x", "w": "W", "dy": "dy", "x_wgrad": "xᵀ", "dy_wgrad": "dyᵀ"}
+SCORES = ("wgrad_angle", "error")
+
+
+# --- the numbers --------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class OperandStats:
+    """How one GEMM operand fares in NVFP4 (see the module docstring for the definitions).
+
+    Attributes:
+      rel_error: `||dequantize(q) - x|| / ||x||` (0 for an all-zero x).
+      underflow: the share of 16-blocks with nonzero values whose scale rounds to 0.
+      saturated: the share of values clipped to 6 before rounding.
+      amax: the tensor amax used (after the RHT for the wgrad operands).
+    """
+
+    rel_error: float
+    underflow: float
+    saturated: float
+    amax: float
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerStats:
+    """The NVFP4 diagnostics of one linear layer `y = x W` (x: M x K, W: K x N).
+
+    Attributes:
+      path: the module path.
+      tokens: M, the rows of x over every call of the layer in the pass.
+      in_features: K.
+      out_features: N.
+      recipe: the recipe the operands were quantized with.
+      operands: `OperandStats` of `x`, `w`, `dy`, `x_wgrad`, `dy_wgrad`.
+      fprop_error: relative error of the NVFP4 `y` against `x W` in f32.
+      dgrad_error: relative error of the recipe's NVFP4 `dx` against `dy W^T` in f32.
+      dgrad_error_sr: the same with stochastic rounding of dy.
+      dgrad_error_rtn: the same with round-to-nearest of dy.
+      wgrad_angle: angle (degrees) between the recipe's NVFP4 `dW` and `x^T dy` in f32.
+      wgrad_angle_sr: the same with stochastic rounding of dy.
+      wgrad_angle_rtn: the same with round-to-nearest of dy.
+    """
+
+    path: str
+    tokens: int
+    in_features: int
+    out_features: int
+    recipe: NVFP4Recipe
+    operands: dict[str, OperandStats]
+    fprop_error: float
+    dgrad_error: float
+    dgrad_error_sr: float
+    dgrad_error_rtn: float
+    wgrad_angle: float
+    wgrad_angle_sr: float
+    wgrad_angle_rtn: float
+
+    @property
+    def summed_error(self) -> float:
+        """The sum of the five operands' relative errors."""
+        return sum(stats.rel_error for stats in self.operands.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        fields["recipe"] = recipe_to_dict(self.recipe)
+        fields["operands"] = {k: dataclasses.asdict(v) for k, v in self.operands.items()}
+        return fields
+
+    @classmethod
+    def from_dict(cls, fields: dict[str, Any]) -> LayerStats:
+        """The inverse of `to_dict`."""
+        fields = dict(fields)
+        fields["recipe"] = recipe_from_dict(fields["recipe"])
+        fields["operands"] = {k: OperandStats(**v) for k, v in fields["operands"].items()}
+        return cls(**fields)
+
+
+def _norm(v: jax.Array) -> jax.Array:
+    """The 2-norm of `v` in f32, scaled by max |v| first so that squares do not overflow."""
+    scale = jnp.max(jnp.abs(v), initial=_F32(0))
+    safe = jnp.where(scale > 0, scale, 1)
+    return safe * jnp.linalg.norm((v / safe).ravel())
+
+
+def _relative(approx: jax.Array, exact: jax.Array) -> jax.Array:
+    """`||approx - exact|| / ||exact||` in f32; 0 where both are 0, inf where only exact is."""
+    approx, exact = approx.astype(_F32), exact.astype(_F32)
+    num, den = _norm(approx - exact), _norm(exact)
+    return jnp.where(den > 0, num / jnp.where(den > 0, den, 1), jnp.where(num > 0, jnp.inf, 0))
+
+
+def angle_degrees(a: jax.Array, b: jax.Array) -> jax.Array:
+    """The angle between `a` and `b` as vectors, in degrees (stable near 0).
+
+    `2 asin(|a/|a| - b/|b|| / 2)`: 0 for equal directions, 90 when exactly one is zero.
+
+    Example:
+      >>> round(float(angle_degrees(jnp.array([1.0, 0.0]), jnp.array([1.0, 1.0]))), 4)
+      45.0
+    """
+    a, b = a.astype(_F32).ravel(), b.astype(_F32).ravel()
+    na, nb = _norm(a), _norm(b)
+    chord = _norm(a / jnp.where(na > 0, na, 1) - b / jnp.where(nb > 0, nb, 1))
+    angle = jnp.degrees(2 * jnp.arcsin(jnp.clip(chord / 2, 0, 1)))
+    one_zero = (na > 0) != (nb > 0)
+    return jnp.where(one_zero, _F32(90), jnp.where((na > 0) & (nb > 0), angle, 0))
+
+
+def _is_seed(key) -> bool:
+    return key is None or (isinstance(key, int) and not isinstance(key, bool))
+
+
+def _pad_tokens(x: jax.Array) -> jax.Array:
+    """Zero rows up to a multiple of 16 tokens, as the wgrad GEMM pads them."""
+    pad = -x.shape[0] % formats.BLOCK_SIZE
+    return jnp.pad(x, ((0, pad), (0, 0))) if pad else x
+
+
+def operand_stats(
+    x: jax.Array,
+    *,
+    axis: int,
+    block_2d: bool = False,
+    rht: bool = False,
+    stochastic_rounding: bool = False,
+    key: jax.Array | None = None,
+    implementation=None,
+) -> dict[str, jax.Array]:
+    """The `OperandStats` numbers (as f32 scalars) of `x` quantized as `nvfp4_jax.quantize`.
+
+    Takes `quantize`'s arguments; see the module docstring for the definitions.
+
+    Example:
+      >>> stats = operand_stats(jnp.linspace(-1.0, 1.0, 64).reshape(4, 16), axis=-1)
+      >>> sorted(stats)
+      ['amax', 'rel_error', 'saturated', 'underflow']
+    """
+    flags = dict(block_2d=block_2d, rht=rht, implementation=implementation)
+    q = ops.quantize(x, axis=axis, stochastic_rounding=stochastic_rounding, key=key, **flags)
+    rel_error = _relative(ops.dequantize(q, _F32, implementation=implementation), x)
+    stored = jnp.moveaxis(x, axis, -1)
+    if rht:
+        stored = ops.apply_rht(stored, implementation=implementation)
+    blocks = jnp.abs(stored.astype(_F32)).reshape(*q.scales.shape, formats.BLOCK_SIZE)
+    scales = q.scales.astype(_F32)
+    underflow = (scales == 0) & (jnp.max(blocks, axis=-1) > 0)
+    s_dec = _F32(1) / reference.encode_scale(q.amax)
+    encode = jnp.minimum(_F32(1) / (scales * s_dec), _F32(formats.FLT_MAX))
+    clipped = (blocks * encode[..., None] > formats.FP4_MAX) & (scales > 0)[..., None]
+    return dict(
+        rel_error=rel_error,
+        underflow=jnp.mean(underflow.astype(_F32)),
+        saturated=jnp.mean(clipped.astype(_F32)),
+        amax=q.amax,
+    )
+
+
+def _gemms(x, w, dy, key, recipe: NVFP4Recipe) -> tuple[jax.Array, ...]:
+    """The NVFP4 (y, dx, dW) of the recipe: `nvfp4_jax.dot_general` and its VJP."""
+    y, pullback = jax.vjp(lambda a, b: dot_general(a, b, _DENSE, recipe=recipe, key=key), x, w)
+    dx, dw = pullback(dy.astype(y.dtype))
+    return y, dx, dw
+
+
+def _operands(x, w, dy, key, recipe: NVFP4Recipe) -> dict[str, dict[str, jax.Array]]:
+    sr, impl = recipe.stochastic_rounding, recipe.implementation
+    # The keys `nvfp4_jax.dot_general` gives dgrad's and wgrad's dy.
+    dgrad_key, wgrad_key = jax.random.split(key) if sr else (None, None)
+    rht = recipe.wgrad_rht
+    return {
+        "x": operand_stats(x, axis=1, implementation=impl),
+        "w": operand_stats(w, axis=0, block_2d=recipe.weight_2d, implementation=impl),
+        "dy": operand_stats(
+            dy, axis=1, stochastic_rounding=sr, key=dgrad_key, implementation=impl
+        ),
+        "x_wgrad": operand_stats(_pad_tokens(x), axis=0, rht=rht, implementation=impl),
+        "dy_wgrad": operand_stats(
+            _pad_tokens(dy), axis=0, rht=rht, stochastic_rounding=sr, key=wgrad_key,
+            implementation=impl,
+        ),
+    }  # fmt: skip
+
+
+def _layer_numbers(x, w, dy, key, recipe: NVFP4Recipe) -> dict[str, Any]:
+    """Every number of `LayerStats` (f32 scalars), for 2-D x (M, K), w (K, N), dy (M, N)."""
+    hi = jax.lax.Precision.HIGHEST
+    xf, wf, dyf = x.astype(_F32), w.astype(_F32), dy.astype(_F32)
+    exact_y, exact_dx, exact_dw = (
+        jnp.matmul(xf, wf, precision=hi),
+        jnp.matmul(dyf, wf.T, precision=hi),
+        jnp.matmul(xf.T, dyf, precision=hi),
+    )
+    numbers: dict[str, Any] = {"operands": _operands(x, w, dy, key, recipe)}
+    for sr, name in ((True, "sr"), (False, "rtn")):
+        variant = dataclasses.replace(recipe, stochastic_rounding=sr)
+        y, dx, dw = _gemms(x, w, dy, key, variant)
+        numbers[f"dgrad_error_{name}"] = _relative(dx, exact_dx)
+        numbers[f"wgrad_angle_{name}"] = angle_degrees(dw, exact_dw)
+    numbers["fprop_error"] = _relative(y, exact_y)
+    return numbers
+
+
+def analyze_layer(
+    x: jax.Array,
+    w: jax.Array,
+    dy: jax.Array,
+    *,
+    recipe: NVFP4Recipe = NVFP4Recipe(),
+    key: jax.Array | None = None,
+    path: str = "",
+) -> LayerStats:
+    """The diagnostics of one dense layer from its operands: x (..., K), w (K, N), dy (..., N).
+
+    The operands are taken as the GEMMs see them (x and w in the compute dtype, dy in the
+    output's); stochastic rounding uses `key` (a key or an int seed; default
+    `jax.random.key(0)`) as `nvfp4_jax.dot_general(..., key=key)` does:
+    `jax.random.split(key)` gives dgrad's and wgrad's keys.
+
+    Example:
+      >>> x = jax.random.normal(jax.random.key(1), (32, 64))
+      >>> w = jax.random.normal(jax.random.key(2), (64, 16))
+      >>> stats = analyze_layer(x, w, jnp.ones((32, 16)))
+      >>> 0 < stats.operands["x"].rel_error < 0.2, stats.wgrad_angle < 10
+      (True, True)
+    """
+    x, w, dy = jnp.asarray(x), jnp.asarray(w), jnp.asarray(dy)
+    if w.ndim != 2 or x.shape[-1] != w.shape[0] or dy.shape != (*x.shape[:-1], w.shape[1]):
+        raise ValueError(
+            f"analyze_layer: needs x (..., K), w (K, N) and dy (..., N), got x {x.shape}, "
+            f"w {w.shape}, dy {dy.shape}"
+        )
+    if not isinstance(recipe, NVFP4Recipe):
+        raise TypeError(f"analyze_layer: recipe must be an NVFP4Recipe, got {recipe!r}")
+    problem = weight_problem(w.shape)
+    if problem:
+        raise ValueError(f"analyze_layer: {problem}")
+    key = jax.random.key(0 if key is None else key) if _is_seed(key) else key
+    x2, dy2 = x.reshape(-1, w.shape[0]), dy.reshape(-1, w.shape[1])
+    numbers = jax.device_get(_jitted_numbers(x2, w, dy2, key, recipe))
+    return _stats_from_numbers(path, x2.shape[0], w.shape, recipe, numbers)
+
+
+_jitted_numbers = jax.jit(_layer_numbers, static_argnums=4)
+
+
+def _stats_from_numbers(path, tokens, shape, recipe, numbers) -> LayerStats:
+    sr = recipe.stochastic_rounding
+    scalars = {k: float(v) for k, v in numbers.items() if k != "operands"}
+    operands = {
+        name: OperandStats(**{k: float(v) for k, v in values.items()})
+        for name, values in numbers["operands"].items()
+    }
+    return LayerStats(
+        path=path,
+        tokens=int(tokens),
+        in_features=int(shape[0]),
+        out_features=int(shape[1]),
+        recipe=recipe,
+        operands={name: operands[name] for name in OPERANDS},
+        dgrad_error=scalars["dgrad_error_sr" if sr else "dgrad_error_rtn"],
+        wgrad_angle=scalars["wgrad_angle_sr" if sr else "wgrad_angle_rtn"],
+        **scalars,
+    )
+
+
+# --- capturing the operands ---------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Targets:
+    """The layers `inspect_model` analyzes, and the others."""
+
+    recipes: dict[str, NVFP4Recipe] = dataclasses.field(default_factory=dict)
+    high_precision: list[str] = dataclasses.field(default_factory=list)
+    skipped: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+def _classify(path: str, layer: nnx.Linear, rules, targets: _Targets) -> None:
+    if rules is None:
+        is_nvfp4 = isinstance(layer, nvfp4_nnx.Linear)
+        recipe = layer.recipe if is_nvfp4 else None
+    else:
+        found = match_rule(rules, path)
+        recipe = None if found is None else found[1].recipe
+    if recipe is None:
+        targets.high_precision.append(path)
+        return
+    problem = linear_problem(layer)
+    if problem:
+        targets.skipped[path] = problem
+    else:
+        targets.recipes[path] = recipe
+
+
+def _targets(model: nnx.Module, rules) -> _Targets:
+    targets = _Targets()
+    for path, layer in named_layers(model).items():
+        if isinstance(layer, nnx.Linear):
+            _classify(path, layer, rules, targets)
+    return targets
+
+
+class _Tap:
+    """Stands in for a layer in the copy `inspect_model` runs: records x and W, adds a probe.
+
+    The probe (zeros, one per call) is added to the layer's output, so the gradient of the
+    loss with respect to it is the layer's output gradient dy. Without probes (the shape
+    pass) the tap records the output's shape instead.
+    """
+
+    def __init__(self, layer: nnx.Linear, path: str, probes, record: dict):
+        self.layer, self.path, self.probes, self.record = layer, path, probes, record
+
+    def __call__(self, inputs, *args, **kwargs):
+        y = self.layer(inputs, *args, **kwargs)
+        layer = self.layer
+        kernel = layer.kernel[...]
+        x, w, _ = layer.promote_dtype((inputs, kernel, None), dtype=layer.dtype)
+        calls = self.record["layers"].setdefault(self.path, {"x": [], "w": w})["x"]
+        index = len(calls)
+        calls.append(x)
+        if self.probes is None:
+            self.record["shapes"][f"{self.path}#{index}"] = y
+            return y
+        return y + self.probes[f"{self.path}#{index}"].astype(y.dtype)
+
+
+def _default_loss(model, *inputs) -> jax.Array:
+    out = model(*inputs)
+    return jnp.mean(jnp.square(out.astype(_F32)))
+
+
+def _split_inputs(inputs: tuple) -> tuple[list, Callable[[list], tuple]]:
+    """(the array leaves of `inputs`, a function rebuilding `inputs` from them)."""
+    leaves, treedef = jax.tree.flatten(inputs)
+    is_array = [isinstance(leaf, (jax.Array, np.ndarray)) for leaf in leaves]
+
+    def rebuild(arrays: list) -> tuple:
+        arrays = iter(arrays)
+        return treedef.unflatten(
+            [next(arrays) if a else leaf for a, leaf in zip(is_array, leaves, strict=True)]
+        )
+
+    return [leaf for a, leaf in zip(is_array, leaves, strict=True) if a], rebuild
+
+
+def _run(graphdef, state, paths, loss_fn, probes, inputs):
+    """The loss of a copy of the model whose target layers are taps, and what they recorded."""
+    model = nnx.merge(graphdef, state, copy=True)
+    record: dict = {"layers": {}, "shapes": {}}
+    if paths == [""]:  # the model is the layer itself: the loss calls the tap
+        model = _Tap(model, "", probes, record)
+    else:
+        layers = named_layers(model)
+        taps = [(layers[p], _Tap(layers[p], p, probes, record)) for p in paths]
+        reasons = replace_layers(model, taps)
+        for path, reason in zip(paths, reasons, strict=True):
+            if reason:
+                raise ValueError(f"inspect_model: cannot observe {path!r}: {reason}")
+    loss = loss_fn(model, *inputs)
+    return jnp.asarray(loss, _F32), record
+
+
+def _capture(model, paths, loss_fn, inputs):
+    """(loss, {path: (x (M, K), w (K, N), dy (M, N))}) from one forward and backward pass."""
+    graphdef, state = nnx.split(model)
+    arrays, rebuild = _split_inputs(inputs)
+
+    def shapes(state, arrays):
+        return _run(graphdef, state, paths, loss_fn, None, rebuild(arrays))[1]["shapes"]
+
+    out_shapes = jax.eval_shape(shapes, state, arrays) if paths else {}
+    probes = {name: jnp.zeros(s.shape, s.dtype) for name, s in out_shapes.items()}
+
+    def loss_and_grads(probes, state, arrays):
+        def run(probes):
+            return _run(graphdef, state, paths, loss_fn, probes, rebuild(arrays))
+
+        (loss, record), grads = jax.value_and_grad(run, has_aux=True)(probes)
+        return loss, record["layers"], grads
+
+    loss, record, grads = jax.jit(loss_and_grads)(probes, state, arrays)
+    operands = {}
+    for path in (p for p in paths if p in record):  # a layer not called has no operands
+        xs = record[path]["x"]
+        dys = [grads[f"{path}#{i}"] for i in range(len(xs))]
+        w = record[path]["w"]
+        x = jnp.concatenate([x.reshape(-1, w.shape[0]) for x in xs])
+        dy = jnp.concatenate([d.reshape(-1, w.shape[1]) for d in dys])
+        operands[path] = (x, w, dy)
+    return loss, operands
+
+
+# --- the report ---------------------------------------------------------------------------------
+
+
+_CAPTION = (
+    "x, W, dy: relative error of the fprop/dgrad operands; xᵀ, dyᵀ: of the wgrad operands "
+    "(along the tokens M, RHT). uflow, sat: the largest share of underflowing blocks and of "
+    "saturated values over the operands (and which). ∠dW: angle between the NVFP4 and the "
+    "exact weight gradient; dx: relative error of dgrad; each with stochastic rounding (SR) "
+    "or round-to-nearest (RTN) of dy."
+)
+
+
+def _exact(path: str) -> str:
+    return f"^{re.escape(path)}$"
+
+
+def _percent(value: float, digits: int = 2) -> str:
+    return f"{100 * value:.{digits}f}"
+
+
+def _worst(stats: LayerStats, field: str) -> str:
+    name, value = max(
+        ((name, getattr(s, field)) for name, s in stats.operands.items()), key=lambda kv: kv[1]
+    )
+    return f"{_percent(value)} {SHORT_NAMES[name]}" if value > 0 else "0"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelReport:
+    """What `inspect_model` found: per-layer `LayerStats`, and the layers it left out.
+
+    Attributes:
+      layers: the analyzed layers, in path order.
+      loss: the loss of the pass.
+      high_precision: linear layers that compute (or, under the rules, would compute) in
+        high precision: not analyzed.
+      skipped: linear layers a rule puts in NVFP4 that cannot be (path -> why).
+      rules: the rules the model was inspected under, or None.
+    """
+
+    layers: tuple[LayerStats, ...]
+    loss: float
+    high_precision: tuple[str, ...] = ()
+    skipped: dict[str, str] = dataclasses.field(default_factory=dict)
+    rules: tuple[Rule, ...] | None = None
+
+    def __getitem__(self, path: str) -> LayerStats:
+        for stats in self.layers:
+            if stats.path == path:
+                return stats
+        raise KeyError(path)
+
+    # -- serialization
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (`json.dumps` takes it as is)."""
+        return {
+            "loss": self.loss,
+            "layers": [stats.to_dict() for stats in self.layers],
+            "high_precision": list(self.high_precision),
+            "skipped": dict(self.skipped),
+            "rules": None if self.rules is None else [rule.to_dict() for rule in self.rules],
+        }
+
+    def to_json(self, **kwargs) -> str:
+        """`json.dumps(self.to_dict(), **kwargs)`."""
+        return json.dumps(self.to_dict(), **kwargs)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelReport:
+        """The inverse of `to_dict`."""
+        rules = data.get("rules")
+        return cls(
+            layers=tuple(LayerStats.from_dict(layer) for layer in data["layers"]),
+            loss=float(data["loss"]),
+            high_precision=tuple(data.get("high_precision", ())),
+            skipped=dict(data.get("skipped", {})),
+            rules=None if rules is None else tuple(Rule.from_dict(rule) for rule in rules),
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> ModelReport:
+        """The inverse of `to_json`."""
+        return cls.from_dict(json.loads(text))
+
+    # -- scores and suggestions
+
+    def scores(self, score: str | Callable[[LayerStats], float] = "wgrad_angle") -> dict:
+        """Maps path -> score (larger is worse), for every analyzed layer.
+
+        Args:
+          score: "wgrad_angle" (the default: the angle between the recipe's NVFP4 weight
+            gradient and the exact one, what the optimizer sees; the NVFP4 paper finds it
+            largest in the last blocks), "error" (the summed relative error of the five
+            operands), or a function of a `LayerStats`.
+        """
+        if callable(score):
+            return {stats.path: float(score(stats)) for stats in self.layers}
+        if score not in SCORES:
+            raise ValueError(
+                f"ModelReport: score must be one of {SCORES} or callable, got {score!r}"
+            )
+        field = "summed_error" if score == "error" else "wgrad_angle"
+        return {stats.path: float(getattr(stats, field)) for stats in self.layers}
+
+    def suggest_rules(
+        self, share: float = 0.1, *, score: str | Callable[[LayerStats], float] = "wgrad_angle"
+    ) -> list[Rule]:
+        """Rules keeping the worst `share` of the analyzed layers in high precision as well.
+
+        Args:
+          share: the share of the analyzed layers (GEMMs) to keep in high precision, in
+            [0, 1]; the count is rounded up.
+          score: how layers are ranked (`scores`); the worst come first.
+
+        Returns:
+          One exact-path rule (`^path$`, recipe None) per kept layer, worst first, followed
+          by the rules the model was inspected under (which end with their catch-all), or,
+          for a model inspected as it is, by exact-path rules for the layers in high
+          precision and for those whose recipe is not the most common one, and a catch-all
+          `Rule(".*", most common recipe)`. Pass them to `quantize_model`.
+        """
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
+            raise ValueError(f"suggest_rules: share must be a number in [0, 1], got {share!r}")
+        scores = self.scores(score)
+        ranked = sorted(scores, key=lambda path: -scores[path])
+        count = math.ceil(share * len(ranked) - 1e-9)
+        keep = [Rule(_exact(path), None) for path in ranked[:count]]
+        return [*keep, *(self.rules if self.rules is not None else self._current_rules())]
+
+    def _current_rules(self) -> list[Rule]:
+        """Rules reproducing the inspected model: its high-precision layers, its recipes."""
+        counts = collections.Counter(stats.recipe for stats in self.layers)
+        common = counts.most_common(1)[0][0] if counts else NVFP4Recipe()
+        rules = [Rule(_exact(path), None) for path in self.high_precision]
+        rules += [Rule(_exact(s.path), s.recipe) for s in self.layers if s.recipe != common]
+        return [*rules, Rule(".*", common)]
+
+    # -- presentation
+
+    def table(self) -> Table:
+        """A `rich` table, one row per layer (the caption explains the columns)."""
+        table = Table(title=self._title(), caption=_CAPTION, box=box.SIMPLE_HEAD)
+        table.add_column("layer", no_wrap=True)
+        headers = ["K×N", *(f"{SHORT_NAMES[n]}\n%" for n in OPERANDS), "uflow\n%", "sat\n%"]
+        for header in [*headers, "∠dW°\nSR/RTN", "dx %\nSR/RTN"]:
+            table.add_column(header, justify="right", no_wrap=True)
+        for s in self.layers:
+            table.add_row(
+                s.path,
+                f"{s.in_features}×{s.out_features}",
+                *(_percent(s.operands[name].rel_error, 1) for name in OPERANDS),
+                _worst(s, "underflow"),
+                _worst(s, "saturated"),
+                f"{s.wgrad_angle_sr:.1f}/{s.wgrad_angle_rtn:.1f}",
+                f"{_percent(s.dgrad_error_sr, 1)}/{_percent(s.dgrad_error_rtn, 1)}",
+            )
+        return table
+
+    def _title(self) -> str:
+        tokens = sorted({stats.tokens for stats in self.layers})
+        span = (
+            ""
+            if not tokens
+            else f"{tokens[0]}"
+            if len(tokens) == 1
+            else f"{tokens[0]}-{tokens[-1]}"
+        )
+        count = f", {span} tokens" if span else ""
+        return f"NVFP4 diagnostics: {len(self.layers)} layers{count}, loss {self.loss:.4g}"
+
+    def print(self, console: Console | None = None) -> None:
+        """Prints `table()` (to `console`, default a new `rich` Console)."""
+        (console or Console()).print(self.table())
+
+    def plot(self, path: str) -> str:
+        """Draws the per-layer errors and weight-gradient angles into the image file `path`.
+
+        Needs matplotlib (the `examples` extra). Returns `path`.
+        """
+        from matplotlib.figure import Figure  # noqa: PLC0415  (optional, only needed here)
+
+        names = [stats.path for stats in self.layers]
+        positions = list(range(len(names)))
+        fig = Figure(figsize=(max(6.0, 0.45 * len(names) + 2), 7), layout="constrained")
+        errors, angles = fig.subplots(2, 1, sharex=True)
+        for name in OPERANDS:
+            values = [100 * stats.operands[name].rel_error for stats in self.layers]
+            errors.plot(positions, values, marker="o", label=name)
+        errors.set_ylabel("relative error (%)")
+        errors.set_title("NVFP4 quantization error of the GEMM operands", pad=24)
+        errors.legend(
+            ncols=len(OPERANDS), fontsize="small", loc="lower left", bbox_to_anchor=(0, 1.0)
+        )
+        for offset, label in ((-0.2, "SR"), (0.2, "RTN")):
+            field = f"wgrad_angle_{label.lower()}"
+            values = [getattr(stats, field) for stats in self.layers]
+            angles.bar([p + offset for p in positions], values, 0.4, label=label)
+        angles.set_xlim(-0.6, len(names) - 0.4)
+        angles.set_ylabel("wgrad angle (degrees)")
+        angles.set_title("angle between the NVFP4 and the exact weight gradient")
+        angles.legend(fontsize="small")
+        angles.set_xticks(positions, names, rotation=60, ha="right", fontsize="small")
+        fig.savefig(path, dpi=100)
+        return path
+
+
+# --- the entry point ----------------------------------------------------------------------------
+
+
+def inspect_model(
+    model: nnx.Module,
+    *inputs: Any,
+    loss_fn: Callable[..., jax.Array] | None = None,
+    rules: Sequence[Rule] | None = None,
+    key: jax.Array | None = None,
+) -> ModelReport:
+    """Runs one forward and backward pass and measures what NVFP4 does to each linear layer.
+
+    Which layers: with `rules`, every `nnx.Linear` (NVFP4 or not) whose first matching rule
+    has a recipe, quantized as that recipe would (so a high-precision model shows what
+    `quantize_model(model, rules)` would do); without, every `nvfp4_jax.nnx.Linear` with its
+    own recipe. The pass itself runs the model as it is. The model is not changed: the pass
+    runs on a copy (`nnx.split`/`nnx.merge`) in which each analyzed layer is wrapped by a tap
+    that records its input x and weight W (as the GEMM sees them, after dtype promotion) and
+    adds a zero probe to its output, whose gradient is dy. A layer called several times
+    contributes the tokens of every call; a layer the pass does not call is reported skipped.
+    Memory: the pass keeps x, W and dy of every analyzed layer at once (one batch).
+
+    Args:
+      model: the nnx model.
+      *inputs: the model's inputs (`model(*inputs)`), or `loss_fn`'s.
+      loss_fn: `loss_fn(model, *inputs) -> scalar`; default `mean(model(*inputs) ** 2)` in
+        f32.
+      rules: what to analyze (see above), or None.
+      key: the key (or an int seed) of the stochastic rounding of dy (default
+        `jax.random.key(0)`); layer `i` (in path order) uses `jax.random.fold_in(key, i)`,
+        see `analyze_layer`.
+
+    Returns:
+      The `ModelReport`.
+
+    Example:
+      >>> model = nvfp4_nnx.Linear(32, 16, rngs=nnx.Rngs(0))
+      >>> report = inspect_model(model, jnp.ones((16, 32)))
+      >>> [stats.path for stats in report.layers], report.layers[0].tokens
+      ([''], 16)
+    """
+    if not isinstance(model, nnx.Module):
+        raise TypeError(f"inspect_model: model must be a flax.nnx.Module, got {type(model)}")
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"inspect_model: loss_fn must be callable or None, got {loss_fn!r}")
+    rules = None if rules is None else check_rules(rules, "inspect_model")
+    key = jax.random.key(0 if key is None else key) if _is_seed(key) else key
+    targets = _targets(model, rules)
+    paths = list(targets.recipes)
+    loss, operands = _capture(model, paths, loss_fn or _default_loss, inputs)
+    layers = []
+    for index, path in enumerate(paths):
+        if path not in operands:
+            targets.skipped[path] = "not called in the pass"
+            continue
+        x, w, dy = operands[path]
+        layer_key = jax.random.fold_in(key, index)
+        layers.append(
+            analyze_layer(x, w, dy, recipe=targets.recipes[path], key=layer_key, path=path)
+        )
+    return ModelReport(
+        layers=tuple(layers),
+        loss=float(loss),
+        high_precision=tuple(targets.high_precision),
+        skipped=dict(targets.skipped),
+        rules=rules,
+    )
