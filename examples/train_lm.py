@@ -19,6 +19,7 @@ import json
 import math
 import os
 import pathlib
+import re
 import sys
 import time
 import zlib
@@ -63,6 +64,9 @@ RESUME_FLAGS = (
     "seed",
     "bf16_first",
     "bf16_last",
+    "keep_bf16",
+    "rules",
+    "suggest_share",
     "disable",
 )
 
@@ -140,6 +144,53 @@ def _out_folder(text: str) -> pathlib.Path:
     return path
 
 
+def _regex(text: str) -> str:
+    """An argparse `type`: a valid regular expression."""
+    try:
+        re.compile(text)
+    except re.error as error:
+        raise argparse.ArgumentTypeError(f"not a regular expression ({error}): {text!r}") from None
+    return text
+
+
+def _share(text: str) -> float:
+    """An argparse `type`: a number in [0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be a number from 0 to 1, got {text}")
+    return value
+
+
+def _rules_file(text: str) -> tuple:
+    """An argparse `type`: a JSON rules file, as a tuple of (pattern, recipe switches or None)."""
+    try:
+        data = json.loads(pathlib.Path(text).read_text())
+    except OSError as error:
+        raise argparse.ArgumentTypeError(f"cannot read {text}: {error.strerror}") from None
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"{text} is not JSON: {error}") from None
+    if not isinstance(data, list):
+        raise argparse.ArgumentTypeError(f"{text}: expected a JSON list of rules")
+    rules = []
+    for i, rule in enumerate(data):
+        if not isinstance(rule, dict) or set(rule) - {"pattern", "recipe"} or "pattern" not in rule:
+            raise argparse.ArgumentTypeError(
+                f"{text}: rule {i} must be {{'pattern': regex, 'recipe': null or switches}}"
+            )
+        recipe = rule.get("recipe")
+        if recipe is not None and (not isinstance(recipe, dict) or set(recipe) - set(SWITCHES)):
+            raise argparse.ArgumentTypeError(
+                f"{text}: rule {i}: recipe must be null or a dict of {SWITCHES} to booleans"
+            )
+        rules.append(
+            (_regex(rule["pattern"]), None if recipe is None else tuple(sorted(recipe.items())))
+        )
+    return tuple(rules)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line; each flag's `type` checks its own value."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -171,6 +222,30 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--bf16-last", type=_integer(0), default=0, help="blocks kept in bf16 at the end"
+    )
+    p.add_argument(
+        "--keep-bf16",
+        action="append",
+        default=[],
+        type=_regex,
+        metavar="PATTERN",
+        help="keep the linear layers whose path matches this regular expression in bf16 "
+        "(e.g. 'lm_head' or '^layers/3/'; repeatable)",
+    )
+    p.add_argument(
+        "--rules",
+        type=_rules_file,
+        default=None,
+        metavar="FILE",
+        help='a JSON list of {"pattern": regex, "recipe": null | {switch: bool}} rules, '
+        "first match wins, after --keep-bf16/--bf16-first/--bf16-last",
+    )
+    p.add_argument(
+        "--suggest-share",
+        type=_share,
+        default=0.0,
+        help="also keep in bf16 the worst share of the linear layers by the diagnostics' "
+        "weight-gradient angle (0 to 1)",
     )
     p.add_argument(
         "--disable",
@@ -308,16 +383,29 @@ def nvfp4_recipe(args) -> nvfp4_jax.NVFP4Recipe:
 
 
 def model_config(args, recipe_name: str) -> LMConfig:
-    """The model shape the flags ask for, with the recipe's NVFP4 settings."""
-    return LMConfig(
-        width=args.width,
-        depth=args.depth,
-        heads=args.heads,
-        max_len=args.seq_len,
-        recipe=nvfp4_recipe(args) if recipe_name == "nvfp4" else None,
-        bf16_first=args.bf16_first,
-        bf16_last=args.bf16_last,
-    )
+    """The model shape the flags ask for: plain layers, quantized afterwards by rules."""
+    del recipe_name
+    return LMConfig(width=args.width, depth=args.depth, heads=args.heads, max_len=args.seq_len)
+
+
+def model_rules(args) -> list[nvfp4_jax.Rule]:
+    """The rules of the NVFP4 run (first match wins): the flags' bf16 layers, then --rules,
+    then every other linear layer in NVFP4. The output head counts as the last block."""
+    recipe = nvfp4_recipe(args)
+    keep = list(args.keep_bf16)
+    layers = [*range(args.bf16_first), *range(args.depth + 1 - args.bf16_last, args.depth)]
+    if layers:
+        keep.append(f"^layers/({'|'.join(str(i) for i in layers)})/")
+    if args.bf16_last:
+        keep.append("^lm_head$")
+    rules = [nvfp4_jax.Rule(pattern, None) for pattern in keep]
+    for pattern, switches in args.rules or ():
+        rules.append(
+            nvfp4_jax.Rule(
+                pattern, None if switches is None else nvfp4_jax.NVFP4Recipe(**dict(switches))
+            )
+        )
+    return [*rules, nvfp4_jax.Rule(".*", recipe)]
 
 
 def check_model_shape(args) -> str | None:
@@ -332,10 +420,40 @@ def check_model_shape(args) -> str | None:
     return None
 
 
-def make_model(args, recipe_name: str) -> TransformerLM:
-    """The model of one recipe; parameters come from the seed alone, so both runs start equal."""
-    cfg = model_config(args, recipe_name)
-    return TransformerLM(cfg, nnx.Rngs(params=args.seed, quantize=args.seed + 1))
+def make_model(args, recipe_name: str, rules=None) -> TransformerLM:
+    """The model of one recipe; parameters come from the seed alone, so both runs start equal.
+
+    The NVFP4 run is the same model with its `nnx.Linear` layers turned into NVFP4 ones by
+    `rules` (default: `model_rules(args)`) through `nvfp4_jax.quantize_model`.
+    """
+    model = TransformerLM(model_config(args, recipe_name), nnx.Rngs(params=args.seed))
+    if recipe_name == "nvfp4":
+        rules = model_rules(args) if rules is None else rules
+        nvfp4_jax.quantize_model(model, rules, rngs=nnx.Rngs(quantize=args.seed + 1))
+    return model
+
+
+def diagnose(args, train, out: pathlib.Path, console: Console) -> list[nvfp4_jax.Rule]:
+    """Runs `nvfp4_jax.inspect_model` on the first batch with the NVFP4 run's rules, writes
+    `diagnostics.json` and `diagnostics.png`, prints the worst layers, and returns the rules
+    to train with (with the diagnostics' suggestion when --suggest-share asks for it)."""
+    rules = model_rules(args)
+    model = make_model(args, "bf16")
+    batch = batch_at(train, 0, args.batch, args.seq_len, args.seed)
+    report = nvfp4_jax.inspect_model(model, batch, loss_fn=loss_fn, rules=rules, key=args.seed)
+    (out / "diagnostics.json").write_text(report.to_json())
+    report.plot(out / "diagnostics.png")
+    worst = sorted(report.scores().items(), key=lambda kv: -kv[1])[:3]
+    console.print(
+        "diagnostics (weight-gradient angle, degrees): "
+        + ", ".join(f"{path} {score:.1f}" for path, score in worst),
+        markup=False,
+    )
+    if args.suggest_share:
+        rules = report.suggest_rules(share=args.suggest_share)
+        kept = [r.pattern for r in rules if r.recipe is None]
+        console.print(f"kept in bf16 by the diagnostics: {kept}", markup=False)
+    return rules
 
 
 def lr_schedule(peak: float, steps: int, warmup: int) -> optax.Schedule:
@@ -484,7 +602,7 @@ def run_config(args, text: np.ndarray) -> dict:
     """What a resumed run must share with its checkpoint: `RESUME_FLAGS` and the text itself."""
     config = {name: getattr(args, name) for name in RESUME_FLAGS}
     config["text"] = {"bytes": int(text.size), "crc32": zlib.crc32(text)}
-    return config
+    return json.loads(json.dumps(config))  # as the checkpoint stores it (tuples become lists)
 
 
 def _config_change(key: str, saved, now) -> str:
@@ -565,9 +683,9 @@ def start(recipe_name: str, args, model, optimizer, checkpoints, console) -> tup
     return step, history
 
 
-def run(recipe_name: str, args, train, val, config: dict, console: Console) -> dict:
+def run(recipe_name: str, args, train, val, config: dict, console: Console, rules=None) -> dict:
     """Trains one recipe; returns its history of train and validation losses."""
-    model = make_model(args, recipe_name)
+    model = make_model(args, recipe_name, rules)
     optimizer = make_optimizer(model, args)
     checkpoints = Checkpoints(checkpoint_folder(args, recipe_name), args.save_every)
     start_step, history = start(recipe_name, args, model, optimizer, checkpoints, console)
@@ -737,12 +855,14 @@ def train_and_report(args) -> dict:
         f"batch {args.batch}x{args.seq_len}, {args.steps} steps",
         markup=False,
     )
-    histories = {name: run(name, args, train, val, config, console) for name in names}
+    rules = diagnose(args, train, args.out, console) if "nvfp4" in names else None
+    histories = {name: run(name, args, train, val, config, console, rules) for name in names}
     if args.stop_after is not None and args.stop_after < args.steps:
         console.print(f"stopped after step {args.stop_after}; continue with --resume")
         return {"histories": histories}
     rows = summarize(histories, args, console)
     flags = {k: str(v) if isinstance(v, pathlib.Path) else v for k, v in vars(args).items()}
+    flags["rules"] = [[r.pattern, None if r.recipe is None else str(r.recipe)] for r in rules or []]
     results = {"config": flags, "results": rows, "histories": histories}
     (args.out / "results.json").write_text(
         json.dumps(_json_safe(results), indent=1, allow_nan=False)

@@ -7,6 +7,9 @@ import sys
 
 import numpy as np
 import pytest
+from flax import nnx
+
+import nvfp4_jax
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
 import train_lm
@@ -144,6 +147,10 @@ BAD_FLAGS = {
         "--bf16-first 2 plus --bf16-last 2 is more than the 3 blocks",
     ),
     "disable-unknown": (["--disable", "rht"], "argument --disable: invalid choice: 'rht'"),
+    "keep-bf16-regex": (["--keep-bf16", "layers/("], "argument --keep-bf16: not a regular"),
+    "rules-missing": (["--rules", "{folder}/no.json"], "argument --rules: cannot read"),
+    "rules-not-json": (["--rules", "{short}"], "argument --rules: {short} is not JSON"),
+    "suggest-share-2": (["--suggest-share", "2"], "argument --suggest-share: must be a number"),
     "recipe": (["--recipe", "fp8"], "argument --recipe: invalid choice: 'fp8'"),
     "eval-every-0": (["--eval-every", "0"], "argument --eval-every: must be a positive integer"),
     "eval-every-past-steps": (
@@ -256,3 +263,32 @@ def test_resume_without_a_checkpoint(stopped_run, tmp_path, capsys):
         capsys, _run, stopped_run, "--recipe", "both", "--steps", "4", "--resume", "--width", "64"
     )
     assert "the bf16 checkpoint (step 2) was made with --width 32" in err
+
+
+def test_rules_from_flags_pick_the_layers():
+    args = train_lm.parse_args(
+        [*TINY, "--keep-bf16", "q_proj", "--bf16-last", "1", "--disable", "wgrad_rht"]
+    )
+    model = train_lm.make_model(args, "nvfp4")
+    kinds = {
+        path: type(module).__module__.startswith("nvfp4_jax")
+        for path, module in nnx.iter_graph(model)
+        if isinstance(module, nnx.Linear)
+    }
+    assert not kinds[("layers", 0, "self_attn", "q_proj")]  # --keep-bf16 q_proj
+    assert not kinds[("lm_head",)]  # --bf16-last 1: the head counts as the last block
+    assert kinds[("layers", 0, "mlp", "down_proj")]
+    nvfp4 = [m for _, m in nnx.iter_graph(model) if isinstance(m, nvfp4_jax.nnx.Linear)]
+    assert nvfp4 and all(not m.recipe.wgrad_rht for m in nvfp4)
+
+
+def test_rules_file_and_diagnostics_are_written(tmp_path):
+    rules = tmp_path / "rules.json"
+    rules.write_text(json.dumps([{"pattern": "mlp", "recipe": {"stochastic_rounding": False}}]))
+    out = tmp_path / "run"
+    flags = ["--recipe", "nvfp4", "--steps", "2", "--rules", str(rules), "--suggest-share", "0.1"]
+    results = train_lm.main([*TINY, *flags, "--out", str(out)])
+    report = json.loads((out / "diagnostics.json").read_text())
+    assert report["layers"] and (out / "diagnostics.png").stat().st_size > 0
+    patterns = [pattern for pattern, _ in results["config"]["rules"]]
+    assert patterns[0].startswith("^layers/") and "mlp" in patterns and patterns[-1] == ".*"
