@@ -57,7 +57,7 @@ def as_float_array(x, op: str, name: str = "x") -> jax.Array:
     dtype = jnp.dtype(dtype if dtype is not None else array.dtype)
     if dtype not in SUPPORTED_DTYPES:
         raise TypeError(
-            f"{op}: {name} must be {_DTYPE_NAMES}, got dtype {dtype} (shape {jnp.shape(x)})"
+            f"{op}: {name} must be {_DTYPE_NAMES}, got dtype {dtype} (shape {np.shape(array)})"
         )
     return array
 
@@ -138,7 +138,7 @@ def check_amax(amax, op: str) -> jax.Array | None:
     """
     if amax is None:
         return None
-    if isinstance(amax, (bool, np.bool_, str, bytes)):
+    if isinstance(amax, (bool, np.bool_, str, bytes, list, tuple, dict, set)):
         raise TypeError(f"{op}: amax must be a float scalar, got {amax!r}")
     dtype = jnp.result_type(amax)
     if not (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)):

@@ -155,7 +155,7 @@ def assert_same_bits(actual, expected, what=""):
     actual, expected = np.asarray(actual), np.asarray(expected)
     assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
     assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
-    if actual.dtype.kind == "f" or actual.dtype.name.startswith("float"):
+    if jnp.issubdtype(actual.dtype, jnp.floating):
         nan_a, nan_e = np.isnan(actual.astype(np.float32)), np.isnan(expected.astype(np.float32))
         np.testing.assert_array_equal(nan_a, nan_e, f"{what}: NaN positions")
         actual, expected = np.where(nan_a, 0, actual), np.where(nan_e, 0, expected)

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numerics_oracle as oracle
 import numpy as np
 import pytest
-from helpers import DENSE, assert_same_q, heavy_tailed
+from helpers import DENSE, assert_same_bits, assert_same_q, heavy_tailed
 
 import nvfp4_jax
 
@@ -201,3 +201,16 @@ def test_the_same_error_on_every_implementation(impl):
             nvfp4_jax.quantize(jnp.ones((8, 40)), implementation=implementation)
         messages[implementation] = str(info.value)
     assert len(set(messages.values())) == 1, messages
+
+
+def test_the_rht_of_tiny_values_dequantizes_alike(impl):
+    """docs/NUMERICS.md section 8: where the RHT's butterflies meet f32 subnormals (flushed by
+    XLA on CPU), codes of that block may differ, but its scale is 0, so it decodes to 0."""
+    x = np.zeros((2, 32), np.float32)
+    x[0, :3] = [1.5 * 2**-126, 2**-126, 2**-122]  # a block of tiny values
+    x[1, 0] = 1.0
+    q = impl.quantize(x, rht=True)
+    assert np.all(np.asarray(q.scales).view(np.uint8)[0] == 0)
+    reference = nvfp4_jax.reference.dequantize(nvfp4_jax.reference.quantize(x, rht=True))
+    assert_same_bits(impl.dequantize(q), reference)
+    np.testing.assert_array_equal(np.asarray(impl.dequantize(q))[0], 0)

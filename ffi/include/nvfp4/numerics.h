@@ -6,8 +6,10 @@
 // Conversions are branch-free bit arithmetic (selects, no data-dependent branches), so
 // they vectorize on the CPU and do not diverge on the GPU.
 //
-// XLA on CPU runs with denormals flushed (FTZ/DAZ), so no function here relies on an f32
-// subnormal intermediate: they give the same answer with or without flushing.
+// XLA on CPU runs with denormals flushed (FTZ/DAZ), so the scale and code math here never
+// relies on an f32 subnormal intermediate and gives the same answer with or without
+// flushing. The RHT butterflies are the exception: tiny normal inputs (below about 2^-122)
+// can produce subnormal sums, which flushing zeroes (docs/NUMERICS.md section 8).
 #ifndef NVFP4_NUMERICS_H_
 #define NVFP4_NUMERICS_H_
 
