@@ -10,7 +10,7 @@ trained again. The figure has three panels, each showing the relative gap
 `(val_nvfp4 - val_bf16) / val_bf16` in percent:
 
 * against model width (128, 256, 512; depth, batch, sequence length and steps fixed, so every
-  width sees the same tokens), with the rules of the default configuration;
+  width sees the same tokens), every linear layer in NVFP4 (the head included);
 * against the layers kept in bf16, at the default width: none (every linear layer NVFP4, the
   output head included), the last block (with the head), the first and the last blocks, and
   the diagnostics' suggestion (`--suggest-share`: the worst layers by weight-gradient angle);
@@ -31,11 +31,11 @@ import train_lm
 
 # name -> (panel, label, train_lm flags)
 POINTS = {
-    "width-128": ("width", 128, ["--width", "128", "--heads", "4"]),
-    "width-256": ("width", 256, ["--width", "256", "--heads", "4"]),
-    "width-512": ("width", 512, ["--width", "512", "--heads", "8"]),
-    "policy-none": ("policy", "none (the default)", []),
-    "policy-last": ("policy", "last block + head", ["--bf16-last", "2"]),
+    "width-128": ("width", 128, ["--width", "128", "--heads", "4", "--bf16-last", "0"]),
+    "width-256": ("width", 256, ["--width", "256", "--heads", "4", "--bf16-last", "0"]),
+    "width-512": ("width", 512, ["--width", "512", "--heads", "8", "--bf16-last", "0"]),
+    "policy-none": ("policy", "none", None),
+    "policy-last": ("policy", "last block + head (the default)", ["--bf16-last", "2"]),
     "policy-first-last": (
         "policy",
         "first + last block + head",
@@ -53,8 +53,8 @@ BASELINE = "width-128"
 
 def run_point(name: str, out: pathlib.Path, common: list[str]) -> dict:
     """The results of one point: read back if it was run, else trained now."""
-    if POINTS[name][0] == "policy" and not POINTS[name][2]:
-        name = BASELINE  # the default rules: the NVFP4 run of the baseline point itself
+    if POINTS[name][2] is None:
+        name = BASELINE  # every layer in NVFP4: the NVFP4 run of the baseline point itself
     folder = out / name
     results = folder / "results.json"
     if not results.exists():
@@ -139,7 +139,7 @@ def main(argv=None) -> dict:
         points[name] = {
             "panel": panel,
             "label": label,
-            "flags": flags,
+            "flags": flags or [],
             "val_nvfp4": rows["nvfp4"]["final_val_loss"],
             "val_bf16": rows["bf16"]["final_val_loss"],
             "gap_percent": 100 * rows["nvfp4"]["relative_val_gap"],

@@ -221,7 +221,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--bf16-first", type=_integer(0), default=0, help="blocks kept in bf16 at the start"
     )
     p.add_argument(
-        "--bf16-last", type=_integer(0), default=0, help="blocks kept in bf16 at the end"
+        "--bf16-last",
+        type=_integer(0),
+        default=2,
+        help="blocks kept in bf16 at the end, the output head counting as one (default 2: the "
+        "last block and the head, the NVFP4 paper's policy scaled to this depth)",
     )
     p.add_argument(
         "--keep-bf16",
