@@ -193,9 +193,20 @@ def e2m1_magnitude_code(magnitude: jax.Array) -> jax.Array:
 # that its only rounding multiply (factor * 3) never feeds an add directly: XLA contracts a
 # multiply followed by an add into one FMA on CPU and GPU (an optimization barrier does not
 # stop it), which would skip the rounding of `value * factor` (docs/NUMERICS.md section 3).
-_CODE_POW2 = np.array([0.0, 0.5, 1.0, 0.5, 2.0, 1.0, 4.0, 2.0], dtype=np.float32)
-_CODE_POW2 = np.concatenate([_CODE_POW2, -_CODE_POW2])
-_CODE_IS_TRIPLE = np.array([0, 0, 0, 1, 0, 1, 0, 1] * 2, dtype=bool)
+# Magnitude code c: 0 -> 0; 1 -> 1 * 2^-1; even c >= 2 -> 1 * 2^(c/2 - 1); odd c >= 3 ->
+# 3 * 2^((c - 3)/2 - 1). Computed with integer ops and selects (elementwise, so XLA fuses and
+# vectorizes them) rather than by indexing a table, which XLA runs as a gather.
+
+
+def _code_pow2(codes: jax.Array) -> jax.Array:
+    """The signed power of two `+-2^e` of each unpacked code (+-0 for the codes of zero)."""
+    magnitude = (codes & 7).astype(jnp.int32)
+    odd = magnitude & 1
+    exponent = (magnitude >> 1) - 1 - odd  # c >= 2
+    exponent = jnp.where(magnitude == 1, -1, exponent)
+    sign = (codes.astype(jnp.int32) & 8) << 28
+    bits = jnp.where(magnitude == 0, 0, (exponent + 127) << 23) | sign  # +-0 for the zero codes
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
 def scaled_code_values(codes: jax.Array, factor: jax.Array) -> jax.Array:
@@ -205,9 +216,10 @@ def scaled_code_values(codes: jax.Array, factor: jax.Array) -> jax.Array:
     the last multiplication is exact, so the result is the correctly rounded product even
     when XLA fuses it into a following addition (outside f32's subnormal range).
     """
-    index = codes.astype(jnp.int32)
-    base = jnp.where(jnp.asarray(_CODE_IS_TRIPLE)[index], factor * jnp.float32(3), factor)
-    return base * jnp.asarray(_CODE_POW2)[index]
+    magnitude = codes & 7
+    triple = (magnitude >= 3) & ((magnitude & 1) == 1)
+    base = jnp.where(triple, factor * jnp.float32(3), factor)
+    return base * _code_pow2(codes)
 
 
 def pack_nibbles(codes: jax.Array) -> jax.Array:
