@@ -138,9 +138,17 @@ def with_underflow_block(x: np.ndarray, *, row=0, block=0, scale=1e-7) -> np.nda
     return x
 
 
-def normal(seed, shape, dtype=jnp.float32) -> jax.Array:
+def normal(shape, seed=0, dtype=jnp.float32) -> jax.Array:
     """Standard normal data from a JAX key, cast to `dtype`."""
     return jax.random.normal(jax.random.key(seed), shape, jnp.float32).astype(dtype)
+
+
+def same_bits(a, b) -> bool:
+    """Whether two arrays have the same shape, dtype and bytes."""
+    a, b = np.asarray(a), np.asarray(b)
+    return (a.shape, a.dtype) == (b.shape, b.dtype) and np.array_equal(
+        a.reshape(-1).view(np.uint8), b.reshape(-1).view(np.uint8)
+    )
 
 
 def bits(a) -> np.ndarray:

@@ -15,22 +15,12 @@ import orbax.checkpoint as ocp
 import pytest
 from checkpoint_crash_child import make_tree
 from flax import nnx
+from helpers import assert_same_q, normal, same_bits
 
 import nvfp4_jax.nnx
 from nvfp4_jax import quantize
 from nvfp4_jax.array import NVFP4Array, is_nvfp4_array, validate_nvfp4_array
 from nvfp4_jax.checkpoint import restore_checkpoint, save_checkpoint
-
-
-def normal(shape, seed=0, dtype=jnp.float32):
-    return jax.random.normal(jax.random.key(seed), shape, dtype)
-
-
-def same_bits(a, b):
-    a, b = np.asarray(a), np.asarray(b)
-    return (a.shape, a.dtype) == (b.shape, b.dtype) and np.array_equal(
-        a.reshape(-1).view(np.uint8), b.reshape(-1).view(np.uint8)
-    )
 
 
 def same_leaf(a, b):
@@ -68,12 +58,6 @@ def same_tree(a, b):
     return tree_a == tree_b and all(map(same_leaf, flat_a, flat_b))
 
 
-def assert_same_nvfp4(a, b):
-    for part in ("codes", "scales", "amax"):
-        assert same_bits(getattr(a, part), getattr(b, part)), part
-    assert (a.dtype, a.axis, a.block_2d, a.rht) == (b.dtype, b.axis, b.block_2d, b.rht)
-
-
 def test_checkpoint_round_trip_of_a_pytree(tmp_path):
     tree = {
         "w": quantize(normal((64, 32), dtype=jnp.bfloat16), axis=0, block_2d=True),
@@ -82,11 +66,11 @@ def test_checkpoint_round_trip_of_a_pytree(tmp_path):
     save_checkpoint(tmp_path / "ckpt", tree)
     target = jax.eval_shape(lambda: tree)
     restored = restore_checkpoint(tmp_path / "ckpt", target)
-    assert_same_nvfp4(restored["w"], tree["w"])
-    assert_same_nvfp4(restored["layers"][0], tree["layers"][0])
+    assert_same_q(restored["w"], tree["w"])
+    assert_same_q(restored["layers"][0], tree["layers"][0])
     assert same_bits(restored["layers"][1], tree["layers"][1])
     untargeted = restore_checkpoint(tmp_path / "ckpt")
-    assert_same_nvfp4(untargeted["layers"]["0"], tree["layers"][0])
+    assert_same_q(untargeted["layers"]["0"], tree["layers"][0])
 
 
 class QuantizedMLP(nnx.Module):
@@ -108,8 +92,8 @@ def test_checkpoint_round_trip_of_an_nnx_model(tmp_path):
     save_checkpoint(tmp_path / "model", nnx.state(model))
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: QuantizedMLP(1)))
     restored = nnx.merge(graphdef, restore_checkpoint(tmp_path / "model", abstract))
-    assert_same_nvfp4(restored.up.get_value(), model.up.get_value())
-    assert_same_nvfp4(restored.down.get_value(), model.down.get_value())
+    assert_same_q(restored.up.get_value(), model.up.get_value())
+    assert_same_q(restored.down.get_value(), model.down.get_value())
     x = normal((4, 64), 7)
     assert same_bits(restored(x), model(x))
 

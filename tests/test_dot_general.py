@@ -181,7 +181,7 @@ def param_ids(params):
 def test_forward_equals_scaled_gemm_of_block_values(case, dtype, implementation):
     lhs_shape, rhs_shape, dims = FORWARD_CASES[case]
     dt = {"f32": jnp.float32, "bf16": jnp.bfloat16}[dtype]
-    lhs, rhs = normal(1, lhs_shape, dt), normal(2, rhs_shape, dt)
+    lhs, rhs = normal(lhs_shape, 1, dt), normal(rhs_shape, 2, dt)
     recipe = NVFP4Recipe(implementation=implementation)
 
     y = jit_dot_general(lhs, rhs, dims, recipe=recipe)
@@ -214,7 +214,7 @@ def test_forward_equals_scaled_gemm_of_block_values(case, dtype, implementation)
     ids=lambda v: str(v),
 )
 def test_preferred_element_type_behaves_like_lax(lhs_dtype, rhs_dtype, preferred):
-    lhs, rhs = normal(3, (32, 64), lhs_dtype), normal(4, (64, 32), rhs_dtype)
+    lhs, rhs = normal((32, 64), 3, lhs_dtype), normal((64, 32), 4, rhs_dtype)
     y = jit_dot_general(lhs, rhs, DENSE, preferred_element_type=preferred)
     assert y.dtype == jax.lax.dot_general(lhs, rhs, DENSE, preferred_element_type=preferred).dtype
     # The GEMM accumulates in f32 whatever the output dtype: a narrower result is its cast.
@@ -244,7 +244,7 @@ BACKWARD_PARAMS = (
 def test_backward_equals_hand_built_gemms(shape, dtype, recipe_name, implementation):
     m, k, n = BACKWARD_SHAPES[shape]
     dt = {"f32": jnp.float32, "bf16": jnp.bfloat16}[dtype]
-    x, w, dy = normal(5, (m, k), dt), normal(6, (k, n), dt), normal(7, (m, n), dt)
+    x, w, dy = normal((m, k), 5, dt), normal((k, n), 6, dt), normal((m, n), 7, dt)
     recipe, key = with_impl(RECIPES[recipe_name], implementation), jax.random.key(42)
 
     _, dx, dw = vjp(x, w, dy, recipe, key)
@@ -257,7 +257,7 @@ def test_backward_equals_hand_built_gemms(shape, dtype, recipe_name, implementat
 
 
 def test_backward_of_3d_input_is_the_flattened_one():
-    x, w, dy = normal(8, (2, 16, 32)), normal(9, (32, 48)), normal(10, (2, 16, 48))
+    x, w, dy = normal((2, 16, 32), 8), normal((32, 48), 9), normal((2, 16, 48), 10)
     key = jax.random.key(1)
     _, dx, dw = vjp(x, w, dy, NVFP4Recipe(), key, dims=(((2,), (0,)), ((), ())))
     _, dx2, dw2 = vjp(x.reshape(32, 32), w, dy.reshape(32, 48), NVFP4Recipe(), key)
@@ -332,7 +332,7 @@ REL_ERROR_BOUND = 0.23
 
 def test_full_recipe_is_within_quantization_error_of_exact_gradients():
     m, k, n = 256, 128, 128
-    x, w, dy = normal(14, (m, k)), normal(15, (k, n)), normal(16, (m, n))
+    x, w, dy = normal((m, k), 14), normal((k, n), 15), normal((m, n), 16)
     y, dx, dw = vjp(x, w, dy, NVFP4Recipe(), jax.random.key(3))
     xe, we, dye = f64(x), f64(w), f64(dy)
     for what, actual, exact in (("y", y, xe @ we), ("dx", dx, dye @ we.T), ("dw", dw, xe.T @ dye)):
@@ -352,7 +352,7 @@ def grads(x, w, dy, key):
 
 
 def test_same_key_gives_same_gradients_and_different_keys_differ():
-    x, w, dy = normal(17, (32, 64)), normal(18, (64, 32)), normal(19, (32, 32))
+    x, w, dy = normal((32, 64), 17), normal((64, 32), 18), normal((32, 32), 19)
     a = grads(x, w, dy, jax.random.key(1))
     b = grads(x, w, dy, jax.random.key(1))
     c = grads(x, w, dy, jax.random.key(2))
@@ -365,7 +365,7 @@ def test_without_key_the_rounding_follows_dy():
     # Scaling dy by 2 scales every quantization exactly (amax and scales are powers of two
     # apart), so with a fixed key the gradients double bit for bit; with key=None the key is
     # derived from dy's bits, and 2*dy gets different rounding.
-    x, w, dy = normal(20, (32, 64)), normal(21, (64, 32)), normal(22, (32, 32))
+    x, w, dy = normal((32, 64), 20), normal((64, 32), 21), normal((32, 32), 22)
     fixed = jax.random.key(5)
     for g1, g2 in zip(grads(x, w, dy, fixed), grads(x, w, 2 * dy, fixed), strict=True):
         assert_same_bits(2 * g1, g2)
@@ -384,7 +384,7 @@ def loss(x, w, dy, key):
 
 
 def test_jit_and_grad_equal_eager_vjp():
-    x, w, dy = normal(23, (32, 64)), normal(24, (64, 32)), normal(25, (32, 32))
+    x, w, dy = normal((32, 64), 23), normal((64, 32), 24), normal((32, 32), 25)
     key = jax.random.key(6)
     y, pullback = jax.vjp(lambda a, b: dot_general(a, b, DENSE, key=key), x, w)
     dx, dw = pullback(dy)
@@ -395,7 +395,7 @@ def test_jit_and_grad_equal_eager_vjp():
 
 
 def test_remat_gives_the_same_gradients():
-    x, w, dy = normal(26, (32, 64)), normal(27, (64, 32)), normal(28, (32, 32))
+    x, w, dy = normal((32, 64), 26), normal((64, 32), 27), normal((32, 32), 28)
     key = jax.random.key(7)
     plain = jax.grad(loss, argnums=(0, 1))(x, w, dy, key)
     remat = jax.jit(jax.grad(jax.checkpoint(loss), argnums=(0, 1)))(x, w, dy, key)
@@ -418,7 +418,7 @@ def stack_loss(ws, h, key, use_scan):
 
 
 def test_scan_over_stacked_layers_equals_unrolled_loop():
-    ws, h = normal(29, (3, 32, 32)) * 0.3, normal(30, (32, 32))
+    ws, h = normal((3, 32, 32), 29) * 0.3, normal((32, 32), 30)
     key = jax.random.key(8)
     scan = jax.jit(jax.value_and_grad(stack_loss, argnums=(0, 1)), static_argnums=3)
     loss_s, grads_s = scan(ws, h, key, True)
@@ -430,14 +430,14 @@ def test_scan_over_stacked_layers_equals_unrolled_loop():
 
 def test_vmap_of_forward_is_per_example():
     # Under vmap every example is its own tensor (its own amax): equal to a loop of calls.
-    xs, ws = normal(31, (3, 32, 64)), normal(32, (3, 64, 32))
+    xs, ws = normal((3, 32, 64), 31), normal((3, 64, 32), 32)
     ys = jax.jit(jax.vmap(lambda a, b: dot_general(a, b, DENSE)))(xs, ws)
     for i in range(3):
         assert_same_up_to_summation_order(ys[i], jit_dot_general(xs[i], ws[i], DENSE), 64)
 
 
 def test_vmap_of_grad_is_per_example():
-    xs, w, dys = normal(33, (3, 32, 64)), normal(34, (64, 32)), normal(35, (3, 32, 32))
+    xs, w, dys = normal((3, 32, 64), 33), normal((64, 32), 34), normal((3, 32, 32), 35)
     key = jax.random.key(9)
     grad = jax.grad(loss, argnums=(0, 1))
     g = jax.jit(jax.vmap(grad, in_axes=(0, None, 0, None)))(xs, w, dys, key)
@@ -452,7 +452,7 @@ def test_vmap_of_grad_is_per_example():
 
 def test_forward_saves_quantized_residuals_not_inputs():
     m, k, n = 64, 128, 48
-    x, w = normal(36, (m, k)), normal(37, (k, n))
+    x, w = normal((m, k), 36), normal((k, n), 37)
     _, pullback = jax.vjp(lambda a, b: dot_general(a, b, DENSE, key=jax.random.key(0)), x, w)
     leaves = [leaf for leaf in jax.tree_util.tree_leaves(pullback) if hasattr(leaf, "dtype")]
     arrays = [leaf for leaf in leaves if not jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key)]

@@ -7,29 +7,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import assert_same_q, normal, same_bits
 
 from nvfp4_jax import NVFP4Recipe, dequantize, dot_general, gemm, quantize
 
 # E2M1 code -> value, straight from docs/NUMERICS.md section 1 (bit 3 = sign).
 E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
 RCP2688 = np.float32(1 / 2688)
-
-
-def normal(shape, seed=0, dtype=jnp.float32):
-    return jax.random.normal(jax.random.key(seed), shape, dtype)
-
-
-def same_bits(a, b):
-    a, b = np.asarray(a), np.asarray(b)
-    return a.shape == b.shape and np.array_equal(
-        a.reshape(-1).view(np.uint8), b.reshape(-1).view(np.uint8)
-    )
-
-
-def assert_same_nvfp4(a, b):
-    for part in ("codes", "scales", "amax"):
-        assert same_bits(getattr(a, part), getattr(b, part)), part
-    assert (a.dtype, a.axis, a.block_2d, a.rht) == (b.dtype, b.axis, b.block_2d, b.rht)
 
 
 def on_blackwell():
@@ -53,7 +37,7 @@ def test_operands_round_trip(shape, axis, block_2d, rht):
     back = gemm.from_scaled_matmul_operands(
         ops.data, ops.scales, q.amax, dtype=q.dtype, axis=q.axis, block_2d=block_2d, rht=rht
     )
-    assert_same_nvfp4(back, q)
+    assert_same_q(back, q)
 
 
 def test_operand_values_follow_the_nibble_order():
@@ -171,4 +155,4 @@ def test_transposed_2d_blocks_equal_quantizing_the_other_way():
     q_nk = quantize(w, axis=0, block_2d=True)
     q_kn = quantize(w, axis=1, block_2d=True)
     moved = gemm.transpose_2d_blocks(q_nk)
-    assert_same_nvfp4(moved, q_kn)
+    assert_same_q(moved, q_kn)
