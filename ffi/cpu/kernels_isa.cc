@@ -1,8 +1,17 @@
 // CPU kernels over row ranges, compiled once per instruction set (NVFP4_ISA names it).
 //
-// Inner loops run over one 16-element block with a fixed trip count and no data-dependent
-// branches (the numerics are selects), so the compiler vectorizes them; the per-block
-// flags (RHT, SR) are uniform branches that predict perfectly.
+// The kernels work on groups of 16 consecutive blocks (256 elements), one block per
+// 16-lane vector (cpu/simd.h): the maxima of the 16 blocks come out of one transposing
+// reduction as one vector, so the scale math of docs/NUMERICS.md (E4M3 rounding, the
+// division of the encode factor) runs once per group for 16 blocks at a time; then each
+// block is encoded, packed and stored with vector instructions. 1x16 blocks are contiguous
+// in memory whatever the row length, so a 1D kernel walks its rows as one flat run of
+// blocks; only the last group of a range is partial (it runs on a zero-padded copy).
+//
+// Every vector function below is its scalar twin in numerics.h lane by lane: the same f32
+// operations in the same order (no FMA contraction: -ffp-contract=off), the same integer
+// bit arithmetic. The two exceptions are documented where they occur and give the same
+// result for every input that reaches them.
 //
 // Everything here is in the per-ISA namespace or always-inline, and nothing from the
 // standard library is used: an out-of-line copy of a shared inline function compiled
@@ -10,6 +19,7 @@
 #include <cstdint>
 
 #include "cpu/kernel_table.h"
+#include "cpu/simd.h"
 #include "nvfp4/dtypes.h"
 #include "nvfp4/numerics.h"
 
@@ -20,194 +30,551 @@
 namespace nvfp4::cpu::NVFP4_ISA {
 namespace {
 
-inline uint32_t MaxU32(uint32_t a, uint32_t b) { return a > b ? a : b; }
+constexpr int kGroup = 16;  // blocks per group
 
-#if defined(__AVX2__)
-// Rht16 of numerics.h with GCC vector extensions, the block as two halves of 8 lanes (one
-// AVX2 register each). Stage h < 8 computes, for every lane i of a half, v[i] + v[i ^ h]
-// where bit h of i is clear and v[i ^ h] - v[i] where it is set; stage 8 is lo + hi and
-// lo - hi. Those are the same additions of the same operands as the scalar butterflies, so
-// the same bits, without the scalar shuffling.
-typedef float V8f __attribute__((vector_size(32)));
-typedef int32_t V8i __attribute__((vector_size(32)));
-typedef uint32_t V8u __attribute__((vector_size(32)));
+// The loops over the 16 blocks of a group are unrolled where the vectors are wide (the
+// blocks' values then stay in registers); at the baseline's width they would only bloat.
+#if defined(NVFP4_SIMD_AVX512) || defined(NVFP4_SIMD_AVX2)
+#define NVFP4_GROUP_UNROLL _Pragma("GCC unroll 16")
+#else
+#define NVFP4_GROUP_UNROLL _Pragma("GCC unroll 1")
+#endif
+constexpr int32_t kSignBit = INT32_MIN;
 
-template <int H>
-inline V8f Butterfly(V8f v) {
-  const V8i partner_index = {0 ^ H, 1 ^ H, 2 ^ H, 3 ^ H, 4 ^ H, 5 ^ H, 6 ^ H, 7 ^ H};
-  const V8i high = {0 & H, 1 & H, 2 & H, 3 & H, 4 & H, 5 & H, 6 & H, 7 & H};
-  const V8f partner = __builtin_shuffle(v, partner_index);
-  return high != 0 ? partner - v : v + partner;
+// ---------------------------------------------------------------------------
+// Storage types <-> f32, 16 lanes (F32ToBf16, F32ToF16, F16ToF32 of numerics.h).
+
+NVFP4_VINLINE VI F32ToBf16Bits(VF f) {
+  const VI x = AsVI(f);
+  const VI rounded = Srl(x + 0x7FFF + (Srl(x, 16) & 1), 16);
+  const VI quiet_nan = Srl(x, 16) | 0x40;
+  return Select((x & 0x7FFFFFFF) > int32_t{kInfBits}, quiet_nan, rounded);
 }
 
-inline V8f FlipSigns(V8f v, V8u sign) {
-  V8u bits;
-  __builtin_memcpy(&bits, &v, sizeof(v));
-  bits ^= sign << 31;
-  __builtin_memcpy(&v, &bits, sizeof(v));
+NVFP4_VINLINE VI F32ToF16Bits(VF f) {
+  const VI x = AsVI(f);
+  const VI sign = Srl(x, 16) & 0x8000;
+  const VI a = x & 0x7FFFFFFF;
+  const VI huge = Select(a > int32_t{kInfBits}, SplatI(0x7E00), SplatI(0x7C00));
+  const VI subnormal = AsVI(AsVF(a) + 0.5f) - 0x3F000000;
+  const VI normal = Srl(a - int32_t{112 << 23} + 0xFFF + (Srl(a, 13) & 1), 13);
+  VI h = Select(a < 0x38800000, subnormal, normal);
+  h = Select(a >= 0x47800000, huge, h);
+  return h | sign;
+}
+
+NVFP4_VINLINE VF F16BitsToF32(VI h) {
+  const VI sign = (h & 0x8000) << 16;
+  const VI em = h & 0x7FFF;
+  const VI normal = (em << 13) + int32_t{112 << 23};
+  const VI inf_nan = (em << 13) | int32_t{kInfBits};
+  const VI subnormal = AsVI(ToF32(em) * 5.9604644775390625e-8f);
+  VI bits = Select(em >= 0x7C00, inf_nan, normal);
+  bits = Select(em < 0x400, subnormal, bits);
+  return AsVF(bits | sign);
+}
+
+// Load, Store and Round (f32 -> T -> f32) of 16 elements of T.
+template <class T>
+struct VecIo;
+
+template <>
+struct VecIo<Bf16> {
+  static NVFP4_VINLINE VF Load(const uint16_t* p) { return AsVF(WidenU16(p) << 16); }
+  static NVFP4_VINLINE void Store(uint16_t* p, VF v) { NarrowStoreU16(p, F32ToBf16Bits(v)); }
+  static NVFP4_VINLINE VF Round(VF v) { return AsVF(F32ToBf16Bits(v) << 16); }
+};
+
+template <>
+struct VecIo<F16> {
+  static NVFP4_VINLINE VF Load(const uint16_t* p) { return F16BitsToF32(WidenU16(p)); }
+  static NVFP4_VINLINE void Store(uint16_t* p, VF v) { NarrowStoreU16(p, F32ToF16Bits(v)); }
+  static NVFP4_VINLINE VF Round(VF v) { return F16BitsToF32(F32ToF16Bits(v)); }
+};
+
+template <>
+struct VecIo<F32> {
+  static NVFP4_VINLINE VF Load(const float* p) { return LoadV<VF>(p); }
+  static NVFP4_VINLINE void Store(float* p, VF v) { StoreV(p, v); }
+  static NVFP4_VINLINE VF Round(VF v) { return v; }
+};
+
+// ---------------------------------------------------------------------------
+// RHT of one block (Rht16 of numerics.h). Stage h gives lane i, bit h of i clear,
+// v[i] + v[i ^ h], and lane i, bit h set, v[i ^ h] - v[i]: the partner plus v, or plus -v
+// (a + (-b) is a - b exactly in IEEE arithmetic, and a + b is b + a), the additions of the
+// scalar butterflies on the same operands, so the same bits.
+
+template <int H>
+NVFP4_VINLINE VF Butterfly(VF v) {
+  const VI high = ((Iota() & H) != 0) & kSignBit;
+  VF partner;
+  for (int j = 0; j < kParts; ++j) {
+    if constexpr (H >= kLanes) {
+      partner.p[j] = v.p[j ^ (H / kLanes)];
+    } else {
+      partner.p[j] = __builtin_shuffle(v.p[j], kNativeIota ^ H);
+    }
+  }
+  return partner + AsVF(AsVI(v) ^ high);
+}
+
+NVFP4_VINLINE VF Rht16V(VF v, bool inverse) {
+  VI sign_bits;
+  for (int i = 0; i < 16; ++i) {
+    sign_bits.p[i / kLanes][i % kLanes] = ((kRhtSignMask >> i) & 1u) ? kSignBit : 0;
+  }
+  if (!inverse) v = AsVF(AsVI(v) ^ sign_bits);
+  v = Butterfly<8>(Butterfly<4>(Butterfly<2>(Butterfly<1>(v))));
+  v = v * 0.25f;
+  if (inverse) v = AsVF(AsVI(v) ^ sign_bits);
   return v;
 }
 
-inline void Rht16Vec(float block[kBlock], bool inverse) {
-  // kRhtSignMask as lanes: elements 0..7, then 8..15.
-  const V8u sign_lo = {0, 0, 0, 1, 0, 1, 1, 1};
-  const V8u sign_hi = {1, 1, 1, 0, 1, 0, 1, 1};
-  V8f lo, hi;
-  __builtin_memcpy(&lo, block, sizeof(lo));
-  __builtin_memcpy(&hi, block + 8, sizeof(hi));
-  if (!inverse) lo = FlipSigns(lo, sign_lo), hi = FlipSigns(hi, sign_hi);
-  lo = Butterfly<4>(Butterfly<2>(Butterfly<1>(lo)));
-  hi = Butterfly<4>(Butterfly<2>(Butterfly<1>(hi)));
-  V8f sum = (lo + hi) * 0.25f, diff = (lo - hi) * 0.25f;
-  if (inverse) sum = FlipSigns(sum, sign_lo), diff = FlipSigns(diff, sign_hi);
-  __builtin_memcpy(block, &sum, sizeof(sum));
-  __builtin_memcpy(block + 8, &diff, sizeof(diff));
+// One block of T as f32, with the forward RHT rounded to T when kRht.
+template <class T, bool kRht>
+NVFP4_VINLINE VF LoadBlockV(const typename T::Storage* p) {
+  VF v = VecIo<T>::Load(p);
+  if (kRht) v = VecIo<T>::Round(Rht16V(v, /*inverse=*/false));
+  return v;
 }
-#else
-// Without 8-lane shuffles the vector form is scalarized badly: the scalar butterflies win.
-inline void Rht16Vec(float block[kBlock], bool inverse) { Rht16(block, inverse); }
-#endif
 
-// 16 elements of T -> f32, with the forward RHT (rounded to T, docs/NUMERICS.md section 5) when
-// rht is set.
-template <class T>
-inline void LoadBlockCpu(const typename T::Storage* p, bool rht, float v[kBlock]) {
-  NVFP4_SIMD_LOOP
-  for (int i = 0; i < kBlock; ++i) v[i] = T::Load(p[i]);
-  if (rht) {
-    Rht16Vec(v, /*inverse=*/false);
-    NVFP4_SIMD_LOOP
-    for (int i = 0; i < kBlock; ++i) v[i] = RoundTo<T>(v[i]);
+// ---------------------------------------------------------------------------
+// Lane k of the result: the maximum of the 16 lanes of b[k]. The parts of each block are
+// folded into one native vector; then each level merges pairs of vectors into one that
+// holds half as many partial maxima of twice as many blocks, in block order.
+
+NVFP4_VINLINE NI MaxN(NI a, NI b) { return a > b ? a : b; }
+
+// x and y hold blocks of P partial maxima each (kLanes / P blocks); the result holds
+// x's blocks then y's, P / 2 partials each.
+template <int P>
+NVFP4_VINLINE NI MergeLevel(NI x, NI y) {
+  constexpr int kBlocks = kLanes / P;
+  const NI out_block = kNativeIota / (P / 2), within = kNativeIota % (P / 2);
+  const NI first = (out_block % kBlocks) * P + within + (out_block / kBlocks) * kLanes;
+  return MaxN(__builtin_shuffle(x, y, first), __builtin_shuffle(x, y, first + P / 2));
+}
+
+template <int P>
+NVFP4_VINLINE void MergeAll(NI* m, int n) {
+  if constexpr (P > 1) {
+    for (int j = 0; j < n / 2; ++j) m[j] = MergeLevel<P>(m[2 * j], m[2 * j + 1]);
+    MergeAll<P / 2>(m, n / 2);
   }
 }
 
-// Random words for `blocks` consecutive blocks from flat element n0: 4 per block. One
-// loop over counters, no branches: the threefry rounds vectorize across counters.
-// `counter_offset` is added to every counter (a shard's global element offset / 8).
-void FillRandomWords(uint32_t k0, uint32_t k1, uint64_t counter_offset, int64_t n0, int64_t blocks,
-                     uint32_t* words) {
-  const uint64_t j0 = counter_offset + (static_cast<uint64_t>(n0) >> 3);
-  for (int64_t c = 0; c < 2 * blocks; ++c) {
-    const uint64_t j = j0 + static_cast<uint64_t>(c);
-    uint32_t x0 = static_cast<uint32_t>(j >> 32), x1 = static_cast<uint32_t>(j);
-    Threefry2x32(k0, k1, x0, x1);
-    words[2 * c] = x0;
-    words[2 * c + 1] = x1;
+NVFP4_VINLINE VI Max16x16(const VI b[16]) {
+  NI m[16];
+  for (int k = 0; k < 16; ++k) {
+    m[k] = b[k].p[0];
+    for (int j = 1; j < kParts; ++j) m[k] = MaxN(m[k], b[k].p[j]);
   }
+  MergeAll<kLanes>(m, 16);
+  VI r;
+  for (int j = 0; j < kParts; ++j) r.p[j] = m[j];
+  return r;
 }
 
-// Max |x| bits of each 16x16 tile of the 16 rows starting at x (post-RHT when asked).
-template <class T>
-void TileAmaxBits(const typename T::Storage* x, const QuantizeJob& job, uint32_t* tile) {
-  for (int64_t b = 0; b < job.blocks(); ++b) tile[b] = 0;
-  for (int r = 0; r < kBlock; ++r) {
-    const typename T::Storage* row = x + r * job.cols;
-    for (int64_t b = 0; b < job.blocks(); ++b) {
-      float v[kBlock];
-      LoadBlockCpu<T>(row + b * kBlock, job.rht, v);
-      tile[b] = MaxU32(tile[b], MaxAbsBits16(v));
+NVFP4_VINLINE uint32_t HorizontalMax(VI v) {
+  int32_t m = 0;
+  for (int i = 0; i < 16; ++i) m = Lane(v, i) > m ? Lane(v, i) : m;
+  return static_cast<uint32_t>(m);
+}
+
+// ---------------------------------------------------------------------------
+// Scales of 16 blocks at once (BlockScale, BlockEncode, F32ToE4m3, E4m3ToF32).
+
+NVFP4_VINLINE VF MinNanV(VF a, float b) { return Select((a < b) | (a != a), a, SplatF(b)); }
+
+NVFP4_VINLINE VI F32ToE4m3V(VF v) {
+  const VI subnormal = AsVI(v + 16384.0f) - 0x46800000;
+  const VI x = AsVI(v);
+  const VI normal = Srl(x + 0x7FFFF + (Srl(x, 20) & 1), 20) - int32_t{120 << 3};
+  const VI code = Select(v < 0.015625f, subnormal, normal);
+  return Select(v != v, SplatI(kE4m3Nan), code);
+}
+
+NVFP4_VINLINE VF E4m3ToF32V(VI c) {
+  const VI e = Srl(c, 3) & 0xF;
+  const VI m = c & 7;
+  const VI subnormal = AsVI(ToF32(m) * 0.001953125f);
+  const VI normal = ((e + 120) << 23) | (m << 20);
+  VI mag = Select(e == 0, subnormal, normal);
+  mag = Select((c & 0x7F) == 0x7F, SplatI(kNanBits), mag);
+  return AsVF(mag | ((c & 0x80) << 24));
+}
+
+// Block amax (as f32) -> E4M3 scale codes.
+NVFP4_VINLINE VI BlockScalesV(VF block_amax, const GlobalScale& g) {
+  return F32ToE4m3V(MinNanV(block_amax * g.enc_rcp6, kE4m3Max));
+}
+
+// Scale codes -> encode factors min(1 / (f32(s) * S_dec), FLT_MAX).
+NVFP4_VINLINE VF BlockEncodeV(VI scale, const GlobalScale& g) {
+  return MinNanV(1.0f / (E4m3ToF32V(scale) * g.dec), kFltMax);
+}
+
+// ---------------------------------------------------------------------------
+// E2M1 codes of 16 values (E2m1Rn, E2m1Sr).
+//
+// Neither gives code 0 for a NaN y as the scalar functions do: y = x * enc is NaN only
+// when x is, and then the handler replaces every code of the tensor (section 8).
+
+// Below 2 the E2M1 grid is the multiples of 0.5, whose codes count them: the f32 adder
+// rounds |y| + 2^22 to a multiple of 0.5 (ties to even), and its low bits are the code.
+// On [1, 2) this is what the scalar function's rounding of the mantissa gives, which runs
+// here from 2 up.
+NVFP4_VINLINE VI E2m1RnV(VF y) {
+  const VI bits = AsVI(y);
+  const VI a = bits & 0x7FFFFFFF;
+  const VI small = AsVI(AsVF(a) + 4194304.0f) - 0x4A800000;
+  const VI big = Srl(a + 0x1FFFFF + (Srl(a, 22) & 1), 22) - int32_t{kOneTop - 2u};
+  const VI code = MinI(Select(a < 0x40000000, small, big), SplatI(7));
+  return code | (Srl(bits, 28) & 8);
+}
+
+NVFP4_VINLINE VI E2m1SrV(VF y, VI random_bytes) {
+  const VI bits = AsVI(y);
+  const VI a = bits & 0x7FFFFFFF;
+  const VF u = ToF32(random_bytes) * 0.00390625f;
+  VF step = Select(a < 0x40800000, SplatF(1.0f), SplatF(2.0f));
+  step = Select(a < 0x40000000, SplatF(0.5f), step);
+  const VI t = AsVI(AsVF(a) + u * step);
+  const VI small = -(t >= 0x3F000000);
+  const VI big = Srl(t, 22) - int32_t{kOneTop - 2u};
+  const VI code = MinI(Select(t < int32_t{kOneBits}, small, big), SplatI(7));
+  return code | (Srl(bits, 28) & 8);
+}
+
+// ---------------------------------------------------------------------------
+// Threefry2x32 of 16 counters at once, and the SR random bytes of a group.
+
+NVFP4_VINLINE void RoundsV(VI& x0, VI& x1, int r0, int r1, int r2, int r3) {
+  x0 = x0 + x1, x1 = RotL(x1, r0) ^ x0;
+  x0 = x0 + x1, x1 = RotL(x1, r1) ^ x0;
+  x0 = x0 + x1, x1 = RotL(x1, r2) ^ x0;
+  x0 = x0 + x1, x1 = RotL(x1, r3) ^ x0;
+}
+
+NVFP4_VINLINE void Threefry16(uint32_t k0, uint32_t k1, VI& x0, VI& x1) {
+  const auto w = [](uint32_t u) { return static_cast<int32_t>(u); };
+  const uint32_t k2 = k0 ^ k1 ^ 0x1BD11BDAu;
+  x0 = x0 + w(k0), x1 = x1 + w(k1);
+  RoundsV(x0, x1, 13, 15, 26, 6);
+  x0 = x0 + w(k1), x1 = x1 + w(k2 + 1u);
+  RoundsV(x0, x1, 17, 29, 16, 24);
+  x0 = x0 + w(k2), x1 = x1 + w(k0 + 2u);
+  RoundsV(x0, x1, 13, 15, 26, 6);
+  x0 = x0 + w(k0), x1 = x1 + w(k1 + 3u);
+  RoundsV(x0, x1, 17, 29, 16, 24);
+  x0 = x0 + w(k1), x1 = x1 + w(k2 + 4u);
+  RoundsV(x0, x1, 13, 15, 26, 6);
+  x0 = x0 + w(k2), x1 = x1 + w(k0 + 5u);
+}
+
+// The random words of the 16 blocks from flat block index block0 (RandomWords16 of each):
+// block k's 16 bytes are words 4k..4k+3 (counters 2 * block + 0 and 1, each w0 then w1).
+NVFP4_VINLINE void GroupRandomWords(const QuantizeJob& job, int64_t block0, uint32_t words[64]) {
+  const uint64_t j0 = job.counter_offset + 2 * static_cast<uint64_t>(block0);
+  const VI lo0 = SplatI(static_cast<int32_t>(static_cast<uint32_t>(j0)));
+  const VI hi0 = SplatI(static_cast<int32_t>(static_cast<uint32_t>(j0 >> 32)));
+  // Interleaving masks: (x0[c], x1[c]) pairs of the first and second half of a part.
+  const NI first = kNativeIota / 2 + (kNativeIota % 2) * kLanes;
+  const NI second = first + kLanes / 2;
+  for (int h = 0; h < 2; ++h) {
+    const VI lo = lo0 + (Iota() + 16 * h);
+    VI x0 = hi0 - LtU(lo, lo0), x1 = lo;  // a wrapped low word carries into the high one
+    Threefry16(job.k0, job.k1, x0, x1);
+    for (int j = 0; j < kParts; ++j) {
+      uint32_t* out = words + 32 * h + 2 * kLanes * j;
+      StoreV(out, __builtin_shuffle(x0.p[j], x1.p[j], first));
+      StoreV(out + kLanes, __builtin_shuffle(x0.p[j], x1.p[j], second));
     }
   }
 }
 
-// Writes packed codes and the E4M3 scale of one block.
+// ---------------------------------------------------------------------------
+// Quantizing a group of 16 blocks: where its results go.
+
+// Packed codes and scales (quantize).
 struct CodeSink {
-  static void Put(const QuantizeJob& job, int64_t block, uint32_t scale,
-                  const uint8_t q[kBlock / 2]) {
-    uint8_t* codes = job.codes + block * (kBlock / 2);
-    for (int i = 0; i < kBlock / 2; ++i) codes[i] = q[i];
-    job.scales[block] = static_cast<uint8_t>(scale);
+  uint8_t* codes;   // 16 blocks x 8 bytes
+  uint8_t* scales;  // 16 bytes
+
+  static CodeSink At(const QuantizeJob& job, int64_t block0) {
+    return {job.codes + 8 * block0, job.scales + block0};
   }
+  NVFP4_VINLINE void Scales(const QuantizeJob&, VI scale) { NarrowStoreU8(scales, scale); }
+  NVFP4_VINLINE void Block(int k, VI code) { PackCodes(codes + 8 * k, code); }
+
+  // Outputs of a partial group, copied out by Flush.
+  struct Local {
+    uint8_t codes[8 * kGroup];
+    uint8_t scales[kGroup];
+    CodeSink Sink() { return {codes, scales}; }
+    void Flush(const QuantizeJob& job, int64_t block0, int n) const {
+      __builtin_memcpy(job.codes + 8 * block0, codes, 8 * n);
+      __builtin_memcpy(job.scales + block0, scales, n);
+    }
+  };
 };
 
-// Writes the dequantized values of one block in dtype U (fake quantization).
+// Dequantized values in dtype U (fake quantize): value(code) * factor, the factor
+// f32(s_b) * D, or f32(s_b) alone.
 template <class U>
 struct ValueSink {
-  static void Put(const QuantizeJob& job, int64_t block, uint32_t scale,
-                  const uint8_t q[kBlock / 2]) {
-    const float s = E4m3ToF32(scale);
-    float v[kBlock];
-    DecodeBlock(q, job.use_global ? s * job.global : s, v);
-    StoreBlock<U>(v, static_cast<typename U::Storage*>(job.values) + block * kBlock);
+  using S = typename U::Storage;
+  S* values;  // 16 blocks x 16
+  float factor[kGroup];
+
+  static ValueSink At(const QuantizeJob& job, int64_t block0) {
+    return {static_cast<S*>(job.values) + kBlock * block0, {}};
   }
+  NVFP4_VINLINE void Scales(const QuantizeJob& job, VI scale) {
+    const VF s = E4m3ToF32V(scale);
+    StoreV(factor, job.use_global ? s * job.global : s);
+  }
+  NVFP4_VINLINE void Block(int k, VI code) {
+    VecIo<U>::Store(values + kBlock * k, E2m1Value(code) * factor[k]);
+  }
+
+  struct Local {
+    S values[kBlock * kGroup];
+    ValueSink Sink() { return {values, {}}; }
+    void Flush(const QuantizeJob& job, int64_t block0, int n) const {
+      __builtin_memcpy(static_cast<S*>(job.values) + kBlock * block0, values,
+                       sizeof(S) * kBlock * n);
+    }
+  };
 };
 
-// Quantizes one row, handing each block to Sink; returns the max |x| bits seen.
-template <class T, class Sink>
-uint32_t QuantizeRow(const QuantizeJob& job, int64_t row, const uint32_t* tile, uint32_t* words) {
-  const auto* x = static_cast<const typename T::Storage*>(job.x) + row * job.cols;
-  if (job.sr) {
-    FillRandomWords(job.k0, job.k1, job.counter_offset, row * job.cols, job.blocks(), words);
+// The n < 16 blocks at x, zero-padded to a group in buf.
+template <class S>
+const S* PadGroup(const S* x, int n, S* buf) {
+  for (int i = 0; i < kBlock * kGroup; ++i) buf[i] = i < kBlock * n ? x[i] : S{};
+  return buf;
+}
+
+// Max |x| bits of each of the 16 blocks at x (post-RHT when kRht).
+template <class T, bool kRht>
+__attribute__((noinline)) VI GroupAmaxBits(const typename T::Storage* x) {
+  VI bits[kGroup];
+NVFP4_GROUP_UNROLL
+  for (int k = 0; k < kGroup; ++k) {
+    bits[k] = AsVI(LoadBlockV<T, kRht>(x + kBlock * k)) & 0x7FFFFFFF;
   }
-  uint32_t seen = 0;
-  for (int64_t b = 0; b < job.blocks(); ++b) {
-    float v[kBlock];
-    LoadBlockCpu<T>(x + b * kBlock, job.rht, v);
-    const uint32_t bits = MaxAbsBits16(v);
-    seen = MaxU32(seen, bits);
-    const uint32_t scale = BlockScale(AsFloat(tile ? tile[b] : bits), job.g);
-    const float enc = BlockEncode(scale, job.g);
-    uint8_t q[kBlock / 2];
-    if (job.sr) {
-      EncodeBlockSr(v, enc, words + 4 * b, q);
-    } else {
-      EncodeBlockRn(v, enc, q);
+  return Max16x16(bits);
+}
+
+// Quantizes the 16 blocks at x (flat block index block0) with the block maxima `amax`
+// (16x16 tiles), or their own when amax is null; returns their own maxima (or 0).
+template <class T, bool kRht, bool kSr, class Sink>
+__attribute__((noinline)) VI QuantizeGroup(const QuantizeJob& job, const typename T::Storage* x, int64_t block0,
+                               const VI* amax, Sink& sink) {
+  VF v[kGroup];
+  VI bits[kGroup];
+NVFP4_GROUP_UNROLL
+  for (int k = 0; k < kGroup; ++k) {
+    v[k] = LoadBlockV<T, kRht>(x + kBlock * k);
+    bits[k] = AsVI(v[k]) & 0x7FFFFFFF;
+  }
+  const VI own = amax ? SplatI(0) : Max16x16(bits);
+  const VI scale = BlockScalesV(AsVF(amax ? *amax : own), job.g);
+  float enc[kGroup];
+  StoreV(enc, BlockEncodeV(scale, job.g));
+  sink.Scales(job, scale);
+  uint32_t words[4 * kGroup];
+  if (kSr) GroupRandomWords(job, block0, words);
+NVFP4_GROUP_UNROLL
+  for (int k = 0; k < kGroup; ++k) {
+    const VF y = v[k] * enc[k];
+    sink.Block(k, kSr ? E2m1SrV(y, WidenU8(words + 4 * k)) : E2m1RnV(y));
+  }
+  return own;
+}
+
+// Quantizes the group of n <= 16 blocks at x: in place, or through padded copies.
+template <class T, bool kRht, bool kSr, class Sink>
+NVFP4_VINLINE VI QuantizeSome(const QuantizeJob& job, const typename T::Storage* x, int64_t block0,
+                              int n, const VI* amax) {
+  if (n == kGroup) {
+    Sink sink = Sink::At(job, block0);
+    return QuantizeGroup<T, kRht, kSr>(job, x, block0, amax, sink);
+  }
+  typename T::Storage padded[kBlock * kGroup];
+  typename Sink::Local local;
+  Sink sink = local.Sink();
+  const VI own =
+      QuantizeGroup<T, kRht, kSr>(job, PadGroup(x, n, padded), block0, amax, sink);
+  local.Flush(job, block0, n);
+  return own;
+}
+
+template <class T, class Sink, bool kRht, bool kSr>
+uint32_t QuantizeRangeT(const QuantizeJob& job, int64_t begin, int64_t end, uint32_t* scratch) {
+  using S = typename T::Storage;
+  const S* x = static_cast<const S*>(job.x);
+  const int64_t blocks = job.blocks();
+  VI seen = SplatI(0);
+  if (!job.block_2d) {
+    // 1x16 blocks: rows [begin, end) are one flat run of blocks.
+    const int64_t last = end * blocks;
+    for (int64_t b = begin * blocks; b < last; b += kGroup) {
+      const int n = last - b < kGroup ? static_cast<int>(last - b) : kGroup;
+      seen = MaxI(seen, QuantizeSome<T, kRht, kSr, Sink>(job, x + kBlock * b, b, n, nullptr));
     }
-    Sink::Put(job, row * job.blocks() + b, scale, q);
+    return HorizontalMax(seen);
   }
-  return seen;
+  // 16x16 tiles: per 16-row item, the tile maxima of each group of block columns first
+  // (into scratch), then the rows quantized with them.
+  const int64_t groups = (blocks + kGroup - 1) / kGroup;
+  for (int64_t item = begin; item < end; ++item) {
+    const int64_t row0 = item * kBlock;
+    for (int64_t gi = 0; gi < groups; ++gi) StoreV(scratch + kGroup * gi, SplatI(0));
+    for (int r = 0; r < kBlock; ++r) {
+      const S* row = x + (row0 + r) * job.cols;
+      for (int64_t gi = 0; gi < groups; ++gi) {
+        const int64_t n = blocks - kGroup * gi < kGroup ? blocks - kGroup * gi : kGroup;
+        S padded[kBlock * kGroup];
+        const S* src = row + kBlock * kGroup * gi;
+        if (n < kGroup) src = PadGroup(src, static_cast<int>(n), padded);
+        const VI tile = MaxI(LoadV<VI>(scratch + kGroup * gi), GroupAmaxBits<T, kRht>(src));
+        StoreV(scratch + kGroup * gi, tile);
+      }
+    }
+    for (int64_t gi = 0; gi < groups; ++gi) seen = MaxI(seen, LoadV<VI>(scratch + kGroup * gi));
+    for (int r = 0; r < kBlock; ++r) {
+      const S* row = x + (row0 + r) * job.cols;
+      for (int64_t gi = 0; gi < groups; ++gi) {
+        const int64_t n = blocks - kGroup * gi < kGroup ? blocks - kGroup * gi : kGroup;
+        const VI tile = LoadV<VI>(scratch + kGroup * gi);
+        QuantizeSome<T, kRht, kSr, Sink>(job, row + kBlock * kGroup * gi,
+                                         (row0 + r) * blocks + kGroup * gi, static_cast<int>(n),
+                                         &tile);
+      }
+    }
+  }
+  return HorizontalMax(seen);
 }
 
 template <class T, class Sink>
 uint32_t QuantizeRange(const QuantizeJob& job, int64_t begin, int64_t end, uint32_t* scratch) {
-  uint32_t* words = scratch;
-  uint32_t* tile = job.block_2d ? scratch + 4 * job.blocks() : nullptr;
-  uint32_t seen = 0;
-  for (int64_t item = begin; item < end; ++item) {
-    const int64_t row0 = item * job.rows_per_item();
-    if (tile) {
-      TileAmaxBits<T>(static_cast<const typename T::Storage*>(job.x) + row0 * job.cols, job, tile);
-    }
-    for (int64_t r = row0; r < row0 + job.rows_per_item(); ++r) {
-      seen = MaxU32(seen, QuantizeRow<T, Sink>(job, r, tile, words));
-    }
+  if (job.rht) {
+    return job.sr ? QuantizeRangeT<T, Sink, true, true>(job, begin, end, scratch)
+                  : QuantizeRangeT<T, Sink, true, false>(job, begin, end, scratch);
   }
-  return seen;
+  return job.sr ? QuantizeRangeT<T, Sink, false, true>(job, begin, end, scratch)
+                : QuantizeRangeT<T, Sink, false, false>(job, begin, end, scratch);
+}
+
+// ---------------------------------------------------------------------------
+// Tensor amax.
+
+// Max of the 16-bit |x| bits of n elements (n a multiple of 16): bf16 and f16 order their
+// magnitudes like unsigned integers (NaN above inf), so the maximum needs no conversion.
+uint32_t MaxAbsBits16(const uint16_t* p, int64_t n) {
+  constexpr int kW = 2 * kLanes;  // u16 lanes per native vector
+  const NW abs_mask = NW{} + uint16_t{0x7FFF};
+  NW m0{}, m1{}, m2{}, m3{};
+  int64_t i = 0;
+  for (; i + 4 * kW <= n; i += 4 * kW) {
+    const NW a0 = LoadV<NW>(p + i) & abs_mask, a1 = LoadV<NW>(p + i + kW) & abs_mask;
+    const NW a2 = LoadV<NW>(p + i + 2 * kW) & abs_mask;
+    const NW a3 = LoadV<NW>(p + i + 3 * kW) & abs_mask;
+    m0 = a0 > m0 ? a0 : m0;
+    m1 = a1 > m1 ? a1 : m1;
+    m2 = a2 > m2 ? a2 : m2;
+    m3 = a3 > m3 ? a3 : m3;
+  }
+  for (; i + kW <= n; i += kW) {
+    const NW a = LoadV<NW>(p + i) & abs_mask;
+    m0 = a > m0 ? a : m0;
+  }
+  m0 = m1 > m0 ? m1 : m0;
+  m2 = m3 > m2 ? m3 : m2;
+  m0 = m2 > m0 ? m2 : m0;
+  uint32_t m = 0;
+  for (int k = 0; k < kW; ++k) m = m0[k] > m ? m0[k] : m;
+  for (; i < n; ++i) {
+    const uint32_t a = p[i] & 0x7FFFu;
+    m = a > m ? a : m;
+  }
+  return m;
+}
+
+template <class T, bool kRht>
+uint32_t AmaxRangeT(const typename T::Storage* x, int64_t n) {
+  if constexpr (!kRht && sizeof(typename T::Storage) == 2) {
+    const uint32_t m = MaxAbsBits16(reinterpret_cast<const uint16_t*>(x), n);
+    return AsBits(T::Load(static_cast<typename T::Storage>(m)));
+  }
+  VI m0 = SplatI(0), m1 = SplatI(0);
+  int64_t i = 0;
+  for (; i + 2 * kBlock <= n; i += 2 * kBlock) {
+    m0 = MaxI(m0, AsVI(LoadBlockV<T, kRht>(x + i)) & 0x7FFFFFFF);
+    m1 = MaxI(m1, AsVI(LoadBlockV<T, kRht>(x + i + kBlock)) & 0x7FFFFFFF);
+  }
+  if (i < n) m0 = MaxI(m0, AsVI(LoadBlockV<T, kRht>(x + i)) & 0x7FFFFFFF);
+  return HorizontalMax(MaxI(m0, m1));
 }
 
 template <class T>
 uint32_t AmaxRange(const void* xv, int64_t cols, bool rht, int64_t begin, int64_t end) {
-  const auto* x = static_cast<const typename T::Storage*>(xv);
-  uint32_t seen = 0;
-  for (int64_t i = begin * cols; i < end * cols; i += kBlock) {
-    float v[kBlock];
-    LoadBlockCpu<T>(x + i, rht, v);
-    seen = MaxU32(seen, MaxAbsBits16(v));
+  const auto* x = static_cast<const typename T::Storage*>(xv) + begin * cols;
+  const int64_t n = (end - begin) * cols;
+  return rht ? AmaxRangeT<T, true>(x, n) : AmaxRangeT<T, false>(x, n);
+}
+
+// ---------------------------------------------------------------------------
+// Dequantize: value(code) * (f32(s_b) * D), the inverse RHT when asked, cast to U.
+
+template <class U, bool kRht>
+NVFP4_VINLINE void DequantizeBlock(const DequantizeJob& job, int64_t block, float factor,
+                                   typename U::Storage* out) {
+  VF v = E2m1Value(CodeNibbles(job.codes + (kBlock / 2) * block)) * factor;
+  if (kRht) v = Rht16V(v, /*inverse=*/true);
+  VecIo<U>::Store(out + kBlock * block, v);
+}
+
+template <class U, bool kRht>
+void DequantizeRangeT(const DequantizeJob& job, int64_t begin, int64_t end) {
+  auto* out = static_cast<typename U::Storage*>(job.out);
+  const int64_t last = end * job.cols / kBlock;
+  for (int64_t b = begin * job.cols / kBlock; b < last; b += kGroup) {
+    float factor[kGroup];
+    if (last - b >= kGroup) {
+      StoreV(factor, E4m3ToF32V(WidenU8(job.scales + b)) * job.global);
+NVFP4_GROUP_UNROLL
+      for (int k = 0; k < kGroup; ++k) DequantizeBlock<U, kRht>(job, b + k, factor[k], out);
+    } else {
+      const int n = static_cast<int>(last - b);
+      uint8_t scales[kGroup] = {};
+      __builtin_memcpy(scales, job.scales + b, n);
+      StoreV(factor, E4m3ToF32V(WidenU8(scales)) * job.global);
+      for (int k = 0; k < n; ++k) DequantizeBlock<U, kRht>(job, b + k, factor[k], out);
+    }
   }
-  return seen;
 }
 
 template <class U>
 void DequantizeRange(const DequantizeJob& job, int64_t begin, int64_t end) {
-  auto* out = static_cast<typename U::Storage*>(job.out);
-  for (int64_t b = begin * job.cols / kBlock; b < end * job.cols / kBlock; ++b) {
-    float v[kBlock];
-    DecodeBlock(job.codes + b * (kBlock / 2), E4m3ToF32(job.scales[b]) * job.global, v);
-    if (job.rht) Rht16Vec(v, /*inverse=*/true);
-    StoreBlock<U>(v, out + b * kBlock);
+  if (job.rht) {
+    DequantizeRangeT<U, true>(job, begin, end);
+  } else {
+    DequantizeRangeT<U, false>(job, begin, end);
   }
 }
+
+// ---------------------------------------------------------------------------
+// The RHT op.
 
 template <class T>
 void RhtRange(const void* xv, void* outv, int64_t cols, bool inverse, int64_t begin, int64_t end) {
   const auto* x = static_cast<const typename T::Storage*>(xv);
   auto* out = static_cast<typename T::Storage*>(outv);
   for (int64_t i = begin * cols; i < end * cols; i += kBlock) {
-    float v[kBlock];
-    NVFP4_SIMD_LOOP
-    for (int k = 0; k < kBlock; ++k) v[k] = T::Load(x[i + k]);
-    Rht16Vec(v, inverse);
-    StoreBlock<T>(v, out + i);
+    VecIo<T>::Store(out + i, Rht16V(VecIo<T>::Load(x + i), inverse));
   }
 }
 
