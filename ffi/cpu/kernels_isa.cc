@@ -140,9 +140,129 @@ NVFP4_VINLINE VF LoadBlockV(const typename T::Storage* p) {
 }
 
 // ---------------------------------------------------------------------------
-// Lane k of the result: the maximum of the 16 lanes of b[k]. The parts of each block are
-// folded into one native vector; then each level merges pairs of vectors into one that
-// holds half as many partial maxima of twice as many blocks, in block order.
+// Pairs of blocks. Two consecutive blocks A, B are held as two vectors E and O: lanes 0-7
+// of E are A's even elements (0, 2, ..., 14), lanes 8-15 B's; O holds the odd ones. For
+// 16-bit types that is what a shift and a mask of 32 loaded elements give; packed codes
+// are then E's code | O's code << 4, byte by byte, and stored values one shift and OR.
+
+// (a, b) the 32 elements in order -> (e, o); and back.
+NVFP4_VINLINE void Deinterleave(const VF& a, const VF& b, VF& e, VF& o) {
+  NF src[2 * kParts];
+  for (int j = 0; j < kParts; ++j) src[j] = a.p[j], src[kParts + j] = b.p[j];
+  for (int j = 0; j < kParts; ++j) {
+    e.p[j] = __builtin_shuffle(src[2 * j], src[2 * j + 1], kNativeIota * 2);
+    o.p[j] = __builtin_shuffle(src[2 * j], src[2 * j + 1], kNativeIota * 2 + 1);
+  }
+}
+
+NVFP4_VINLINE void Interleave(const VF& e, const VF& o, VF& a, VF& b) {
+  const NI first = kNativeIota / 2 + (kNativeIota % 2) * kLanes;
+  const NI second = first + kLanes / 2;
+  NF dst[2 * kParts];
+  for (int j = 0; j < kParts; ++j) {
+    dst[2 * j] = __builtin_shuffle(e.p[j], o.p[j], first);
+    dst[2 * j + 1] = __builtin_shuffle(e.p[j], o.p[j], second);
+  }
+  for (int j = 0; j < kParts; ++j) a.p[j] = dst[j], b.p[j] = dst[kParts + j];
+}
+
+// Load, Round (f32 -> T -> f32) and Store of a pair of T. StoreFinite may assume finite
+// values (it skips the quiet-NaN select of the bf16 rounding).
+template <class T>
+struct PairIo;
+
+template <>
+struct PairIo<Bf16> {
+  static NVFP4_VINLINE void Load(const uint16_t* p, VF& e, VF& o) {
+    const VI x = LoadV<VI>(p);
+    e = AsVF(x << 16);
+    o = AsVF(x & int32_t(0xFFFF0000u));
+  }
+  static NVFP4_VINLINE VF Round(VF v) { return VecIo<Bf16>::Round(v); }
+  static NVFP4_VINLINE void Store(uint16_t* p, VF e, VF o) {
+    StoreV(p, F32ToBf16Bits(e) | (F32ToBf16Bits(o) << 16));
+  }
+  static NVFP4_VINLINE void StoreFinite(uint16_t* p, VF e, VF o) {
+    const VI x = AsVI(e), y = AsVI(o);
+    const VI re = x + 0x7FFF + (Srl(x, 16) & 1), ro = y + 0x7FFF + (Srl(y, 16) & 1);
+    StoreV(p, Srl(re, 16) | (ro & int32_t(0xFFFF0000u)));
+  }
+};
+
+template <>
+struct PairIo<F16> {
+  static NVFP4_VINLINE void Load(const uint16_t* p, VF& e, VF& o) {
+    const VI x = LoadV<VI>(p);
+    e = F16BitsToF32(x & 0xFFFF);
+    o = F16BitsToF32(Srl(x, 16));
+  }
+  static NVFP4_VINLINE VF Round(VF v) { return VecIo<F16>::Round(v); }
+  static NVFP4_VINLINE void Store(uint16_t* p, VF e, VF o) {
+    StoreV(p, F32ToF16Bits(e) | (F32ToF16Bits(o) << 16));
+  }
+  static NVFP4_VINLINE void StoreFinite(uint16_t* p, VF e, VF o) { Store(p, e, o); }
+};
+
+template <>
+struct PairIo<F32> {
+  static NVFP4_VINLINE void Load(const float* p, VF& e, VF& o) {
+    Deinterleave(LoadV<VF>(p), LoadV<VF>(p + 16), e, o);
+  }
+  static NVFP4_VINLINE VF Round(VF v) { return v; }
+  static NVFP4_VINLINE void Store(float* p, VF e, VF o) {
+    VF a, b;
+    Interleave(e, o, a, b);
+    StoreV(p, a);
+    StoreV(p + 16, b);
+  }
+  static NVFP4_VINLINE void StoreFinite(float* p, VF e, VF o) { Store(p, e, o); }
+};
+
+// The RHT of both blocks of a pair (Rht16 of numerics.h): its stage h = 1 adds and
+// subtracts E and O; stages h = 2, 4, 8 pair lanes l and l ^ h/2 within E and within O.
+NVFP4_VINLINE void RhtPair(VF& e, VF& o, bool inverse) {
+  VI se, so;  // the sign bits of the even and the odd elements
+  for (int i = 0; i < 16; ++i) {
+    const int l = i % 8;
+    se.p[i / kLanes][i % kLanes] = ((kRhtSignMask >> (2 * l)) & 1u) ? kSignBit : 0;
+    so.p[i / kLanes][i % kLanes] = ((kRhtSignMask >> (2 * l + 1)) & 1u) ? kSignBit : 0;
+  }
+  if (!inverse) e = AsVF(AsVI(e) ^ se), o = AsVF(AsVI(o) ^ so);
+  const VF sum = e + o, diff = e - o;
+  e = Butterfly<4>(Butterfly<2>(Butterfly<1>(sum))) * 0.25f;
+  o = Butterfly<4>(Butterfly<2>(Butterfly<1>(diff))) * 0.25f;
+  if (inverse) e = AsVF(AsVI(e) ^ se), o = AsVF(AsVI(o) ^ so);
+}
+
+// A pair of T as f32 (E, O), with the forward RHT rounded to T when kRht.
+template <class T, bool kRht>
+NVFP4_VINLINE void LoadPair(const typename T::Storage* p, VF& e, VF& o) {
+  PairIo<T>::Load(p, e, o);
+  if (kRht) {
+    RhtPair(e, o, /*inverse=*/false);
+    e = PairIo<T>::Round(e);
+    o = PairIo<T>::Round(o);
+  }
+}
+
+// Lanes 0-7 <- lane 2p of v, lanes 8-15 <- lane 2p + 1 (a block value for both halves).
+NVFP4_VINLINE VF PairBroadcast(const VF& v, int p) {
+  VF r;
+  if constexpr (kParts == 1) {
+    r.p[0] = __builtin_shuffle(v.p[0], (kNativeIota >> 3) + 2 * p);
+  } else {
+    for (int j = 0; j < kParts; ++j) {
+      const int lane = 2 * p + (j * kLanes >= 8 ? 1 : 0);
+      r.p[j] = __builtin_shuffle(v.p[lane / kLanes], NI{} + lane % kLanes);
+    }
+  }
+  return r;
+}
+
+// ---------------------------------------------------------------------------
+// Block maxima of a group: each block's lanes are folded into one native vector of partial
+// maxima; then each level merges pairs of vectors into one that holds half as many partial
+// maxima of twice as many blocks, in block order, down to one lane per block.
 
 NVFP4_VINLINE NI MaxN(NI a, NI b) { return a > b ? a : b; }
 
@@ -164,13 +284,24 @@ NVFP4_VINLINE void MergeAll(NI* m, int n) {
   }
 }
 
-NVFP4_VINLINE VI Max16x16(const VI b[16]) {
+// The block maxima (|x| bits) of the 16 blocks of 8 pairs.
+NVFP4_VINLINE VI PairMax16(const VF e[8], const VF o[8]) {
   NI m[16];
-  for (int k = 0; k < 16; ++k) {
-    m[k] = b[k].p[0];
-    for (int j = 1; j < kParts; ++j) m[k] = MaxN(m[k], b[k].p[j]);
+  int n = 0;
+  for (int p = 0; p < 8; ++p) {
+    const VI a = MaxI(AsVI(e[p]) & 0x7FFFFFFF, AsVI(o[p]) & 0x7FFFFFFF);
+    if constexpr (kLanes == 16) {
+      m[n++] = a.p[0];  // two blocks of 8 partial maxima
+    } else {
+      constexpr int kPerBlock = 8 / kLanes;  // parts per block
+      for (int h = 0; h < 2; ++h) {
+        NI b = a.p[h * kPerBlock];
+        for (int j = 1; j < kPerBlock; ++j) b = MaxN(b, a.p[h * kPerBlock + j]);
+        m[n++] = b;
+      }
+    }
   }
-  MergeAll<kLanes>(m, 16);
+  MergeAll<kLanes == 16 ? 8 : kLanes>(m, n);
   VI r;
   for (int j = 0; j < kParts; ++j) r.p[j] = m[j];
   return r;
@@ -247,6 +378,20 @@ NVFP4_VINLINE VI E2m1SrV(VF y, VI random_bytes) {
   return code | (Srl(bits, 28) & 8);
 }
 
+// E2m1Value(E2m1RnV(y)) without the code: |y| rounded to the E2M1 grid by the f32 adder,
+// |y| + M - M with M = 2^22 below 2 (spacing 0.5), 2^23 on [2, 4) (spacing 1) and 2^24
+// from 4 up (spacing 2): ties to even multiples of the spacing, which are the even codes;
+// then 6 at most, and y's sign. M's exponent is that of |y| clamped to [1, 4], plus 22.
+NVFP4_VINLINE VF E2m1RoundedRnV(VF y) {
+  const VI bits = AsVI(y);
+  const VI a = bits & 0x7FFFFFFF;
+  const VI clamped = MinI(MaxI(a, SplatI(0x3F800000)), SplatI(0x40800000));
+  const VF magic = AsVF((clamped & int32_t{kInfBits}) + int32_t{22 << 23});
+  VF q = (AsVF(a) + magic) - magic;
+  q = Select(q < 6.0f, q, SplatF(6.0f));
+  return AsVF(AsVI(q) | (bits & kSignBit));
+}
+
 // ---------------------------------------------------------------------------
 // Threefry2x32 of 16 counters at once, and the SR random bytes of a group.
 
@@ -295,7 +440,8 @@ NVFP4_VINLINE void GroupRandomWords(const QuantizeJob& job, int64_t block0, uint
 }
 
 // ---------------------------------------------------------------------------
-// Quantizing a group of 16 blocks: where its results go.
+// Quantizing a group of 16 blocks (8 pairs): where its results go. Pair(p, ...) gets the
+// scaled values y = x * enc of pair p (and, with SR, their random bytes).
 
 // Packed codes and scales (quantize).
 struct CodeSink {
@@ -306,7 +452,12 @@ struct CodeSink {
     return {job.codes + 8 * block0, job.scales + block0};
   }
   NVFP4_VINLINE void Scales(const QuantizeJob&, VI scale) { NarrowStoreU8(scales, scale); }
-  NVFP4_VINLINE void Block(int k, VI code) { PackCodes(codes + 8 * k, code); }
+  template <bool kSr>
+  NVFP4_VINLINE void Pair(int p, VF ye, VF yo, VI re, VI ro) {
+    const VI ce = kSr ? E2m1SrV(ye, re) : E2m1RnV(ye);
+    const VI co = kSr ? E2m1SrV(yo, ro) : E2m1RnV(yo);
+    NarrowStoreU8(codes + 16 * p, ce | (co << 4));
+  }
 
   // Outputs of a partial group, copied out by Flush.
   struct Local {
@@ -321,22 +472,27 @@ struct CodeSink {
 };
 
 // Dequantized values in dtype U (fake quantize): value(code) * factor, the factor
-// f32(s_b) * D, or f32(s_b) alone.
+// f32(s_b) * D, or f32(s_b) alone. For finite input every value is finite (|value| <= A),
+// and non-finite input has the handler overwrite them all.
 template <class U>
 struct ValueSink {
   using S = typename U::Storage;
   S* values;  // 16 blocks x 16
-  float factor[kGroup];
+  VF factor;
 
   static ValueSink At(const QuantizeJob& job, int64_t block0) {
     return {static_cast<S*>(job.values) + kBlock * block0, {}};
   }
   NVFP4_VINLINE void Scales(const QuantizeJob& job, VI scale) {
     const VF s = E4m3ToF32V(scale);
-    StoreV(factor, job.use_global ? s * job.global : s);
+    factor = job.use_global ? s * job.global : s;
   }
-  NVFP4_VINLINE void Block(int k, VI code) {
-    VecIo<U>::Store(values + kBlock * k, E2m1Value(code) * factor[k]);
+  template <bool kSr>
+  NVFP4_VINLINE void Pair(int p, VF ye, VF yo, VI re, VI ro) {
+    const VF f = PairBroadcast(factor, p);
+    const VF qe = kSr ? E2m1Value(E2m1SrV(ye, re)) : E2m1RoundedRnV(ye);
+    const VF qo = kSr ? E2m1Value(E2m1SrV(yo, ro)) : E2m1RoundedRnV(yo);
+    PairIo<U>::StoreFinite(values + 2 * kBlock * p, qe * f, qo * f);
   }
 
   struct Local {
@@ -356,40 +512,46 @@ const S* PadGroup(const S* x, int n, S* buf) {
   return buf;
 }
 
+// The 8 pairs of the group at x, as (E, O).
+template <class T, bool kRht>
+NVFP4_VINLINE void LoadGroup(const typename T::Storage* x, VF e[8], VF o[8]) {
+  NVFP4_GROUP_UNROLL
+  for (int p = 0; p < 8; ++p) LoadPair<T, kRht>(x + 2 * kBlock * p, e[p], o[p]);
+}
+
 // Max |x| bits of each of the 16 blocks at x (post-RHT when kRht).
 template <class T, bool kRht>
 __attribute__((noinline)) VI GroupAmaxBits(const typename T::Storage* x) {
-  VI bits[kGroup];
-NVFP4_GROUP_UNROLL
-  for (int k = 0; k < kGroup; ++k) {
-    bits[k] = AsVI(LoadBlockV<T, kRht>(x + kBlock * k)) & 0x7FFFFFFF;
-  }
-  return Max16x16(bits);
+  VF e[8], o[8];
+  LoadGroup<T, kRht>(x, e, o);
+  return PairMax16(e, o);
 }
 
 // Quantizes the 16 blocks at x (flat block index block0) with the block maxima `amax`
 // (16x16 tiles), or their own when amax is null; returns their own maxima (or 0).
 template <class T, bool kRht, bool kSr, class Sink>
-__attribute__((noinline)) VI QuantizeGroup(const QuantizeJob& job, const typename T::Storage* x, int64_t block0,
-                               const VI* amax, Sink& sink) {
-  VF v[kGroup];
-  VI bits[kGroup];
-NVFP4_GROUP_UNROLL
-  for (int k = 0; k < kGroup; ++k) {
-    v[k] = LoadBlockV<T, kRht>(x + kBlock * k);
-    bits[k] = AsVI(v[k]) & 0x7FFFFFFF;
-  }
-  const VI own = amax ? SplatI(0) : Max16x16(bits);
+__attribute__((noinline)) VI QuantizeGroup(const QuantizeJob& job, const typename T::Storage* x,
+                                           int64_t block0, const VI* amax, Sink& out) {
+  Sink sink = out;  // a local copy: its pointers cannot alias the stores
+  VF e[8], o[8];
+  LoadGroup<T, kRht>(x, e, o);
+  const VI own = amax ? SplatI(0) : PairMax16(e, o);
   const VI scale = BlockScalesV(AsVF(amax ? *amax : own), job.g);
-  float enc[kGroup];
-  StoreV(enc, BlockEncodeV(scale, job.g));
+  const VF enc = BlockEncodeV(scale, job.g);
   sink.Scales(job, scale);
   uint32_t words[4 * kGroup];
   if (kSr) GroupRandomWords(job, block0, words);
-NVFP4_GROUP_UNROLL
-  for (int k = 0; k < kGroup; ++k) {
-    const VF y = v[k] * enc[k];
-    sink.Block(k, kSr ? E2m1SrV(y, WidenU8(words + 4 * k)) : E2m1RnV(y));
+  NVFP4_GROUP_UNROLL
+  for (int p = 0; p < 8; ++p) {
+    const VF f = PairBroadcast(enc, p);
+    VI re{}, ro{};
+    if (kSr) {
+      // Pair p's 32 random bytes: 16-bit word l holds those of elements 2l and 2l + 1.
+      const VI w = WidenU16(words + 8 * p);
+      re = w & 0xFF;
+      ro = Srl(w, 8);
+    }
+    sink.template Pair<kSr>(p, e[p] * f, o[p] * f, re, ro);
   }
   return own;
 }
@@ -512,8 +674,10 @@ uint32_t AmaxRangeT(const typename T::Storage* x, int64_t n) {
   VI m0 = SplatI(0), m1 = SplatI(0);
   int64_t i = 0;
   for (; i + 2 * kBlock <= n; i += 2 * kBlock) {
-    m0 = MaxI(m0, AsVI(LoadBlockV<T, kRht>(x + i)) & 0x7FFFFFFF);
-    m1 = MaxI(m1, AsVI(LoadBlockV<T, kRht>(x + i + kBlock)) & 0x7FFFFFFF);
+    VF e, o;
+    LoadPair<T, kRht>(x + i, e, o);
+    m0 = MaxI(m0, AsVI(e) & 0x7FFFFFFF);
+    m1 = MaxI(m1, AsVI(o) & 0x7FFFFFFF);
   }
   if (i < n) m0 = MaxI(m0, AsVI(LoadBlockV<T, kRht>(x + i)) & 0x7FFFFFFF);
   return HorizontalMax(MaxI(m0, m1));
@@ -529,31 +693,39 @@ uint32_t AmaxRange(const void* xv, int64_t cols, bool rht, int64_t begin, int64_
 // ---------------------------------------------------------------------------
 // Dequantize: value(code) * (f32(s_b) * D), the inverse RHT when asked, cast to U.
 
+// 16 blocks: codes (8 bytes each) and scales at `codes` and `scales`, values to out.
 template <class U, bool kRht>
-NVFP4_VINLINE void DequantizeBlock(const DequantizeJob& job, int64_t block, float factor,
+NVFP4_VINLINE void DequantizeGroup(const uint8_t* codes, const uint8_t* scales, float global,
                                    typename U::Storage* out) {
-  VF v = E2m1Value(CodeNibbles(job.codes + (kBlock / 2) * block)) * factor;
-  if (kRht) v = Rht16V(v, /*inverse=*/true);
-  VecIo<U>::Store(out + kBlock * block, v);
+  const VF factor = E4m3ToF32V(WidenU8(scales)) * global;
+  NVFP4_GROUP_UNROLL
+  for (int p = 0; p < 8; ++p) {
+    // Byte l of the pair's 16 code bytes: element 2l in its low nibble, 2l + 1 high.
+    const VI b = WidenU8(codes + 16 * p);
+    const VF f = PairBroadcast(factor, p);
+    VF e = E2m1Value(b) * f, o = E2m1Value(Srl(b, 4)) * f;
+    if (kRht) RhtPair(e, o, /*inverse=*/true);
+    PairIo<U>::Store(out + 2 * kBlock * p, e, o);
+  }
 }
 
 template <class U, bool kRht>
 void DequantizeRangeT(const DequantizeJob& job, int64_t begin, int64_t end) {
-  auto* out = static_cast<typename U::Storage*>(job.out);
+  using S = typename U::Storage;
+  S* out = static_cast<S*>(job.out);
   const int64_t last = end * job.cols / kBlock;
-  for (int64_t b = begin * job.cols / kBlock; b < last; b += kGroup) {
-    float factor[kGroup];
-    if (last - b >= kGroup) {
-      StoreV(factor, E4m3ToF32V(WidenU8(job.scales + b)) * job.global);
-NVFP4_GROUP_UNROLL
-      for (int k = 0; k < kGroup; ++k) DequantizeBlock<U, kRht>(job, b + k, factor[k], out);
-    } else {
-      const int n = static_cast<int>(last - b);
-      uint8_t scales[kGroup] = {};
-      __builtin_memcpy(scales, job.scales + b, n);
-      StoreV(factor, E4m3ToF32V(WidenU8(scales)) * job.global);
-      for (int k = 0; k < n; ++k) DequantizeBlock<U, kRht>(job, b + k, factor[k], out);
-    }
+  int64_t b = begin * job.cols / kBlock;
+  for (; b + kGroup <= last; b += kGroup) {
+    DequantizeGroup<U, kRht>(job.codes + 8 * b, job.scales + b, job.global, out + kBlock * b);
+  }
+  if (b < last) {  // a partial group: through zero-padded copies
+    const int n = static_cast<int>(last - b);
+    uint8_t codes[8 * kGroup] = {}, scales[kGroup] = {};
+    S values[kBlock * kGroup];
+    __builtin_memcpy(codes, job.codes + 8 * b, 8 * n);
+    __builtin_memcpy(scales, job.scales + b, n);
+    DequantizeGroup<U, kRht>(codes, scales, job.global, values);
+    __builtin_memcpy(out + kBlock * b, values, sizeof(S) * kBlock * n);
   }
 }
 
