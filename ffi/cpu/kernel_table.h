@@ -34,8 +34,8 @@ struct QuantizeJob {
 
   int64_t blocks() const { return cols / kBlock; }
   int64_t rows_per_item() const { return block_2d ? kBlock : 1; }
-  // Scratch words a worker needs: the 16x16 tile maxima of a row, in whole groups of 16.
-  int64_t scratch_words() const { return 16 * ((blocks() + 15) / 16); }
+  // Scratch words a worker needs: the 16x16 tile maxima of a row of tiles.
+  int64_t scratch_words() const { return blocks(); }
 };
 
 struct DequantizeJob {

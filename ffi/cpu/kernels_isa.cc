@@ -508,7 +508,8 @@ struct ValueSink {
 // The n < 16 blocks at x, zero-padded to a group in buf.
 template <class S>
 const S* PadGroup(const S* x, int n, S* buf) {
-  for (int i = 0; i < kBlock * kGroup; ++i) buf[i] = i < kBlock * n ? x[i] : S{};
+  __builtin_memcpy(buf, x, sizeof(S) * kBlock * n);
+  __builtin_memset(buf + kBlock * n, 0, sizeof(S) * kBlock * (kGroup - n));
   return buf;
 }
 
@@ -588,33 +589,28 @@ uint32_t QuantizeRangeT(const QuantizeJob& job, int64_t begin, int64_t end, uint
     }
     return HorizontalMax(seen);
   }
-  // 16x16 tiles: per 16-row item, the tile maxima of each group of block columns first
-  // (into scratch), then the rows quantized with them.
-  const int64_t groups = (blocks + kGroup - 1) / kGroup;
+  // 16x16 tiles: a 16-row item is a flat run of 16 * blocks blocks, whole groups. First
+  // the tile maxima (block column c's in scratch[c]), then the groups quantized with them.
   for (int64_t item = begin; item < end; ++item) {
-    const int64_t row0 = item * kBlock;
-    for (int64_t gi = 0; gi < groups; ++gi) StoreV(scratch + kGroup * gi, SplatI(0));
-    for (int r = 0; r < kBlock; ++r) {
-      const S* row = x + (row0 + r) * job.cols;
-      for (int64_t gi = 0; gi < groups; ++gi) {
-        const int64_t n = blocks - kGroup * gi < kGroup ? blocks - kGroup * gi : kGroup;
-        S padded[kBlock * kGroup];
-        const S* src = row + kBlock * kGroup * gi;
-        if (n < kGroup) src = PadGroup(src, static_cast<int>(n), padded);
-        const VI tile = MaxI(LoadV<VI>(scratch + kGroup * gi), GroupAmaxBits<T, kRht>(src));
-        StoreV(scratch + kGroup * gi, tile);
+    const int64_t first = item * kBlock * blocks, count = kBlock * blocks;
+    for (int64_t c = 0; c < blocks; ++c) scratch[c] = 0;
+    for (int64_t g = 0, c0 = 0; g < count; g += kGroup, c0 = (c0 + kGroup) % blocks) {
+      const VI m = GroupAmaxBits<T, kRht>(x + kBlock * (first + g));
+      for (int k = 0, c = static_cast<int>(c0); k < kGroup; ++k, c = c + 1 == blocks ? 0 : c + 1) {
+        const uint32_t bits = static_cast<uint32_t>(Lane(m, k));
+        scratch[c] = bits > scratch[c] ? bits : scratch[c];
       }
     }
-    for (int64_t gi = 0; gi < groups; ++gi) seen = MaxI(seen, LoadV<VI>(scratch + kGroup * gi));
-    for (int r = 0; r < kBlock; ++r) {
-      const S* row = x + (row0 + r) * job.cols;
-      for (int64_t gi = 0; gi < groups; ++gi) {
-        const int64_t n = blocks - kGroup * gi < kGroup ? blocks - kGroup * gi : kGroup;
-        const VI tile = LoadV<VI>(scratch + kGroup * gi);
-        QuantizeSome<T, kRht, kSr, Sink>(job, row + kBlock * kGroup * gi,
-                                         (row0 + r) * blocks + kGroup * gi, static_cast<int>(n),
-                                         &tile);
+    uint32_t item_max = 0;
+    for (int64_t c = 0; c < blocks; ++c) item_max = scratch[c] > item_max ? scratch[c] : item_max;
+    seen = MaxI(seen, SplatI(static_cast<int32_t>(item_max)));
+    for (int64_t g = 0, c0 = 0; g < count; g += kGroup, c0 = (c0 + kGroup) % blocks) {
+      uint32_t tile[kGroup];
+      for (int k = 0, c = static_cast<int>(c0); k < kGroup; ++k, c = c + 1 == blocks ? 0 : c + 1) {
+        tile[k] = scratch[c];
       }
+      const VI amax = LoadV<VI>(tile);
+      QuantizeSome<T, kRht, kSr, Sink>(job, x + kBlock * (first + g), first + g, kGroup, &amax);
     }
   }
   return HorizontalMax(seen);
