@@ -40,7 +40,7 @@ int Index(FloatType t) { return static_cast<int>(t); }
 void AdviseHugePages(void* data, int64_t bytes) {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
   constexpr uintptr_t kHuge = uintptr_t{2} << 20;
-  if (bytes < static_cast<int64_t>(4 * kHuge)) return;
+  if (bytes < static_cast<int64_t>(2 * kHuge)) return;
   const uintptr_t first = reinterpret_cast<uintptr_t>(data);
   const uintptr_t begin = (first + kHuge - 1) & ~(kHuge - 1);
   const uintptr_t end = (first + static_cast<uintptr_t>(bytes)) & ~(kHuge - 1);
@@ -116,6 +116,7 @@ ffi::Error QuantizeImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer a
   QuantizeJob job = MakeJob(x, layout, a, key, block_2d, rht, stochastic_rounding);
   job.codes = static_cast<uint8_t*>(codes->untyped_data());
   job.scales = static_cast<uint8_t*>(scales->untyped_data());
+  AdviseHugePages(job.codes, layout.size() / 2);
   // A NaN, inf or negative A gives the non-finite result without reading x.
   const bool finite = AmaxValid(a) && RunQuantize(pool, BestTable().quantize[Index(args->x)], job);
   const float stored = StoredAmax(a, finite);

@@ -356,26 +356,26 @@ NVFP4_VINLINE VF BlockEncodeV(VI scale, const GlobalScale& g) {
 // rounds |y| + 2^22 to a multiple of 0.5 (ties to even), and its low bits are the code.
 // On [1, 2) this is what the scalar function's rounding of the mantissa gives, which runs
 // here from 2 up.
+//
+// Both clamp |y| to 6 first (code 7, as every larger |y| gets), so no code exceeds 7.
 NVFP4_VINLINE VI E2m1RnV(VF y) {
   const VI bits = AsVI(y);
-  const VI a = bits & 0x7FFFFFFF;
+  const VI a = MinI(bits & 0x7FFFFFFF, SplatI(0x40C00000));
   const VI small = AsVI(AsVF(a) + 4194304.0f) - 0x4A800000;
   const VI big = Srl(a + 0x1FFFFF + (Srl(a, 22) & 1), 22) - int32_t{kOneTop - 2u};
-  const VI code = MinI(Select(a < 0x40000000, small, big), SplatI(7));
-  return code | (Srl(bits, 28) & 8);
+  return Select(a < 0x40000000, small, big) | (Srl(bits, 28) & 8);
 }
 
 NVFP4_VINLINE VI E2m1SrV(VF y, VI random_bytes) {
   const VI bits = AsVI(y);
-  const VI a = bits & 0x7FFFFFFF;
+  const VI a = MinI(bits & 0x7FFFFFFF, SplatI(0x40C00000));
   const VF u = ToF32(random_bytes) * 0.00390625f;
   VF step = Select(a < 0x40800000, SplatF(1.0f), SplatF(2.0f));
   step = Select(a < 0x40000000, SplatF(0.5f), step);
   const VI t = AsVI(AsVF(a) + u * step);
   const VI small = -(t >= 0x3F000000);
   const VI big = Srl(t, 22) - int32_t{kOneTop - 2u};
-  const VI code = MinI(Select(t < int32_t{kOneBits}, small, big), SplatI(7));
-  return code | (Srl(bits, 28) & 8);
+  return Select(t < int32_t{kOneBits}, small, big) | (Srl(bits, 28) & 8);
 }
 
 // E2m1Value(E2m1RnV(y)) without the code: |y| rounded to the E2M1 grid by the f32 adder,
@@ -596,6 +596,10 @@ uint32_t QuantizeRangeT(const QuantizeJob& job, int64_t begin, int64_t end, uint
     for (int64_t c = 0; c < blocks; ++c) scratch[c] = 0;
     for (int64_t g = 0, c0 = 0; g < count; g += kGroup, c0 = (c0 + kGroup) % blocks) {
       const VI m = GroupAmaxBits<T, kRht>(x + kBlock * (first + g));
+      if (blocks % kGroup == 0) {  // the group is 16 whole block columns
+        StoreV(scratch + c0, MaxI(LoadV<VI>(scratch + c0), m));
+        continue;
+      }
       for (int k = 0, c = static_cast<int>(c0); k < kGroup; ++k, c = c + 1 == blocks ? 0 : c + 1) {
         const uint32_t bits = static_cast<uint32_t>(Lane(m, k));
         scratch[c] = bits > scratch[c] ? bits : scratch[c];
@@ -606,8 +610,12 @@ uint32_t QuantizeRangeT(const QuantizeJob& job, int64_t begin, int64_t end, uint
     seen = MaxI(seen, SplatI(static_cast<int32_t>(item_max)));
     for (int64_t g = 0, c0 = 0; g < count; g += kGroup, c0 = (c0 + kGroup) % blocks) {
       uint32_t tile[kGroup];
-      for (int k = 0, c = static_cast<int>(c0); k < kGroup; ++k, c = c + 1 == blocks ? 0 : c + 1) {
-        tile[k] = scratch[c];
+      if (blocks % kGroup == 0) {
+        __builtin_memcpy(tile, scratch + c0, sizeof(tile));
+      } else {
+        for (int k = 0, c = static_cast<int>(c0); k < kGroup; ++k, c = c + 1 == blocks ? 0 : c + 1) {
+          tile[k] = scratch[c];
+        }
       }
       const VI amax = LoadV<VI>(tile);
       QuantizeSome<T, kRht, kSr, Sink>(job, x + kBlock * (first + g), first + g, kGroup, &amax);
