@@ -178,7 +178,15 @@ struct PairIo<Bf16> {
     e = AsVF(x << 16);
     o = AsVF(x & int32_t(0xFFFF0000u));
   }
-  static NVFP4_VINLINE VF Round(VF v) { return VecIo<Bf16>::Round(v); }
+  // RoundTo<Bf16> of the RHT of bf16 input, kept in f32: the rounding add and a mask. The
+  // quiet-NaN select of F32ToBf16 is not needed: a NaN here comes from bf16 input (low 16
+  // bits zero) through additions, which pass such a payload on or make the default NaN
+  // (low bits zero too), so the add cannot carry out of them and the NaN stays a NaN.
+  // Finite values and infinities round exactly as F32ToBf16 does.
+  static NVFP4_VINLINE VF Round(VF v) {
+    const VI x = AsVI(v);
+    return AsVF((x + 0x7FFF + (Srl(x, 16) & 1)) & int32_t(0xFFFF0000u));
+  }
   static NVFP4_VINLINE void Store(uint16_t* p, VF e, VF o) {
     StoreV(p, F32ToBf16Bits(e) | (F32ToBf16Bits(o) << 16));
   }
