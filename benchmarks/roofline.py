@@ -10,8 +10,11 @@ one), its effective bandwidth counting only the minimum bytes (the input read on
 outputs written: quantize 2 B/elem read + 0.5 B codes + 1/16 B scales; dequantize the codes
 and scales read and the values written; fake quantize the values read and written; amax the
 input read), and that bandwidth as a share of a plain copy's (read + write of the input),
-measured in the same process, interleaved round by round with the op: the faster of a
-numpy copy into a preallocated array and a jitted XLA copy counts as 100%.
+measured in the same process, interleaved round by round with the ops: the faster of a
+numpy copy into a preallocated array and a jitted XLA copy counts as 100% (each copy's
+median over the rounds of every op of the shape). Every timed call is preceded by a short
+sleep (--settle-ms), so that a multithreaded contestant's spinning thread pool does not
+run beside the next one.
 
 The last columns: the speed-up over the jitted pure-jnp reference (`implementation=
 "reference"`), and the median times of the peers where they have the op: XLA's own
@@ -219,8 +222,12 @@ def copy_contestants(x):
     return {"numpy copy": np_copy, "xla copy": _timer(jax.jit(jnp.copy), (x,))}
 
 
-def measure(case: Case, copies, *, iters: int, warmup: int, ref_iters: int, peers: bool) -> dict:
-    """Median seconds of every contestant, timed round by round in turn (interleaved)."""
+def measure(case: Case, copies, *, iters, warmup, ref_iters, peers, settle) -> dict:
+    """Seconds of every contestant per round, timed round by round in turn (interleaved).
+
+    Before each timed call the process sleeps `settle` seconds, so that the thread pool a
+    previous (multithreaded) contestant left spinning does not run beside the next one.
+    """
     timers = dict(copies)
     timers["ffi"] = _timer(case.make("ffi"), case.args)
     if ref_iters:
@@ -235,8 +242,9 @@ def measure(case: Case, copies, *, iters: int, warmup: int, ref_iters: int, peer
     for i in range(iters):
         for name, timer in timers.items():
             if name != "reference" or i < ref_iters:
+                time.sleep(settle)
                 samples[name].append(timer())
-    return {name: statistics.median(s) for name, s in samples.items()}
+    return samples
 
 
 def parse_shapes(names: str) -> list[tuple[str, tuple[int, int]]]:
@@ -309,6 +317,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--ref-iters", type=int, default=5, help="rounds that time the reference")
     parser.add_argument("--no-peers", action="store_true", help="time neither qwix nor JAX")
+    parser.add_argument("--settle-ms", type=float, default=2.0, help="sleep before each call")
     parser.add_argument("--out", help="also write the table to this file")
     args = parser.parse_args()
     if not kernels.is_available("cpu"):
@@ -319,7 +328,10 @@ def main() -> None:
         raise SystemExit(f"unknown ops {unknown}; known: {OPS}")
 
     lines = header_lines(sys.argv[1:])
-    lines.append(f"# median of {args.iters} interleaved rounds (reference: {args.ref_iters})")
+    lines.append(
+        f"# median of {args.iters} interleaved rounds (reference: {args.ref_iters}); copy: "
+        "median over the rounds of every op of the shape"
+    )
     rule = "|" + "|".join("-" * (w + 2) for _, w in COLUMNS) + "|"
     lines += [row(name for name, _ in COLUMNS), rule]
     print("\n".join(lines), flush=True)
@@ -327,16 +339,19 @@ def main() -> None:
     for name, shape in parse_shapes(args.shapes):
         x = heavy_tailed(shape, key)
         copies = copy_contestants(x)
+        measured = []
         for case in cases(x, key, ops):
             case.copy_bytes = 2 * x.nbytes
-            t = measure(
-                case,
-                copies,
-                iters=args.iters,
-                warmup=args.warmup,
-                ref_iters=args.ref_iters,
-                peers=not args.no_peers,
+            options = dict(iters=args.iters, warmup=args.warmup, ref_iters=args.ref_iters)
+            settle = args.settle_ms / 1e3
+            measured.append(
+                (case, measure(case, copies, **options, peers=not args.no_peers, settle=settle))
             )
+        # The copies are the same for every op of a shape: their samples are pooled.
+        pooled = {c: [v for _, t in measured for v in t[c]] for c in copies}
+        for case, samples in measured:
+            t = {c: statistics.median(v) for c, v in samples.items()}
+            t.update({c: statistics.median(v) for c, v in pooled.items()})
             lines.append(format_row(f"{name} {shape[0]}x{shape[1]}", case, t))
             print(lines[-1], flush=True)
     if args.out:
