@@ -12,9 +12,10 @@ and scales read and the values written; fake quantize the values read and writte
 input read), and that bandwidth as a share of a plain copy's (read + write of the input),
 measured in the same process, interleaved round by round with the ops: the faster of a
 numpy copy into a preallocated array and a jitted XLA copy counts as 100% (each copy's
-median over the rounds of every op of the shape). Every timed call is preceded by a short
-sleep (--settle-ms), so that a multithreaded contestant's spinning thread pool does not
-run beside the next one.
+median over the rounds of every op of the shape, which dilutes the rounds where a slow
+multithreaded peer left XLA's thread pool spinning beside the copy). --settle-ms sleeps
+before each timed call instead; it makes small shapes look slower (cold caches), so it is
+off by default.
 
 The last columns: the speed-up over the jitted pure-jnp reference (`implementation=
 "reference"`), and the median times of the peers where they have the op: XLA's own
@@ -225,8 +226,9 @@ def copy_contestants(x):
 def measure(case: Case, copies, *, iters, warmup, ref_iters, peers, settle) -> dict:
     """Seconds of every contestant per round, timed round by round in turn (interleaved).
 
-    Before each timed call the process sleeps `settle` seconds, so that the thread pool a
-    previous (multithreaded) contestant left spinning does not run beside the next one.
+    Before each timed call the process sleeps `settle` seconds (if not 0), so that the
+    thread pool a previous (multithreaded) contestant left spinning does not run beside
+    the next one.
     """
     timers = dict(copies)
     timers["ffi"] = _timer(case.make("ffi"), case.args)
@@ -242,7 +244,8 @@ def measure(case: Case, copies, *, iters, warmup, ref_iters, peers, settle) -> d
     for i in range(iters):
         for name, timer in timers.items():
             if name != "reference" or i < ref_iters:
-                time.sleep(settle)
+                if settle:
+                    time.sleep(settle)
                 samples[name].append(timer())
     return samples
 
@@ -317,7 +320,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--ref-iters", type=int, default=5, help="rounds that time the reference")
     parser.add_argument("--no-peers", action="store_true", help="time neither qwix nor JAX")
-    parser.add_argument("--settle-ms", type=float, default=2.0, help="sleep before each call")
+    parser.add_argument("--settle-ms", type=float, default=0.0, help="sleep before each call")
     parser.add_argument("--out", help="also write the table to this file")
     args = parser.parse_args()
     if not kernels.is_available("cpu"):
