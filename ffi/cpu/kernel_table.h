@@ -34,8 +34,8 @@ struct QuantizeJob {
 
   int64_t blocks() const { return cols / kBlock; }
   int64_t rows_per_item() const { return block_2d ? kBlock : 1; }
-  // Scratch words a worker needs: SR random words and 16x16 tile maxima.
-  int64_t scratch_words() const { return 5 * blocks(); }
+  // Scratch words a worker needs: the 16x16 tile maxima of a row of tiles.
+  int64_t scratch_words() const { return blocks(); }
 };
 
 struct DequantizeJob {

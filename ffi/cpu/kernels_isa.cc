@@ -1,8 +1,17 @@
 // CPU kernels over row ranges, compiled once per instruction set (NVFP4_ISA names it).
 //
-// Inner loops run over one 16-element block with a fixed trip count and no data-dependent
-// branches (the numerics are selects), so the compiler vectorizes them; the per-block
-// flags (RHT, SR) are uniform branches that predict perfectly.
+// The kernels work on groups of 16 consecutive blocks (256 elements), one block per
+// 16-lane vector (cpu/simd.h): the maxima of the 16 blocks come out of one transposing
+// reduction as one vector, so the scale math of docs/NUMERICS.md (E4M3 rounding, the
+// division of the encode factor) runs once per group for 16 blocks at a time; then each
+// block is encoded, packed and stored with vector instructions. 1x16 blocks are contiguous
+// in memory whatever the row length, so a 1D kernel walks its rows as one flat run of
+// blocks; only the last group of a range is partial (it runs on a zero-padded copy).
+//
+// Every vector function below is its scalar twin in numerics.h lane by lane: the same f32
+// operations in the same order (no FMA contraction: -ffp-contract=off), the same integer
+// bit arithmetic. The two exceptions are documented where they occur and give the same
+// result for every input that reaches them.
 //
 // Everything here is in the per-ISA namespace or always-inline, and nothing from the
 // standard library is used: an out-of-line copy of a shared inline function compiled
@@ -10,6 +19,7 @@
 #include <cstdint>
 
 #include "cpu/kernel_table.h"
+#include "cpu/simd.h"
 #include "nvfp4/dtypes.h"
 #include "nvfp4/numerics.h"
 
@@ -20,194 +30,735 @@
 namespace nvfp4::cpu::NVFP4_ISA {
 namespace {
 
-inline uint32_t MaxU32(uint32_t a, uint32_t b) { return a > b ? a : b; }
+constexpr int kGroup = 16;  // blocks per group
 
-#if defined(__AVX2__)
-// Rht16 of numerics.h with GCC vector extensions, the block as two halves of 8 lanes (one
-// AVX2 register each). Stage h < 8 computes, for every lane i of a half, v[i] + v[i ^ h]
-// where bit h of i is clear and v[i ^ h] - v[i] where it is set; stage 8 is lo + hi and
-// lo - hi. Those are the same additions of the same operands as the scalar butterflies, so
-// the same bits, without the scalar shuffling.
-typedef float V8f __attribute__((vector_size(32)));
-typedef int32_t V8i __attribute__((vector_size(32)));
-typedef uint32_t V8u __attribute__((vector_size(32)));
+// The loops over the 16 blocks of a group are unrolled where the vectors are wide (the
+// blocks' values then stay in registers); at the baseline's width they would only bloat.
+#if defined(NVFP4_SIMD_AVX512) || defined(NVFP4_SIMD_AVX2)
+#define NVFP4_GROUP_UNROLL _Pragma("GCC unroll 16")
+#else
+#define NVFP4_GROUP_UNROLL _Pragma("GCC unroll 1")
+#endif
+constexpr int32_t kSignBit = INT32_MIN;
 
-template <int H>
-inline V8f Butterfly(V8f v) {
-  const V8i partner_index = {0 ^ H, 1 ^ H, 2 ^ H, 3 ^ H, 4 ^ H, 5 ^ H, 6 ^ H, 7 ^ H};
-  const V8i high = {0 & H, 1 & H, 2 & H, 3 & H, 4 & H, 5 & H, 6 & H, 7 & H};
-  const V8f partner = __builtin_shuffle(v, partner_index);
-  return high != 0 ? partner - v : v + partner;
+// ---------------------------------------------------------------------------
+// Storage types <-> f32, 16 lanes (F32ToBf16, F32ToF16, F16ToF32 of numerics.h).
+
+NVFP4_VINLINE VI F32ToBf16Bits(VF f) {
+  const VI x = AsVI(f);
+  const VI rounded = Srl(x + 0x7FFF + (Srl(x, 16) & 1), 16);
+  const VI quiet_nan = Srl(x, 16) | 0x40;
+  return Select((x & 0x7FFFFFFF) > int32_t{kInfBits}, quiet_nan, rounded);
 }
 
-inline V8f FlipSigns(V8f v, V8u sign) {
-  V8u bits;
-  __builtin_memcpy(&bits, &v, sizeof(v));
-  bits ^= sign << 31;
-  __builtin_memcpy(&v, &bits, sizeof(v));
+NVFP4_VINLINE VI F32ToF16Bits(VF f) {
+  const VI x = AsVI(f);
+  const VI sign = Srl(x, 16) & 0x8000;
+  const VI a = x & 0x7FFFFFFF;
+  const VI huge = Select(a > int32_t{kInfBits}, SplatI(0x7E00), SplatI(0x7C00));
+  const VI subnormal = AsVI(AsVF(a) + 0.5f) - 0x3F000000;
+  const VI normal = Srl(a - int32_t{112 << 23} + 0xFFF + (Srl(a, 13) & 1), 13);
+  VI h = Select(a < 0x38800000, subnormal, normal);
+  h = Select(a >= 0x47800000, huge, h);
+  return h | sign;
+}
+
+NVFP4_VINLINE VF F16BitsToF32(VI h) {
+  const VI sign = (h & 0x8000) << 16;
+  const VI em = h & 0x7FFF;
+  const VI normal = (em << 13) + int32_t{112 << 23};
+  const VI inf_nan = (em << 13) | int32_t{kInfBits};
+  const VI subnormal = AsVI(ToF32(em) * 5.9604644775390625e-8f);
+  VI bits = Select(em >= 0x7C00, inf_nan, normal);
+  bits = Select(em < 0x400, subnormal, bits);
+  return AsVF(bits | sign);
+}
+
+// Load, Store and Round (f32 -> T -> f32) of 16 elements of T.
+template <class T>
+struct VecIo;
+
+template <>
+struct VecIo<Bf16> {
+  static NVFP4_VINLINE VF Load(const uint16_t* p) { return AsVF(WidenU16(p) << 16); }
+  static NVFP4_VINLINE void Store(uint16_t* p, VF v) { NarrowStoreU16(p, F32ToBf16Bits(v)); }
+  static NVFP4_VINLINE VF Round(VF v) { return AsVF(F32ToBf16Bits(v) << 16); }
+};
+
+template <>
+struct VecIo<F16> {
+  static NVFP4_VINLINE VF Load(const uint16_t* p) { return F16BitsToF32(WidenU16(p)); }
+  static NVFP4_VINLINE void Store(uint16_t* p, VF v) { NarrowStoreU16(p, F32ToF16Bits(v)); }
+  static NVFP4_VINLINE VF Round(VF v) { return F16BitsToF32(F32ToF16Bits(v)); }
+};
+
+template <>
+struct VecIo<F32> {
+  static NVFP4_VINLINE VF Load(const float* p) { return LoadV<VF>(p); }
+  static NVFP4_VINLINE void Store(float* p, VF v) { StoreV(p, v); }
+  static NVFP4_VINLINE VF Round(VF v) { return v; }
+};
+
+// ---------------------------------------------------------------------------
+// RHT of one block (Rht16 of numerics.h). Stage h gives lane i, bit h of i clear,
+// v[i] + v[i ^ h], and lane i, bit h set, v[i ^ h] - v[i]: the partner plus v, or plus -v
+// (a + (-b) is a - b exactly in IEEE arithmetic, and a + b is b + a), the additions of the
+// scalar butterflies on the same operands, so the same bits.
+
+template <int H>
+NVFP4_VINLINE VF Butterfly(VF v) {
+  const VI high = ((Iota() & H) != 0) & kSignBit;
+  VF partner;
+  for (int j = 0; j < kParts; ++j) {
+    if constexpr (H >= kLanes) {
+      partner.p[j] = v.p[j ^ (H / kLanes)];
+    } else {
+      partner.p[j] = __builtin_shuffle(v.p[j], kNativeIota ^ H);
+    }
+  }
+  return partner + AsVF(AsVI(v) ^ high);
+}
+
+NVFP4_VINLINE VF Rht16V(VF v, bool inverse) {
+  VI sign_bits;
+  for (int i = 0; i < 16; ++i) {
+    sign_bits.p[i / kLanes][i % kLanes] = ((kRhtSignMask >> i) & 1u) ? kSignBit : 0;
+  }
+  if (!inverse) v = AsVF(AsVI(v) ^ sign_bits);
+  v = Butterfly<8>(Butterfly<4>(Butterfly<2>(Butterfly<1>(v))));
+  v = v * 0.25f;
+  if (inverse) v = AsVF(AsVI(v) ^ sign_bits);
   return v;
 }
 
-inline void Rht16Vec(float block[kBlock], bool inverse) {
-  // kRhtSignMask as lanes: elements 0..7, then 8..15.
-  const V8u sign_lo = {0, 0, 0, 1, 0, 1, 1, 1};
-  const V8u sign_hi = {1, 1, 1, 0, 1, 0, 1, 1};
-  V8f lo, hi;
-  __builtin_memcpy(&lo, block, sizeof(lo));
-  __builtin_memcpy(&hi, block + 8, sizeof(hi));
-  if (!inverse) lo = FlipSigns(lo, sign_lo), hi = FlipSigns(hi, sign_hi);
-  lo = Butterfly<4>(Butterfly<2>(Butterfly<1>(lo)));
-  hi = Butterfly<4>(Butterfly<2>(Butterfly<1>(hi)));
-  V8f sum = (lo + hi) * 0.25f, diff = (lo - hi) * 0.25f;
-  if (inverse) sum = FlipSigns(sum, sign_lo), diff = FlipSigns(diff, sign_hi);
-  __builtin_memcpy(block, &sum, sizeof(sum));
-  __builtin_memcpy(block + 8, &diff, sizeof(diff));
+// One block of T as f32, with the forward RHT rounded to T when kRht.
+template <class T, bool kRht>
+NVFP4_VINLINE VF LoadBlockV(const typename T::Storage* p) {
+  VF v = VecIo<T>::Load(p);
+  if (kRht) v = VecIo<T>::Round(Rht16V(v, /*inverse=*/false));
+  return v;
 }
-#else
-// Without 8-lane shuffles the vector form is scalarized badly: the scalar butterflies win.
-inline void Rht16Vec(float block[kBlock], bool inverse) { Rht16(block, inverse); }
-#endif
 
-// 16 elements of T -> f32, with the forward RHT (rounded to T, docs/NUMERICS.md section 5) when
-// rht is set.
-template <class T>
-inline void LoadBlockCpu(const typename T::Storage* p, bool rht, float v[kBlock]) {
-  NVFP4_SIMD_LOOP
-  for (int i = 0; i < kBlock; ++i) v[i] = T::Load(p[i]);
-  if (rht) {
-    Rht16Vec(v, /*inverse=*/false);
-    NVFP4_SIMD_LOOP
-    for (int i = 0; i < kBlock; ++i) v[i] = RoundTo<T>(v[i]);
+// ---------------------------------------------------------------------------
+// Pairs of blocks. Two consecutive blocks A, B are held as two vectors E and O: lanes 0-7
+// of E are A's even elements (0, 2, ..., 14), lanes 8-15 B's; O holds the odd ones. For
+// 16-bit types that is what a shift and a mask of 32 loaded elements give; packed codes
+// are then E's code | O's code << 4, byte by byte, and stored values one shift and OR.
+
+// (a, b) the 32 elements in order -> (e, o); and back.
+NVFP4_VINLINE void Deinterleave(const VF& a, const VF& b, VF& e, VF& o) {
+  NF src[2 * kParts];
+  for (int j = 0; j < kParts; ++j) src[j] = a.p[j], src[kParts + j] = b.p[j];
+  for (int j = 0; j < kParts; ++j) {
+    e.p[j] = __builtin_shuffle(src[2 * j], src[2 * j + 1], kNativeIota * 2);
+    o.p[j] = __builtin_shuffle(src[2 * j], src[2 * j + 1], kNativeIota * 2 + 1);
   }
 }
 
-// Random words for `blocks` consecutive blocks from flat element n0: 4 per block. One
-// loop over counters, no branches: the threefry rounds vectorize across counters.
-// `counter_offset` is added to every counter (a shard's global element offset / 8).
-void FillRandomWords(uint32_t k0, uint32_t k1, uint64_t counter_offset, int64_t n0, int64_t blocks,
-                     uint32_t* words) {
-  const uint64_t j0 = counter_offset + (static_cast<uint64_t>(n0) >> 3);
-  for (int64_t c = 0; c < 2 * blocks; ++c) {
-    const uint64_t j = j0 + static_cast<uint64_t>(c);
-    uint32_t x0 = static_cast<uint32_t>(j >> 32), x1 = static_cast<uint32_t>(j);
-    Threefry2x32(k0, k1, x0, x1);
-    words[2 * c] = x0;
-    words[2 * c + 1] = x1;
+NVFP4_VINLINE void Interleave(const VF& e, const VF& o, VF& a, VF& b) {
+  const NI first = kNativeIota / 2 + (kNativeIota % 2) * kLanes;
+  const NI second = first + kLanes / 2;
+  NF dst[2 * kParts];
+  for (int j = 0; j < kParts; ++j) {
+    dst[2 * j] = __builtin_shuffle(e.p[j], o.p[j], first);
+    dst[2 * j + 1] = __builtin_shuffle(e.p[j], o.p[j], second);
+  }
+  for (int j = 0; j < kParts; ++j) a.p[j] = dst[j], b.p[j] = dst[kParts + j];
+}
+
+// Load, Round (f32 -> T -> f32) and Store of a pair of T. StoreFinite may assume finite
+// values (it skips the quiet-NaN select of the bf16 rounding).
+template <class T>
+struct PairIo;
+
+template <>
+struct PairIo<Bf16> {
+  static NVFP4_VINLINE void Load(const uint16_t* p, VF& e, VF& o) {
+    const VI x = LoadV<VI>(p);
+    e = AsVF(x << 16);
+    o = AsVF(x & int32_t(0xFFFF0000u));
+  }
+  // RoundTo<Bf16> of the RHT of bf16 input, kept in f32: the rounding add and a mask. The
+  // quiet-NaN select of F32ToBf16 is not needed: a NaN here comes from bf16 input (low 16
+  // bits zero) through additions, which pass such a payload on or make the default NaN
+  // (low bits zero too), so the add cannot carry out of them and the NaN stays a NaN.
+  // Finite values and infinities round exactly as F32ToBf16 does.
+  static NVFP4_VINLINE VF Round(VF v) {
+    const VI x = AsVI(v);
+    return AsVF((x + 0x7FFF + (Srl(x, 16) & 1)) & int32_t(0xFFFF0000u));
+  }
+  static NVFP4_VINLINE void Store(uint16_t* p, VF e, VF o) {
+    StoreV(p, F32ToBf16Bits(e) | (F32ToBf16Bits(o) << 16));
+  }
+  static NVFP4_VINLINE void StoreFinite(uint16_t* p, VF e, VF o) {
+    const VI x = AsVI(e), y = AsVI(o);
+    const VI re = x + 0x7FFF + (Srl(x, 16) & 1), ro = y + 0x7FFF + (Srl(y, 16) & 1);
+    StoreV(p, Srl(re, 16) | (ro & int32_t(0xFFFF0000u)));
+  }
+};
+
+template <>
+struct PairIo<F16> {
+  static NVFP4_VINLINE void Load(const uint16_t* p, VF& e, VF& o) {
+    const VI x = LoadV<VI>(p);
+    e = F16BitsToF32(x & 0xFFFF);
+    o = F16BitsToF32(Srl(x, 16));
+  }
+  static NVFP4_VINLINE VF Round(VF v) { return VecIo<F16>::Round(v); }
+  static NVFP4_VINLINE void Store(uint16_t* p, VF e, VF o) {
+    StoreV(p, F32ToF16Bits(e) | (F32ToF16Bits(o) << 16));
+  }
+  static NVFP4_VINLINE void StoreFinite(uint16_t* p, VF e, VF o) { Store(p, e, o); }
+};
+
+template <>
+struct PairIo<F32> {
+  static NVFP4_VINLINE void Load(const float* p, VF& e, VF& o) {
+    Deinterleave(LoadV<VF>(p), LoadV<VF>(p + 16), e, o);
+  }
+  static NVFP4_VINLINE VF Round(VF v) { return v; }
+  static NVFP4_VINLINE void Store(float* p, VF e, VF o) {
+    VF a, b;
+    Interleave(e, o, a, b);
+    StoreV(p, a);
+    StoreV(p + 16, b);
+  }
+  static NVFP4_VINLINE void StoreFinite(float* p, VF e, VF o) { Store(p, e, o); }
+};
+
+// The RHT of both blocks of a pair (Rht16 of numerics.h): its stage h = 1 adds and
+// subtracts E and O; stages h = 2, 4, 8 pair lanes l and l ^ h/2 within E and within O.
+NVFP4_VINLINE void RhtPair(VF& e, VF& o, bool inverse) {
+  VI se, so;  // the sign bits of the even and the odd elements
+  for (int i = 0; i < 16; ++i) {
+    const int l = i % 8;
+    se.p[i / kLanes][i % kLanes] = ((kRhtSignMask >> (2 * l)) & 1u) ? kSignBit : 0;
+    so.p[i / kLanes][i % kLanes] = ((kRhtSignMask >> (2 * l + 1)) & 1u) ? kSignBit : 0;
+  }
+  if (!inverse) e = AsVF(AsVI(e) ^ se), o = AsVF(AsVI(o) ^ so);
+  const VF sum = e + o, diff = e - o;
+  e = Butterfly<4>(Butterfly<2>(Butterfly<1>(sum))) * 0.25f;
+  o = Butterfly<4>(Butterfly<2>(Butterfly<1>(diff))) * 0.25f;
+  if (inverse) e = AsVF(AsVI(e) ^ se), o = AsVF(AsVI(o) ^ so);
+}
+
+// A pair of T as f32 (E, O), with the forward RHT rounded to T when kRht.
+template <class T, bool kRht>
+NVFP4_VINLINE void LoadPair(const typename T::Storage* p, VF& e, VF& o) {
+  PairIo<T>::Load(p, e, o);
+  if (kRht) {
+    RhtPair(e, o, /*inverse=*/false);
+    e = PairIo<T>::Round(e);
+    o = PairIo<T>::Round(o);
   }
 }
 
-// Max |x| bits of each 16x16 tile of the 16 rows starting at x (post-RHT when asked).
-template <class T>
-void TileAmaxBits(const typename T::Storage* x, const QuantizeJob& job, uint32_t* tile) {
-  for (int64_t b = 0; b < job.blocks(); ++b) tile[b] = 0;
-  for (int r = 0; r < kBlock; ++r) {
-    const typename T::Storage* row = x + r * job.cols;
-    for (int64_t b = 0; b < job.blocks(); ++b) {
-      float v[kBlock];
-      LoadBlockCpu<T>(row + b * kBlock, job.rht, v);
-      tile[b] = MaxU32(tile[b], MaxAbsBits16(v));
+// Lanes 0-7 <- lane 2p of v, lanes 8-15 <- lane 2p + 1 (a block value for both halves).
+NVFP4_VINLINE VF PairBroadcast(const VF& v, int p) {
+  VF r;
+  if constexpr (kParts == 1) {
+    r.p[0] = __builtin_shuffle(v.p[0], (kNativeIota >> 3) + 2 * p);
+  } else {
+    for (int j = 0; j < kParts; ++j) {
+      const int lane = 2 * p + (j * kLanes >= 8 ? 1 : 0);
+      r.p[j] = __builtin_shuffle(v.p[lane / kLanes], NI{} + lane % kLanes);
+    }
+  }
+  return r;
+}
+
+// ---------------------------------------------------------------------------
+// Block maxima of a group: each block's lanes are folded into one native vector of partial
+// maxima; then each level merges pairs of vectors into one that holds half as many partial
+// maxima of twice as many blocks, in block order, down to one lane per block.
+
+NVFP4_VINLINE NI MaxN(NI a, NI b) { return a > b ? a : b; }
+
+// x and y hold blocks of P partial maxima each (kLanes / P blocks); the result holds
+// x's blocks then y's, P / 2 partials each.
+template <int P>
+NVFP4_VINLINE NI MergeLevel(NI x, NI y) {
+  constexpr int kBlocks = kLanes / P;
+  const NI out_block = kNativeIota / (P / 2), within = kNativeIota % (P / 2);
+  const NI first = (out_block % kBlocks) * P + within + (out_block / kBlocks) * kLanes;
+  return MaxN(__builtin_shuffle(x, y, first), __builtin_shuffle(x, y, first + P / 2));
+}
+
+template <int P>
+NVFP4_VINLINE void MergeAll(NI* m, int n) {
+  if constexpr (P > 1) {
+    for (int j = 0; j < n / 2; ++j) m[j] = MergeLevel<P>(m[2 * j], m[2 * j + 1]);
+    MergeAll<P / 2>(m, n / 2);
+  }
+}
+
+// The block maxima (|x| bits) of the 16 blocks of 8 pairs.
+NVFP4_VINLINE VI PairMax16(const VF e[8], const VF o[8]) {
+  NI m[16];
+  int n = 0;
+  for (int p = 0; p < 8; ++p) {
+    const VI a = MaxI(AsVI(e[p]) & 0x7FFFFFFF, AsVI(o[p]) & 0x7FFFFFFF);
+    if constexpr (kLanes == 16) {
+      m[n++] = a.p[0];  // two blocks of 8 partial maxima
+    } else {
+      constexpr int kPerBlock = 8 / kLanes;  // parts per block
+      for (int h = 0; h < 2; ++h) {
+        NI b = a.p[h * kPerBlock];
+        for (int j = 1; j < kPerBlock; ++j) b = MaxN(b, a.p[h * kPerBlock + j]);
+        m[n++] = b;
+      }
+    }
+  }
+  MergeAll<kLanes == 16 ? 8 : kLanes>(m, n);
+  VI r;
+  for (int j = 0; j < kParts; ++j) r.p[j] = m[j];
+  return r;
+}
+
+NVFP4_VINLINE uint32_t HorizontalMax(VI v) {
+  int32_t m = 0;
+  for (int i = 0; i < 16; ++i) m = Lane(v, i) > m ? Lane(v, i) : m;
+  return static_cast<uint32_t>(m);
+}
+
+// ---------------------------------------------------------------------------
+// Scales of 16 blocks at once (BlockScale, BlockEncode, F32ToE4m3, E4m3ToF32).
+
+NVFP4_VINLINE VF MinNanV(VF a, float b) { return Select((a < b) | (a != a), a, SplatF(b)); }
+
+NVFP4_VINLINE VI F32ToE4m3V(VF v) {
+  const VI subnormal = AsVI(v + 16384.0f) - 0x46800000;
+  const VI x = AsVI(v);
+  const VI normal = Srl(x + 0x7FFFF + (Srl(x, 20) & 1), 20) - int32_t{120 << 3};
+  const VI code = Select(v < 0.015625f, subnormal, normal);
+  return Select(v != v, SplatI(kE4m3Nan), code);
+}
+
+NVFP4_VINLINE VF E4m3ToF32V(VI c) {
+  const VI e = Srl(c, 3) & 0xF;
+  const VI m = c & 7;
+  const VI subnormal = AsVI(ToF32(m) * 0.001953125f);
+  const VI normal = ((e + 120) << 23) | (m << 20);
+  VI mag = Select(e == 0, subnormal, normal);
+  mag = Select((c & 0x7F) == 0x7F, SplatI(kNanBits), mag);
+  return AsVF(mag | ((c & 0x80) << 24));
+}
+
+// Block amax (as f32) -> E4M3 scale codes.
+NVFP4_VINLINE VI BlockScalesV(VF block_amax, const GlobalScale& g) {
+  return F32ToE4m3V(MinNanV(block_amax * g.enc_rcp6, kE4m3Max));
+}
+
+// Scale codes -> encode factors min(1 / (f32(s) * S_dec), FLT_MAX).
+NVFP4_VINLINE VF BlockEncodeV(VI scale, const GlobalScale& g) {
+  return MinNanV(1.0f / (E4m3ToF32V(scale) * g.dec), kFltMax);
+}
+
+// ---------------------------------------------------------------------------
+// E2M1 codes of 16 values (E2m1Rn, E2m1Sr).
+//
+// Neither gives code 0 for a NaN y as the scalar functions do: y = x * enc is NaN only
+// when x is, and then the handler replaces every code of the tensor (section 8).
+
+// Below 2 the E2M1 grid is the multiples of 0.5, whose codes count them: the f32 adder
+// rounds |y| + 2^22 to a multiple of 0.5 (ties to even), and its low bits are the code.
+// On [1, 2) this is what the scalar function's rounding of the mantissa gives, which runs
+// here from 2 up.
+//
+// Both clamp |y| to 6 first (code 7, as every larger |y| gets), so no code exceeds 7.
+NVFP4_VINLINE VI E2m1RnV(VF y) {
+  const VI bits = AsVI(y);
+  const VI a = MinI(bits & 0x7FFFFFFF, SplatI(0x40C00000));
+  const VI small = AsVI(AsVF(a) + 4194304.0f) - 0x4A800000;
+  const VI big = Srl(a + 0x1FFFFF + (Srl(a, 22) & 1), 22) - int32_t{kOneTop - 2u};
+  return Select(a < 0x40000000, small, big) | (Srl(bits, 28) & 8);
+}
+
+NVFP4_VINLINE VI E2m1SrV(VF y, VI random_bytes) {
+  const VI bits = AsVI(y);
+  const VI a = MinI(bits & 0x7FFFFFFF, SplatI(0x40C00000));
+  const VF u = ToF32(random_bytes) * 0.00390625f;
+  VF step = Select(a < 0x40800000, SplatF(1.0f), SplatF(2.0f));
+  step = Select(a < 0x40000000, SplatF(0.5f), step);
+  const VI t = AsVI(AsVF(a) + u * step);
+  const VI small = -(t >= 0x3F000000);
+  const VI big = Srl(t, 22) - int32_t{kOneTop - 2u};
+  return Select(t < int32_t{kOneBits}, small, big) | (Srl(bits, 28) & 8);
+}
+
+// E2m1Value(E2m1RnV(y)) without the code: |y| rounded to the E2M1 grid by the f32 adder,
+// |y| + M - M with M = 2^22 below 2 (spacing 0.5), 2^23 on [2, 4) (spacing 1) and 2^24
+// from 4 up (spacing 2): ties to even multiples of the spacing, which are the even codes;
+// then 6 at most, and y's sign. M's exponent is that of |y| clamped to [1, 4], plus 22.
+NVFP4_VINLINE VF E2m1RoundedRnV(VF y) {
+  const VI bits = AsVI(y);
+  const VI a = bits & 0x7FFFFFFF;
+  const VI clamped = MinI(MaxI(a, SplatI(0x3F800000)), SplatI(0x40800000));
+  const VF magic = AsVF((clamped & int32_t{kInfBits}) + int32_t{22 << 23});
+  VF q = (AsVF(a) + magic) - magic;
+  q = Select(q < 6.0f, q, SplatF(6.0f));
+  return AsVF(AsVI(q) | (bits & kSignBit));
+}
+
+// ---------------------------------------------------------------------------
+// Threefry2x32 of 16 counters at once, and the SR random bytes of a group.
+
+NVFP4_VINLINE void RoundsV(VI& x0, VI& x1, int r0, int r1, int r2, int r3) {
+  x0 = x0 + x1, x1 = RotL(x1, r0) ^ x0;
+  x0 = x0 + x1, x1 = RotL(x1, r1) ^ x0;
+  x0 = x0 + x1, x1 = RotL(x1, r2) ^ x0;
+  x0 = x0 + x1, x1 = RotL(x1, r3) ^ x0;
+}
+
+NVFP4_VINLINE void Threefry16(uint32_t k0, uint32_t k1, VI& x0, VI& x1) {
+  const auto w = [](uint32_t u) { return static_cast<int32_t>(u); };
+  const uint32_t k2 = k0 ^ k1 ^ 0x1BD11BDAu;
+  x0 = x0 + w(k0), x1 = x1 + w(k1);
+  RoundsV(x0, x1, 13, 15, 26, 6);
+  x0 = x0 + w(k1), x1 = x1 + w(k2 + 1u);
+  RoundsV(x0, x1, 17, 29, 16, 24);
+  x0 = x0 + w(k2), x1 = x1 + w(k0 + 2u);
+  RoundsV(x0, x1, 13, 15, 26, 6);
+  x0 = x0 + w(k0), x1 = x1 + w(k1 + 3u);
+  RoundsV(x0, x1, 17, 29, 16, 24);
+  x0 = x0 + w(k1), x1 = x1 + w(k2 + 4u);
+  RoundsV(x0, x1, 13, 15, 26, 6);
+  x0 = x0 + w(k2), x1 = x1 + w(k0 + 5u);
+}
+
+// The random words of the 16 blocks from flat block index block0 (RandomWords16 of each):
+// block k's 16 bytes are words 4k..4k+3 (counters 2 * block + 0 and 1, each w0 then w1).
+NVFP4_VINLINE void GroupRandomWords(const QuantizeJob& job, int64_t block0, uint32_t words[64]) {
+  const uint64_t j0 = job.counter_offset + 2 * static_cast<uint64_t>(block0);
+  const VI lo0 = SplatI(static_cast<int32_t>(static_cast<uint32_t>(j0)));
+  const VI hi0 = SplatI(static_cast<int32_t>(static_cast<uint32_t>(j0 >> 32)));
+  // Interleaving masks: (x0[c], x1[c]) pairs of the first and second half of a part.
+  const NI first = kNativeIota / 2 + (kNativeIota % 2) * kLanes;
+  const NI second = first + kLanes / 2;
+  for (int h = 0; h < 2; ++h) {
+    const VI lo = lo0 + (Iota() + 16 * h);
+    VI x0 = hi0 - LtU(lo, lo0), x1 = lo;  // a wrapped low word carries into the high one
+    Threefry16(job.k0, job.k1, x0, x1);
+    for (int j = 0; j < kParts; ++j) {
+      uint32_t* out = words + 32 * h + 2 * kLanes * j;
+      StoreV(out, __builtin_shuffle(x0.p[j], x1.p[j], first));
+      StoreV(out + kLanes, __builtin_shuffle(x0.p[j], x1.p[j], second));
     }
   }
 }
 
-// Writes packed codes and the E4M3 scale of one block.
+// ---------------------------------------------------------------------------
+// Quantizing a group of 16 blocks (8 pairs): where its results go. Pair(p, ...) gets the
+// scaled values y = x * enc of pair p (and, with SR, their random bytes).
+
+// Packed codes and scales (quantize).
 struct CodeSink {
-  static void Put(const QuantizeJob& job, int64_t block, uint32_t scale,
-                  const uint8_t q[kBlock / 2]) {
-    uint8_t* codes = job.codes + block * (kBlock / 2);
-    for (int i = 0; i < kBlock / 2; ++i) codes[i] = q[i];
-    job.scales[block] = static_cast<uint8_t>(scale);
+  uint8_t* codes;   // 16 blocks x 8 bytes
+  uint8_t* scales;  // 16 bytes
+
+  static CodeSink At(const QuantizeJob& job, int64_t block0) {
+    return {job.codes + 8 * block0, job.scales + block0};
   }
+  NVFP4_VINLINE void Scales(const QuantizeJob&, VI scale) { NarrowStoreU8(scales, scale); }
+  template <bool kSr>
+  NVFP4_VINLINE void Pair(int p, VF ye, VF yo, VI re, VI ro) {
+    const VI ce = kSr ? E2m1SrV(ye, re) : E2m1RnV(ye);
+    const VI co = kSr ? E2m1SrV(yo, ro) : E2m1RnV(yo);
+    NarrowStoreU8(codes + 16 * p, ce | (co << 4));
+  }
+
+  // Outputs of a partial group, copied out by Flush.
+  struct Local {
+    uint8_t codes[8 * kGroup];
+    uint8_t scales[kGroup];
+    CodeSink Sink() { return {codes, scales}; }
+    void Flush(const QuantizeJob& job, int64_t block0, int n) const {
+      __builtin_memcpy(job.codes + 8 * block0, codes, 8 * n);
+      __builtin_memcpy(job.scales + block0, scales, n);
+    }
+  };
 };
 
-// Writes the dequantized values of one block in dtype U (fake quantization).
+// Dequantized values in dtype U (fake quantize): value(code) * factor, the factor
+// f32(s_b) * D, or f32(s_b) alone. For finite input every value is finite (|value| <= A),
+// and non-finite input has the handler overwrite them all.
 template <class U>
 struct ValueSink {
-  static void Put(const QuantizeJob& job, int64_t block, uint32_t scale,
-                  const uint8_t q[kBlock / 2]) {
-    const float s = E4m3ToF32(scale);
-    float v[kBlock];
-    DecodeBlock(q, job.use_global ? s * job.global : s, v);
-    StoreBlock<U>(v, static_cast<typename U::Storage*>(job.values) + block * kBlock);
+  using S = typename U::Storage;
+  S* values;  // 16 blocks x 16
+  VF factor;
+
+  static ValueSink At(const QuantizeJob& job, int64_t block0) {
+    return {static_cast<S*>(job.values) + kBlock * block0, {}};
   }
+  NVFP4_VINLINE void Scales(const QuantizeJob& job, VI scale) {
+    const VF s = E4m3ToF32V(scale);
+    factor = job.use_global ? s * job.global : s;
+  }
+  template <bool kSr>
+  NVFP4_VINLINE void Pair(int p, VF ye, VF yo, VI re, VI ro) {
+    const VF f = PairBroadcast(factor, p);
+    const VF qe = kSr ? E2m1Value(E2m1SrV(ye, re)) : E2m1RoundedRnV(ye);
+    const VF qo = kSr ? E2m1Value(E2m1SrV(yo, ro)) : E2m1RoundedRnV(yo);
+    PairIo<U>::StoreFinite(values + 2 * kBlock * p, qe * f, qo * f);
+  }
+
+  struct Local {
+    S values[kBlock * kGroup];
+    ValueSink Sink() { return {values, {}}; }
+    void Flush(const QuantizeJob& job, int64_t block0, int n) const {
+      __builtin_memcpy(static_cast<S*>(job.values) + kBlock * block0, values,
+                       sizeof(S) * kBlock * n);
+    }
+  };
 };
 
-// Quantizes one row, handing each block to Sink; returns the max |x| bits seen.
-template <class T, class Sink>
-uint32_t QuantizeRow(const QuantizeJob& job, int64_t row, const uint32_t* tile, uint32_t* words) {
-  const auto* x = static_cast<const typename T::Storage*>(job.x) + row * job.cols;
-  if (job.sr) {
-    FillRandomWords(job.k0, job.k1, job.counter_offset, row * job.cols, job.blocks(), words);
-  }
-  uint32_t seen = 0;
-  for (int64_t b = 0; b < job.blocks(); ++b) {
-    float v[kBlock];
-    LoadBlockCpu<T>(x + b * kBlock, job.rht, v);
-    const uint32_t bits = MaxAbsBits16(v);
-    seen = MaxU32(seen, bits);
-    const uint32_t scale = BlockScale(AsFloat(tile ? tile[b] : bits), job.g);
-    const float enc = BlockEncode(scale, job.g);
-    uint8_t q[kBlock / 2];
-    if (job.sr) {
-      EncodeBlockSr(v, enc, words + 4 * b, q);
-    } else {
-      EncodeBlockRn(v, enc, q);
+// The n < 16 blocks at x, zero-padded to a group in buf.
+template <class S>
+const S* PadGroup(const S* x, int n, S* buf) {
+  __builtin_memcpy(buf, x, sizeof(S) * kBlock * n);
+  __builtin_memset(buf + kBlock * n, 0, sizeof(S) * kBlock * (kGroup - n));
+  return buf;
+}
+
+// The 8 pairs of the group at x, as (E, O).
+template <class T, bool kRht>
+NVFP4_VINLINE void LoadGroup(const typename T::Storage* x, VF e[8], VF o[8]) {
+  NVFP4_GROUP_UNROLL
+  for (int p = 0; p < 8; ++p) LoadPair<T, kRht>(x + 2 * kBlock * p, e[p], o[p]);
+}
+
+// Max |x| bits of each of the 16 blocks at x (post-RHT when kRht).
+template <class T, bool kRht>
+__attribute__((noinline)) VI GroupAmaxBits(const typename T::Storage* x) {
+  VF e[8], o[8];
+  LoadGroup<T, kRht>(x, e, o);
+  return PairMax16(e, o);
+}
+
+// Quantizes the 16 blocks at x (flat block index block0) with the block maxima `amax`
+// (16x16 tiles), or their own when amax is null; returns their own maxima (or 0).
+template <class T, bool kRht, bool kSr, class Sink>
+__attribute__((noinline)) VI QuantizeGroup(const QuantizeJob& job, const typename T::Storage* x,
+                                           int64_t block0, const VI* amax, Sink& out) {
+  Sink sink = out;  // a local copy: its pointers cannot alias the stores
+  VF e[8], o[8];
+  LoadGroup<T, kRht>(x, e, o);
+  const VI own = amax ? SplatI(0) : PairMax16(e, o);
+  const VI scale = BlockScalesV(AsVF(amax ? *amax : own), job.g);
+  const VF enc = BlockEncodeV(scale, job.g);
+  sink.Scales(job, scale);
+  uint32_t words[4 * kGroup];
+  if (kSr) GroupRandomWords(job, block0, words);
+  NVFP4_GROUP_UNROLL
+  for (int p = 0; p < 8; ++p) {
+    const VF f = PairBroadcast(enc, p);
+    VI re{}, ro{};
+    if (kSr) {
+      // Pair p's 32 random bytes: 16-bit word l holds those of elements 2l and 2l + 1.
+      const VI w = WidenU16(words + 8 * p);
+      re = w & 0xFF;
+      ro = Srl(w, 8);
     }
-    Sink::Put(job, row * job.blocks() + b, scale, q);
+    sink.template Pair<kSr>(p, e[p] * f, o[p] * f, re, ro);
   }
-  return seen;
+  return own;
+}
+
+// Quantizes the group of n <= 16 blocks at x: in place, or through padded copies.
+template <class T, bool kRht, bool kSr, class Sink>
+NVFP4_VINLINE VI QuantizeSome(const QuantizeJob& job, const typename T::Storage* x, int64_t block0,
+                              int n, const VI* amax) {
+  if (n == kGroup) {
+    Sink sink = Sink::At(job, block0);
+    return QuantizeGroup<T, kRht, kSr>(job, x, block0, amax, sink);
+  }
+  typename T::Storage padded[kBlock * kGroup];
+  typename Sink::Local local;
+  Sink sink = local.Sink();
+  const VI own =
+      QuantizeGroup<T, kRht, kSr>(job, PadGroup(x, n, padded), block0, amax, sink);
+  local.Flush(job, block0, n);
+  return own;
+}
+
+template <class T, class Sink, bool kRht, bool kSr>
+uint32_t QuantizeRangeT(const QuantizeJob& job, int64_t begin, int64_t end, uint32_t* scratch) {
+  using S = typename T::Storage;
+  const S* x = static_cast<const S*>(job.x);
+  const int64_t blocks = job.blocks();
+  VI seen = SplatI(0);
+  if (!job.block_2d) {
+    // 1x16 blocks: rows [begin, end) are one flat run of blocks.
+    const int64_t last = end * blocks;
+    for (int64_t b = begin * blocks; b < last; b += kGroup) {
+      const int n = last - b < kGroup ? static_cast<int>(last - b) : kGroup;
+      seen = MaxI(seen, QuantizeSome<T, kRht, kSr, Sink>(job, x + kBlock * b, b, n, nullptr));
+    }
+    return HorizontalMax(seen);
+  }
+  // 16x16 tiles: a 16-row item is a flat run of 16 * blocks blocks, whole groups. First
+  // the tile maxima (block column c's in scratch[c]), then the groups quantized with them.
+  for (int64_t item = begin; item < end; ++item) {
+    const int64_t first = item * kBlock * blocks, count = kBlock * blocks;
+    for (int64_t c = 0; c < blocks; ++c) scratch[c] = 0;
+    for (int64_t g = 0, c0 = 0; g < count; g += kGroup, c0 = (c0 + kGroup) % blocks) {
+      const VI m = GroupAmaxBits<T, kRht>(x + kBlock * (first + g));
+      if (blocks % kGroup == 0) {  // the group is 16 whole block columns
+        StoreV(scratch + c0, MaxI(LoadV<VI>(scratch + c0), m));
+        continue;
+      }
+      for (int k = 0, c = static_cast<int>(c0); k < kGroup; ++k, c = c + 1 == blocks ? 0 : c + 1) {
+        const uint32_t bits = static_cast<uint32_t>(Lane(m, k));
+        scratch[c] = bits > scratch[c] ? bits : scratch[c];
+      }
+    }
+    uint32_t item_max = 0;
+    for (int64_t c = 0; c < blocks; ++c) item_max = scratch[c] > item_max ? scratch[c] : item_max;
+    seen = MaxI(seen, SplatI(static_cast<int32_t>(item_max)));
+    for (int64_t g = 0, c0 = 0; g < count; g += kGroup, c0 = (c0 + kGroup) % blocks) {
+      uint32_t tile[kGroup];
+      if (blocks % kGroup == 0) {
+        __builtin_memcpy(tile, scratch + c0, sizeof(tile));
+      } else {
+        for (int k = 0, c = static_cast<int>(c0); k < kGroup; ++k, c = c + 1 == blocks ? 0 : c + 1) {
+          tile[k] = scratch[c];
+        }
+      }
+      const VI amax = LoadV<VI>(tile);
+      QuantizeSome<T, kRht, kSr, Sink>(job, x + kBlock * (first + g), first + g, kGroup, &amax);
+    }
+  }
+  return HorizontalMax(seen);
 }
 
 template <class T, class Sink>
 uint32_t QuantizeRange(const QuantizeJob& job, int64_t begin, int64_t end, uint32_t* scratch) {
-  uint32_t* words = scratch;
-  uint32_t* tile = job.block_2d ? scratch + 4 * job.blocks() : nullptr;
-  uint32_t seen = 0;
-  for (int64_t item = begin; item < end; ++item) {
-    const int64_t row0 = item * job.rows_per_item();
-    if (tile) {
-      TileAmaxBits<T>(static_cast<const typename T::Storage*>(job.x) + row0 * job.cols, job, tile);
-    }
-    for (int64_t r = row0; r < row0 + job.rows_per_item(); ++r) {
-      seen = MaxU32(seen, QuantizeRow<T, Sink>(job, r, tile, words));
-    }
+  if (job.rht) {
+    return job.sr ? QuantizeRangeT<T, Sink, true, true>(job, begin, end, scratch)
+                  : QuantizeRangeT<T, Sink, true, false>(job, begin, end, scratch);
   }
-  return seen;
+  return job.sr ? QuantizeRangeT<T, Sink, false, true>(job, begin, end, scratch)
+                : QuantizeRangeT<T, Sink, false, false>(job, begin, end, scratch);
+}
+
+// ---------------------------------------------------------------------------
+// Tensor amax.
+
+// Max of the 16-bit |x| bits of n elements (n a multiple of 16): bf16 and f16 order their
+// magnitudes like unsigned integers (NaN above inf), so the maximum needs no conversion.
+uint32_t MaxAbsBits16(const uint16_t* p, int64_t n) {
+  constexpr int kW = 2 * kLanes;  // u16 lanes per native vector
+  const NW abs_mask = NW{} + uint16_t{0x7FFF};
+  NW m0{}, m1{}, m2{}, m3{};
+  int64_t i = 0;
+  for (; i + 4 * kW <= n; i += 4 * kW) {
+    const NW a0 = LoadV<NW>(p + i) & abs_mask, a1 = LoadV<NW>(p + i + kW) & abs_mask;
+    const NW a2 = LoadV<NW>(p + i + 2 * kW) & abs_mask;
+    const NW a3 = LoadV<NW>(p + i + 3 * kW) & abs_mask;
+    m0 = a0 > m0 ? a0 : m0;
+    m1 = a1 > m1 ? a1 : m1;
+    m2 = a2 > m2 ? a2 : m2;
+    m3 = a3 > m3 ? a3 : m3;
+  }
+  for (; i + kW <= n; i += kW) {
+    const NW a = LoadV<NW>(p + i) & abs_mask;
+    m0 = a > m0 ? a : m0;
+  }
+  m0 = m1 > m0 ? m1 : m0;
+  m2 = m3 > m2 ? m3 : m2;
+  m0 = m2 > m0 ? m2 : m0;
+  uint32_t m = 0;
+  for (int k = 0; k < kW; ++k) m = m0[k] > m ? m0[k] : m;
+  for (; i < n; ++i) {
+    const uint32_t a = p[i] & 0x7FFFu;
+    m = a > m ? a : m;
+  }
+  return m;
+}
+
+template <class T, bool kRht>
+uint32_t AmaxRangeT(const typename T::Storage* x, int64_t n) {
+  if constexpr (!kRht && sizeof(typename T::Storage) == 2) {
+    const uint32_t m = MaxAbsBits16(reinterpret_cast<const uint16_t*>(x), n);
+    return AsBits(T::Load(static_cast<typename T::Storage>(m)));
+  }
+  VI m0 = SplatI(0), m1 = SplatI(0);
+  int64_t i = 0;
+  for (; i + 2 * kBlock <= n; i += 2 * kBlock) {
+    VF e, o;
+    LoadPair<T, kRht>(x + i, e, o);
+    m0 = MaxI(m0, AsVI(e) & 0x7FFFFFFF);
+    m1 = MaxI(m1, AsVI(o) & 0x7FFFFFFF);
+  }
+  if (i < n) m0 = MaxI(m0, AsVI(LoadBlockV<T, kRht>(x + i)) & 0x7FFFFFFF);
+  return HorizontalMax(MaxI(m0, m1));
 }
 
 template <class T>
 uint32_t AmaxRange(const void* xv, int64_t cols, bool rht, int64_t begin, int64_t end) {
-  const auto* x = static_cast<const typename T::Storage*>(xv);
-  uint32_t seen = 0;
-  for (int64_t i = begin * cols; i < end * cols; i += kBlock) {
-    float v[kBlock];
-    LoadBlockCpu<T>(x + i, rht, v);
-    seen = MaxU32(seen, MaxAbsBits16(v));
+  const auto* x = static_cast<const typename T::Storage*>(xv) + begin * cols;
+  const int64_t n = (end - begin) * cols;
+  return rht ? AmaxRangeT<T, true>(x, n) : AmaxRangeT<T, false>(x, n);
+}
+
+// ---------------------------------------------------------------------------
+// Dequantize: value(code) * (f32(s_b) * D), the inverse RHT when asked, cast to U.
+
+// 16 blocks: codes (8 bytes each) and scales at `codes` and `scales`, values to out.
+template <class U, bool kRht>
+NVFP4_VINLINE void DequantizeGroup(const uint8_t* codes, const uint8_t* scales, float global,
+                                   typename U::Storage* out) {
+  const VF factor = E4m3ToF32V(WidenU8(scales)) * global;
+  NVFP4_GROUP_UNROLL
+  for (int p = 0; p < 8; ++p) {
+    // Byte l of the pair's 16 code bytes: element 2l in its low nibble, 2l + 1 high.
+    const VI b = WidenU8(codes + 16 * p);
+    const VF f = PairBroadcast(factor, p);
+    VF e = E2m1Value(b) * f, o = E2m1Value(Srl(b, 4)) * f;
+    if (kRht) RhtPair(e, o, /*inverse=*/true);
+    PairIo<U>::Store(out + 2 * kBlock * p, e, o);
   }
-  return seen;
+}
+
+template <class U, bool kRht>
+void DequantizeRangeT(const DequantizeJob& job, int64_t begin, int64_t end) {
+  using S = typename U::Storage;
+  S* out = static_cast<S*>(job.out);
+  const int64_t last = end * job.cols / kBlock;
+  int64_t b = begin * job.cols / kBlock;
+  for (; b + kGroup <= last; b += kGroup) {
+    DequantizeGroup<U, kRht>(job.codes + 8 * b, job.scales + b, job.global, out + kBlock * b);
+  }
+  if (b < last) {  // a partial group: through zero-padded copies
+    const int n = static_cast<int>(last - b);
+    uint8_t codes[8 * kGroup] = {}, scales[kGroup] = {};
+    S values[kBlock * kGroup];
+    __builtin_memcpy(codes, job.codes + 8 * b, 8 * n);
+    __builtin_memcpy(scales, job.scales + b, n);
+    DequantizeGroup<U, kRht>(codes, scales, job.global, values);
+    __builtin_memcpy(out + kBlock * b, values, sizeof(S) * kBlock * n);
+  }
 }
 
 template <class U>
 void DequantizeRange(const DequantizeJob& job, int64_t begin, int64_t end) {
-  auto* out = static_cast<typename U::Storage*>(job.out);
-  for (int64_t b = begin * job.cols / kBlock; b < end * job.cols / kBlock; ++b) {
-    float v[kBlock];
-    DecodeBlock(job.codes + b * (kBlock / 2), E4m3ToF32(job.scales[b]) * job.global, v);
-    if (job.rht) Rht16Vec(v, /*inverse=*/true);
-    StoreBlock<U>(v, out + b * kBlock);
+  if (job.rht) {
+    DequantizeRangeT<U, true>(job, begin, end);
+  } else {
+    DequantizeRangeT<U, false>(job, begin, end);
   }
 }
+
+// ---------------------------------------------------------------------------
+// The RHT op.
 
 template <class T>
 void RhtRange(const void* xv, void* outv, int64_t cols, bool inverse, int64_t begin, int64_t end) {
   const auto* x = static_cast<const typename T::Storage*>(xv);
   auto* out = static_cast<typename T::Storage*>(outv);
   for (int64_t i = begin * cols; i < end * cols; i += kBlock) {
-    float v[kBlock];
-    NVFP4_SIMD_LOOP
-    for (int k = 0; k < kBlock; ++k) v[k] = T::Load(x[i + k]);
-    Rht16Vec(v, inverse);
-    StoreBlock<T>(v, out + i);
+    VecIo<T>::Store(out + i, Rht16V(VecIo<T>::Load(x + i), inverse));
   }
 }
 

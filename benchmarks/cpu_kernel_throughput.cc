@@ -1,0 +1,143 @@
+// Single-thread throughput of the CPU kernel tables, without XLA: each kernel over a bf16
+// (4096, 4096) tensor in preallocated buffers (no page faults), timed interleaved with a
+// 32 MiB memcpy, medians printed as ns per element and as a multiple of the memcpy's time.
+// On a shared machine this is steadier than timings through XLA: no thread pool, no fresh
+// output memory, and every kernel sees the same load as the memcpy next to it.
+//
+// Build from the repository root (one object per instruction set, as CMake builds them):
+//   F="-Iffi/include -Iffi -O3 -ffp-contract=off -fno-trapping-math -Wno-psabi -std=gnu++17"
+//   g++ $F -DNVFP4_ISA=avx512 -DNVFP4_ISA_NAME='"x86-64-v4"' -march=x86-64-v4
+//       -c ffi/cpu/kernels_isa.cc -o /tmp/k512.o   (one line)
+//   g++ $F -DNVFP4_ISA=avx2 -DNVFP4_ISA_NAME='"x86-64-v3"' -march=x86-64-v3
+//       -c ffi/cpu/kernels_isa.cc -o /tmp/k2.o   (one line)
+//   g++ $F -DNVFP4_ISA=baseline -DNVFP4_ISA_NAME='"baseline"' -c ffi/cpu/kernels_isa.cc -o /tmp/kb.o
+//   g++ $F benchmarks/cpu_kernel_throughput.cc /tmp/k512.o /tmp/k2.o /tmp/kb.o -o /tmp/throughput
+//   /tmp/throughput avx512 20     # table: avx512, avx2 or baseline; rounds
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <vector>
+
+#include "cpu/kernel_table.h"
+
+namespace nvfp4::cpu {
+namespace avx512 { const KernelTable& Table(); }
+namespace avx2 { const KernelTable& Table(); }
+namespace baseline { const KernelTable& Table(); }
+}  // namespace nvfp4::cpu
+
+using namespace nvfp4;
+using namespace nvfp4::cpu;
+
+namespace {
+
+double Now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+const KernelTable& PickTable(const char* isa) {
+  if (!strcmp(isa, "avx2")) return avx2::Table();
+  if (!strcmp(isa, "baseline")) return baseline::Table();
+  return avx512::Table();
+}
+
+struct Op {
+  const char* name;
+  std::function<void()> run;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const KernelTable& t = PickTable(argc > 1 ? argv[1] : "avx512");
+  const int iters = argc > 2 ? atoi(argv[2]) : 20;
+  const int64_t rows = 4096, cols = 4096, n = rows * cols;
+
+  // bf16 input: normal values times 3, truncated from f32.
+  std::vector<uint16_t> x(n);
+  std::mt19937 rng(1);
+  std::normal_distribution<float> normal;
+  for (auto& v : x) {
+    float f = normal(rng) * 3;
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    v = static_cast<uint16_t>(bits >> 16);
+  }
+  std::vector<uint8_t> codes(n / 2), scales(n / 16);
+  std::vector<uint16_t> values(n), copy(n);
+  std::vector<float> values_f32(n);
+
+  QuantizeJob job;
+  job.x = x.data();
+  job.rows = rows;
+  job.cols = cols;
+  job.g = MakeGlobalScale(20.0f);
+  job.global = DecodeGlobal(20.0f);
+  job.codes = codes.data();
+  job.scales = scales.data();
+  job.values = values.data();
+  std::vector<uint32_t> scratch(job.scratch_words() + 64);
+
+  DequantizeJob dj;
+  dj.codes = codes.data();
+  dj.scales = scales.data();
+  dj.global = 0.01f;
+  dj.cols = cols;
+
+  auto quantize = [&](bool sr, bool rht, bool block_2d) {
+    job.sr = sr;
+    job.rht = rht;
+    job.block_2d = block_2d;
+    t.quantize[0](job, 0, block_2d ? rows / 16 : rows, scratch.data());
+  };
+  std::vector<Op> ops = {
+      {"memcpy 2B", [&] { memcpy(copy.data(), x.data(), n * 2); }},
+      {"amax", [&] { t.amax[0](x.data(), cols, false, 0, rows); }},
+      {"amax rht", [&] { t.amax[0](x.data(), cols, true, 0, rows); }},
+      {"quant rn", [&] { quantize(false, false, false); }},
+      {"quant sr", [&] { quantize(true, false, false); }},
+      {"quant rht", [&] { quantize(false, true, false); }},
+      {"quant 2d", [&] { quantize(false, false, true); }},
+      {"fake bf16",
+       [&] {
+         job.sr = job.rht = job.block_2d = false;
+         t.fake_quantize[0][0](job, 0, rows, scratch.data());
+       }},
+      {"deq bf16",
+       [&] {
+         dj.out = values.data();
+         t.dequantize[0](dj, 0, rows);
+       }},
+      {"deq f32",
+       [&] {
+         dj.out = values_f32.data();
+         t.dequantize[2](dj, 0, rows);
+       }},
+  };
+
+  // Interleaved rounds; the first two warm up.
+  std::vector<std::vector<double>> seconds(ops.size());
+  for (int it = 0; it < iters + 2; ++it) {
+    for (size_t i = 0; i < ops.size(); ++i) {
+      const double start = Now();
+      ops[i].run();
+      if (it >= 2) seconds[i].push_back(Now() - start);
+    }
+  }
+  double memcpy_median = 0;
+  for (size_t i = 0; i < ops.size(); ++i) {
+    std::vector<double> v = seconds[i];
+    std::sort(v.begin(), v.end());
+    const double median = v[v.size() / 2];
+    if (i == 0) memcpy_median = median;
+    printf("%-10s %7.3f ms  %5.2f ns/elem  x%.2f memcpy\n", ops[i].name, median * 1e3,
+           median * 1e9 / n, median / memcpy_median);
+  }
+  return 0;
+}

@@ -1,0 +1,362 @@
+// The 16-lane vectors of the CPU kernels: one 16-element block per vector.
+//
+// Included only by cpu/kernels_isa.cc, which is compiled once per instruction set. A VF
+// (16 x f32) or VI (16 x i32) is kParts native vectors of kLanes lanes: one zmm register
+// with AVX-512, two ymm with AVX2, four xmm with SSE2 (the portable baseline). Their
+// operators work part by part on GCC's vector extensions, which GCC compiles well at the
+// native width (a 16-lane vector on AVX2 it would split badly: its selects turn scalar).
+// The few operations GCC lowers badly at any width (widening loads, narrowing stores,
+// nibble packing, the E2M1 table lookup) use intrinsics for AVX-512 and AVX2, and plain
+// lane loops elsewhere.
+//
+// Everything is always-inline and in the per-ISA namespace of the including file, so no
+// out-of-line copy compiled for one instruction set can be shared with another.
+#ifndef NVFP4_CPU_SIMD_H_
+#define NVFP4_CPU_SIMD_H_
+
+#include <cstdint>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define NVFP4_SIMD_AVX512 1
+#elif defined(__AVX2__)
+#define NVFP4_SIMD_AVX2 1
+#endif
+
+#if defined(NVFP4_SIMD_AVX512) || defined(NVFP4_SIMD_AVX2)
+// GCC 12 flags the deliberately undefined pass-through operand of some AVX-512 intrinsics
+// (`__m512i __Y = __Y;` in its headers) once they are inlined.
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+#endif
+
+#define NVFP4_VINLINE inline __attribute__((always_inline))
+
+namespace nvfp4::cpu::NVFP4_ISA {
+namespace {
+
+#if defined(NVFP4_SIMD_AVX512)
+constexpr int kLanes = 16;
+#elif defined(NVFP4_SIMD_AVX2)
+constexpr int kLanes = 8;
+#else
+constexpr int kLanes = 4;
+#endif
+constexpr int kParts = 16 / kLanes;
+
+// Native vectors.
+typedef float NF __attribute__((vector_size(4 * kLanes)));
+typedef int32_t NI __attribute__((vector_size(4 * kLanes)));
+typedef uint32_t NU __attribute__((vector_size(4 * kLanes)));
+// 16-bit lanes, for the amax of bf16 and f16 (two of these per 16-lane part).
+typedef uint16_t NW __attribute__((vector_size(4 * kLanes)));
+
+#if defined(NVFP4_SIMD_AVX512)
+constexpr NI kNativeIota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+#elif defined(NVFP4_SIMD_AVX2)
+constexpr NI kNativeIota = {0, 1, 2, 3, 4, 5, 6, 7};
+#else
+constexpr NI kNativeIota = {0, 1, 2, 3};
+#endif
+
+struct VI {
+  NI p[kParts];
+};
+struct VF {
+  NF p[kParts];
+};
+
+NVFP4_VINLINE VI SplatI(int32_t s) {
+  VI r;
+  for (int j = 0; j < kParts; ++j) r.p[j] = NI{} + s;
+  return r;
+}
+NVFP4_VINLINE VF SplatF(float s) {
+  VF r;
+  for (int j = 0; j < kParts; ++j) r.p[j] = s - NF{};  // s - 0 is s, -0 included
+  return r;
+}
+
+// Lane i (0..15).
+NVFP4_VINLINE int32_t Lane(const VI& v, int i) { return v.p[i / kLanes][i % kLanes]; }
+
+// 0, 1, ..., 15.
+NVFP4_VINLINE VI Iota() {
+  VI r;
+  for (int j = 0; j < kParts; ++j) {
+    for (int i = 0; i < kLanes; ++i) r.p[j][i] = j * kLanes + i;
+  }
+  return r;
+}
+
+// Bit casts.
+NVFP4_VINLINE VI AsVI(VF v) {
+  VI r;
+  for (int j = 0; j < kParts; ++j) r.p[j] = (NI)v.p[j];
+  return r;
+}
+NVFP4_VINLINE VF AsVF(VI v) {
+  VF r;
+  for (int j = 0; j < kParts; ++j) r.p[j] = (NF)v.p[j];
+  return r;
+}
+
+// int32 -> f32 conversion (exact for the small integers the kernels convert).
+NVFP4_VINLINE VF ToF32(VI v) {
+  VF r;
+  for (int j = 0; j < kParts; ++j) r.p[j] = __builtin_convertvector(v.p[j], NF);
+  return r;
+}
+
+#define NVFP4_BINARY(V, S, op)                                     \
+  NVFP4_VINLINE V operator op(V a, V b) {                          \
+    V r;                                                           \
+    for (int j = 0; j < kParts; ++j) r.p[j] = a.p[j] op b.p[j];    \
+    return r;                                                      \
+  }                                                                \
+  NVFP4_VINLINE V operator op(V a, S b) { return a op Splat##V(b); } \
+  NVFP4_VINLINE V operator op(S a, V b) { return Splat##V(a) op b; }
+#define SplatVI SplatI
+#define SplatVF SplatF
+NVFP4_BINARY(VI, int32_t, &)
+NVFP4_BINARY(VI, int32_t, |)
+NVFP4_BINARY(VI, int32_t, ^)
+NVFP4_BINARY(VF, float, +)
+NVFP4_BINARY(VF, float, -)
+NVFP4_BINARY(VF, float, *)
+NVFP4_BINARY(VF, float, /)
+#undef NVFP4_BINARY
+
+// Integer + and - wrap around (computed as uint32: no signed overflow).
+NVFP4_VINLINE VI operator+(VI a, VI b) {
+  for (int j = 0; j < kParts; ++j) a.p[j] = (NI)((NU)a.p[j] + (NU)b.p[j]);
+  return a;
+}
+NVFP4_VINLINE VI operator-(VI a, VI b) {
+  for (int j = 0; j < kParts; ++j) a.p[j] = (NI)((NU)a.p[j] - (NU)b.p[j]);
+  return a;
+}
+NVFP4_VINLINE VI operator+(VI a, int32_t b) { return a + SplatI(b); }
+NVFP4_VINLINE VI operator+(int32_t a, VI b) { return SplatI(a) + b; }
+NVFP4_VINLINE VI operator-(VI a, int32_t b) { return a - SplatI(b); }
+NVFP4_VINLINE VI operator-(int32_t a, VI b) { return SplatI(a) - b; }
+
+// Comparisons give masks: -1 where true, 0 where false (signed for VI).
+#define NVFP4_COMPARE(V, S, op)                                              \
+  NVFP4_VINLINE VI operator op(V a, V b) {                                   \
+    VI r;                                                                    \
+    for (int j = 0; j < kParts; ++j) r.p[j] = (NI)(a.p[j] op b.p[j]);        \
+    return r;                                                                \
+  }                                                                          \
+  NVFP4_VINLINE VI operator op(V a, S b) { return a op Splat##V(b); }
+NVFP4_COMPARE(VI, int32_t, ==)
+NVFP4_COMPARE(VI, int32_t, !=)
+NVFP4_COMPARE(VI, int32_t, <)
+NVFP4_COMPARE(VI, int32_t, <=)
+NVFP4_COMPARE(VI, int32_t, >)
+NVFP4_COMPARE(VI, int32_t, >=)
+NVFP4_COMPARE(VF, float, <)
+NVFP4_COMPARE(VF, float, !=)
+#undef NVFP4_COMPARE
+#undef SplatVI
+#undef SplatVF
+
+NVFP4_VINLINE VI operator-(VI a) { return SplatI(0) - a; }
+NVFP4_VINLINE VI operator<<(VI a, int n) {
+  for (int j = 0; j < kParts; ++j) a.p[j] = (NI)((NU)a.p[j] << n);
+  return a;
+}
+// Logical (unsigned) shift right.
+NVFP4_VINLINE VI Srl(VI a, int n) {
+  for (int j = 0; j < kParts; ++j) a.p[j] = (NI)((NU)a.p[j] >> n);
+  return a;
+}
+// Rotate left (as uint32).
+NVFP4_VINLINE VI RotL(VI a, int n) { return (a << n) | Srl(a, 32 - n); }
+// Unsigned a < b, as a mask.
+NVFP4_VINLINE VI LtU(VI a, VI b) {
+  VI r;
+  for (int j = 0; j < kParts; ++j) r.p[j] = (NI)((NU)a.p[j] < (NU)b.p[j]);
+  return r;
+}
+
+// m ? a : b lane by lane, m a mask (-1 or 0 in each lane).
+NVFP4_VINLINE VI Select(VI m, VI a, VI b) {
+  VI r;
+  for (int j = 0; j < kParts; ++j) r.p[j] = m.p[j] ? a.p[j] : b.p[j];
+  return r;
+}
+NVFP4_VINLINE VF Select(VI m, VF a, VF b) {
+  VF r;
+  for (int j = 0; j < kParts; ++j) r.p[j] = m.p[j] ? a.p[j] : b.p[j];
+  return r;
+}
+NVFP4_VINLINE VI MaxI(VI a, VI b) { return Select(a > b, a, b); }
+NVFP4_VINLINE VI MinI(VI a, VI b) { return Select(a < b, a, b); }
+
+template <class V>
+NVFP4_VINLINE V LoadV(const void* p) {
+  V v;
+  __builtin_memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+template <class V>
+NVFP4_VINLINE void StoreV(void* p, V v) {
+  __builtin_memcpy(p, &v, sizeof(v));
+}
+
+// ---------------------------------------------------------------------------
+// Widening loads, narrowing stores.
+
+// 16 u16 at p, zero-extended.
+NVFP4_VINLINE VI WidenU16(const void* p) {
+  VI r;
+#if defined(NVFP4_SIMD_AVX512)
+  r.p[0] = (NI)_mm512_cvtepu16_epi32(_mm256_loadu_si256(static_cast<const __m256i*>(p)));
+#elif defined(NVFP4_SIMD_AVX2)
+  const auto* q = static_cast<const __m128i*>(p);
+  r.p[0] = (NI)_mm256_cvtepu16_epi32(_mm_loadu_si128(q));
+  r.p[1] = (NI)_mm256_cvtepu16_epi32(_mm_loadu_si128(q + 1));
+#else
+  uint16_t h[16];
+  __builtin_memcpy(h, p, sizeof(h));
+  for (int i = 0; i < 16; ++i) r.p[i / kLanes][i % kLanes] = h[i];
+#endif
+  return r;
+}
+
+// 16 u8 at p, zero-extended.
+NVFP4_VINLINE VI WidenU8(const void* p) {
+  VI r;
+#if defined(NVFP4_SIMD_AVX512)
+  r.p[0] = (NI)_mm512_cvtepu8_epi32(_mm_loadu_si128(static_cast<const __m128i*>(p)));
+#elif defined(NVFP4_SIMD_AVX2)
+  const auto* q = static_cast<const uint8_t*>(p);
+  r.p[0] = (NI)_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
+  r.p[1] = (NI)_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8)));
+#else
+  uint8_t b[16];
+  __builtin_memcpy(b, p, sizeof(b));
+  for (int i = 0; i < 16; ++i) r.p[i / kLanes][i % kLanes] = b[i];
+#endif
+  return r;
+}
+
+// Stores each lane (every lane in [0, 0xFFFF]) as 16 u16.
+NVFP4_VINLINE void NarrowStoreU16(void* p, VI v) {
+#if defined(NVFP4_SIMD_AVX512)
+  _mm256_storeu_si256(static_cast<__m256i*>(p), _mm512_cvtepi32_epi16((__m512i)v.p[0]));
+#elif defined(NVFP4_SIMD_AVX2)
+  const __m256i packed = _mm256_packus_epi32((__m256i)v.p[0], (__m256i)v.p[1]);
+  _mm256_storeu_si256(static_cast<__m256i*>(p), _mm256_permute4x64_epi64(packed, 0xD8));
+#else
+  uint16_t h[16];
+  for (int i = 0; i < 16; ++i) h[i] = static_cast<uint16_t>(Lane(v, i));
+  __builtin_memcpy(p, h, sizeof(h));
+#endif
+}
+
+// Stores each lane (every lane in [0, 0xFF]) as 16 u8.
+NVFP4_VINLINE void NarrowStoreU8(void* p, VI v) {
+#if defined(NVFP4_SIMD_AVX512)
+  _mm_storeu_si128(static_cast<__m128i*>(p), _mm512_cvtepi32_epi8((__m512i)v.p[0]));
+#elif defined(NVFP4_SIMD_AVX2)
+  const __m256i words =
+      _mm256_permute4x64_epi64(_mm256_packus_epi32((__m256i)v.p[0], (__m256i)v.p[1]), 0xD8);
+  const __m128i bytes =
+      _mm_packus_epi16(_mm256_castsi256_si128(words), _mm256_extracti128_si256(words, 1));
+  _mm_storeu_si128(static_cast<__m128i*>(p), bytes);
+#else
+  uint8_t b[16];
+  for (int i = 0; i < 16; ++i) b[i] = static_cast<uint8_t>(Lane(v, i));
+  __builtin_memcpy(p, b, sizeof(b));
+#endif
+}
+
+// ---------------------------------------------------------------------------
+// E2M1 codes: packing, unpacking, values.
+
+// 16 codes (lanes in [0, 15]) -> 8 packed bytes: element 2i low nibble, 2i+1 high.
+NVFP4_VINLINE void PackCodes(uint8_t* p, VI code) {
+#if defined(NVFP4_SIMD_AVX512)
+  // As 64-bit lanes, code 2i + 1 sits at bit 32: shifted down by 28 it lands on bit 4.
+  const __m512i q = (__m512i)code.p[0];
+  const __m512i pairs = _mm512_or_si512(q, _mm512_srli_epi64(q, 28));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm512_cvtepi64_epi8(pairs));
+#elif defined(NVFP4_SIMD_AVX2)
+  const __m256i lo = (__m256i)code.p[0], hi = (__m256i)code.p[1];
+  const __m256i plo = _mm256_or_si256(lo, _mm256_srli_epi64(lo, 28));
+  const __m256i phi = _mm256_or_si256(hi, _mm256_srli_epi64(hi, 28));
+  // Byte 0 of each 64-bit lane: lo's to bytes 0, 1 (128-bit lane 0) and 2, 3 (lane 1),
+  // hi's to bytes 4, 5 and 6, 7; then the two 128-bit lanes are ORed together.
+  const __m256i sel_lo = _mm256_setr_epi8(0, 8, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                          -1, -1, -1, -1, 0, 8, -1, -1, -1, -1, -1, -1, -1, -1,
+                                          -1, -1, -1, -1);
+  const __m256i sel_hi = _mm256_setr_epi8(-1, -1, -1, -1, 0, 8, -1, -1, -1, -1, -1, -1, -1, -1,
+                                          -1, -1, -1, -1, -1, -1, -1, -1, 0, 8, -1, -1, -1, -1,
+                                          -1, -1, -1, -1);
+  const __m256i both =
+      _mm256_or_si256(_mm256_shuffle_epi8(plo, sel_lo), _mm256_shuffle_epi8(phi, sel_hi));
+  const __m128i bytes =
+      _mm_or_si128(_mm256_castsi256_si128(both), _mm256_extracti128_si256(both, 1));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(p), bytes);
+#else
+  for (int i = 0; i < 8; ++i) {
+    p[i] = static_cast<uint8_t>(Lane(code, 2 * i) | (Lane(code, 2 * i + 1) << 4));
+  }
+#endif
+}
+
+// 8 packed code bytes -> 16 lanes whose low 4 bits are the codes (higher bits undefined).
+NVFP4_VINLINE VI CodeNibbles(const uint8_t* p) {
+  VI r;
+#if defined(NVFP4_SIMD_AVX512)
+  // Each byte in its own 64-bit lane; shifted up by 28, its high nibble lands on bit 32.
+  const __m512i q = _mm512_cvtepu8_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  r.p[0] = (NI)_mm512_or_si512(q, _mm512_slli_epi64(q, 28));
+#elif defined(NVFP4_SIMD_AVX2)
+  uint32_t w[2];
+  __builtin_memcpy(w, p, 8);
+  for (int j = 0; j < 2; ++j) {
+    const __m256i q = _mm256_cvtepu8_epi64(_mm_cvtsi32_si128(static_cast<int>(w[j])));
+    r.p[j] = (NI)_mm256_or_si256(q, _mm256_slli_epi64(q, 28));
+  }
+#else
+  for (int i = 0; i < 8; ++i) {
+    r.p[(2 * i) / kLanes][(2 * i) % kLanes] = p[i] & 0xF;
+    r.p[(2 * i + 1) / kLanes][(2 * i + 1) % kLanes] = p[i] >> 4;
+  }
+#endif
+  return r;
+}
+
+// The signed E2M1 value of each lane's low 4 bits (bit 3 the sign: 0x8 is -0).
+NVFP4_VINLINE VF E2m1Value(VI code) {
+#if defined(NVFP4_SIMD_AVX512)
+  const __m512 table = _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, -0.0f,
+                                      -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f);
+  VF r;
+  r.p[0] = (NF)_mm512_permutexvar_ps((__m512i)code.p[0], table);
+  return r;
+#elif defined(NVFP4_SIMD_AVX2)
+  // Magnitude from the low 3 bits (vpermps reads only those), then the sign from bit 3.
+  const __m256 table = _mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f);
+  VI mag;
+  for (int j = 0; j < 2; ++j) {
+    mag.p[j] = (NI)_mm256_permutevar8x32_ps(table, (__m256i)code.p[j]);
+  }
+  return AsVF(mag | ((code & 8) << 28));
+#else
+  const VI m = code & 7;
+  const VI normal = ((Srl(m, 1) + 126) << 23) | ((m & 1) << 22);
+  VI bits = Select(m == 1, SplatI(0x3F000000), SplatI(0));
+  bits = Select(m >= 2, normal, bits);
+  return AsVF(bits | ((code & 8) << 28));
+#endif
+}
+
+}  // namespace
+}  // namespace nvfp4::cpu::NVFP4_ISA
+
+#endif  // NVFP4_CPU_SIMD_H_
