@@ -699,16 +699,19 @@ def run(recipe_name: str, args, train, val, config: dict, console: Console, rule
     val_batches = jnp.stack(
         [batch_at(val, 10**9 + i, args.batch, args.seq_len, args.seed) for i in range(EVAL_BATCHES)]
     )
+    # The graph of (model, optimizer) split once, not at every call: nnx.jit's per-call
+    # traversal costs milliseconds, more for NVFP4 layers (their quantization RNG state).
+    step_fn = nnx.cached_partial(train_step, model, optimizer)
+    step_seconds = []  # the train steps alone (no evaluation, no checkpoint), this session
     columns = (TextColumn(f"{recipe_name:>5s}"), BarColumn(), TextColumn("{task.fields[info]}"))
     with Progress(*columns, TimeRemainingColumn(), console=console) as progress:
         task = progress.add_task("", total=args.steps, completed=start_step, info="compiling")
         tick = time.perf_counter()
         for step in range(start_step + 1, last + 1):
-            loss = float(
-                train_step(
-                    model, optimizer, batch_at(train, step, args.batch, args.seq_len, args.seed)
-                )
-            )
+            batch = batch_at(train, step, args.batch, args.seq_len, args.seed)
+            begin = time.perf_counter()
+            loss = float(step_fn(batch))
+            step_seconds.append(time.perf_counter() - begin)
             history["step"].append(step)
             history["train_loss"].append(loss)
             if step % args.eval_every == 0 or step == args.steps:
@@ -725,6 +728,10 @@ def run(recipe_name: str, args, train, val, config: dict, console: Console, rule
             if not all(map(math.isfinite, [loss, *history["val_loss"][-1:]])):
                 history["diverged_at"] = step
                 break
+            if step == last:
+                # The first step compiles; the steady state is the median of the others.
+                history["first_step_seconds"] = step_seconds[0]
+                history["step_ms"] = 1e3 * float(np.median(step_seconds[1:] or step_seconds))
             checkpoints.save(step, model, optimizer, history, config, force=step == last)
     if "diverged_at" in history:
         _say(
@@ -743,6 +750,8 @@ def _final(history: dict, tail: int) -> dict:
         "final_train_loss": float(np.mean(train)) if train else None,
         "final_val_loss": history["val_loss"][-1] if history["val_loss"] else None,
         "seconds": history["seconds"],
+        "step_ms": history.get("step_ms"),
+        "first_step_seconds": history.get("first_step_seconds"),
         "diverged_at": history.get("diverged_at"),
     }
 
@@ -768,7 +777,8 @@ def summarize(histories: dict, args, console: Console) -> dict:
         caption="; ".join(f"{name} diverged at step {step}" for name, step in diverged.items())
         or None,
     )
-    for column in ("recipe", "train loss", "val loss", "val gap vs bf16", "time (s)"):
+    columns = ("recipe", "train loss", "val loss", "val gap vs bf16", "time (s)", "ms/step")
+    for column in columns:
         table.add_column(column, justify="right")
     base = rows.get("bf16", {}).get("final_val_loss")
     for name, r in rows.items():
@@ -779,6 +789,7 @@ def summarize(histories: dict, args, console: Console) -> dict:
             _number(r["final_val_loss"]),
             "-" if gap is None else f"{100 * gap:+.2f}%",
             f"{r['seconds']:.0f}",
+            "-" if r["step_ms"] is None else f"{r['step_ms']:.0f}",
         )
     console.print(table)
     return rows
