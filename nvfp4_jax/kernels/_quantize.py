@@ -82,14 +82,21 @@ def _shard_words(words, entries, local_shape):
     return SRSeed.from_operand(words).advance(offset).operand()
 
 
-@functools.cache
-def _partitioned_quantize(ndim: int, block_2d: bool, rht: bool, sr: bool):
-    raw = part.positional(_call_quantize, block_2d=block_2d, rht=rht, stochastic_rounding=sr)
+def _blockwise_rule(raw, *, block_2d: bool, sr: bool, blocked: int, poison):
+    """`infer` and `partition` of a quantizing target (sharded by whole blocks of x).
+
+    x is sharded as `_entries` allows, A and the seed are replicated; the first `blocked`
+    results are sharded as x, the last (the stored amax) is replicated.
+
+    The kernel of each shard follows docs/NUMERICS.md section 8 on its own input; one shard
+    with non-finite input (or an invalid A) must make the whole tensor non-finite, as on
+    one device: `poison(blocked_results, bad)` gives them their section-8 bits where `bad`.
+    """
 
     def infer(mesh, arg_shapes, result_shape):
         del result_shape
         out = part.named(mesh, _entries(mesh, arg_shapes[0], block_2d=block_2d, sr=sr))
-        return (out, out, part.replicated(mesh))
+        return (*[out] * blocked, part.replicated(mesh))
 
     def partition(mesh, arg_shapes, result_shape):
         del result_shape
@@ -100,16 +107,39 @@ def _partitioned_quantize(ndim: int, block_2d: bool, rht: bool, sr: bool):
         def lower(x, amax, words):
             if sr:
                 words = _shard_words(words, entries, x.shape)
-            codes, scales, stored = raw(x, amax, words)
+            *results, stored = raw(x, amax, words)
+            if not names:
+                return (*results, stored)
             bad = part.any_device(jnp.isnan(stored), names)
-            # One shard with non-finite input makes the whole tensor NaN (section 8).
-            codes = jnp.where(bad, jnp.uint8(0), codes)
-            nan_scales = jnp.full(scales.shape, formats.E4M3_NAN_BYTE, jnp.uint8)
-            scales = jnp.where(bad, lax.bitcast_convert_type(nan_scales, scales.dtype), scales)
-            return codes, scales, jnp.where(bad, _F32(jnp.nan), stored)
+            return (*poison(results, bad), jnp.where(bad, _F32(jnp.nan), stored))
 
-        return mesh, lower, (x_sharding, x_sharding, rep), (x_sharding, rep, rep)
+        return mesh, lower, (*[x_sharding] * blocked, rep), (x_sharding, rep, rep)
 
+    return infer, partition
+
+
+def _poison_codes(results, bad):
+    """Section 8's bits for non-finite input: codes 0, every scale 0x7F (NaN)."""
+    codes, scales = results
+    nan_scales = jnp.full(scales.shape, formats.E4M3_NAN_BYTE, jnp.uint8)
+    return (
+        jnp.where(bad, jnp.uint8(0), codes),
+        jnp.where(bad, lax.bitcast_convert_type(nan_scales, scales.dtype), scales),
+    )
+
+
+def _poison_values(results, bad):
+    """NaN everywhere (the values of codes 0 with NaN scales)."""
+    (out,) = results
+    return (lax.cond(bad, lambda o: jnp.full_like(o, jnp.nan), lambda o: o, out),)
+
+
+@functools.cache
+def _partitioned_quantize(ndim: int, block_2d: bool, rht: bool, sr: bool):
+    raw = part.positional(_call_quantize, block_2d=block_2d, rht=rht, stochastic_rounding=sr)
+    infer, partition = _blockwise_rule(
+        raw, block_2d=block_2d, sr=sr, blocked=2, poison=_poison_codes
+    )
     d = part.dims(ndim)
     rule = f"{d} (s k), , w -> {d} (s h), {d} s, "
     return part.with_rule(raw, partition, infer, rule, k=_BLOCK, h=_BLOCK // 2)
@@ -125,32 +155,9 @@ def _partitioned_fake_quantize(ndim, block_2d, rht, sr, global_scale, dtype):
         global_scale=global_scale,
         dtype=dtype,
     )
-
-    def infer(mesh, arg_shapes, result_shape):
-        del result_shape
-        out = part.named(mesh, _entries(mesh, arg_shapes[0], block_2d=block_2d, sr=sr))
-        return (out, part.replicated(mesh))
-
-    def partition(mesh, arg_shapes, result_shape):
-        del result_shape
-        entries = _entries(mesh, arg_shapes[0], block_2d=block_2d, sr=sr)
-        names = part.used_axes(entries)
-        x_sharding, rep = part.named(mesh, entries), part.replicated(mesh)
-
-        def lower(x, amax, words):
-            if sr:
-                words = _shard_words(words, entries, x.shape)
-            out, stored = raw(x, amax, words)
-            if not names:
-                return out, stored
-            # The kernel fills its shard with NaN when its input (or A) is not finite; one
-            # such shard makes the whole tensor NaN, as on one device.
-            bad = part.any_device(jnp.isnan(stored), names)
-            out = lax.cond(bad, lambda o: jnp.full_like(o, jnp.nan), lambda o: o, out)
-            return out, jnp.where(bad, _F32(jnp.nan), stored)
-
-        return mesh, lower, (x_sharding, rep), (x_sharding, rep, rep)
-
+    infer, partition = _blockwise_rule(
+        raw, block_2d=block_2d, sr=sr, blocked=1, poison=_poison_values
+    )
     d = part.dims(ndim)
     return part.with_rule(raw, partition, infer, f"{d} c, , w -> {d} c, ")
 
