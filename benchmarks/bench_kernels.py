@@ -24,6 +24,7 @@ from nvfp4_jax import kernels
 
 
 def heavy_tailed(shape, key) -> jax.Array:
+    """Random non-zero bf16 data: normal times a lognormal per row, plus outliers."""
     k1, k2, k3 = jax.random.split(key, 3)
     x = jax.random.normal(k1, shape, jnp.float32)
     x = x * jnp.exp(1.5 * jax.random.normal(k2, (shape[0], 1), jnp.float32))

@@ -51,6 +51,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 import numpy as np
+from bench_kernels import heavy_tailed  # this folder is on sys.path when run as a script
 
 import nvfp4_jax
 from nvfp4_jax import kernels
@@ -84,17 +85,6 @@ def _optional(name: str):
 
 qwix = _optional("qwix")
 jax_fp4 = _optional("jax._src.cudnn.scaled_matmul_stablehlo")
-
-
-def heavy_tailed(shape, key) -> jax.Array:
-    """Random non-zero bf16 data: normal times a lognormal per row, plus outliers."""
-    k1, k2, k3 = jax.random.split(key, 3)
-    x = jax.random.normal(k1, shape, jnp.float32)
-    x = x * jnp.exp(1.5 * jax.random.normal(k2, (shape[0], 1), jnp.float32))
-    outliers = jax.random.bernoulli(k3, 1e-3, shape)
-    x = jnp.where(outliers, x * 100.0, x)
-    x = jnp.where(x == 0, 1e-3, x)
-    return x.astype(jnp.bfloat16)
 
 
 @dataclass
