@@ -81,6 +81,50 @@ def test_fake_quantize_output_dtypes(native, out, global_scale):
     assert_same_bits(got, values.astype(np.float32).astype(np_dtype(out)), f"-> {out}")
 
 
+# Tensors the CPU kernels split between threads (more than a few parallel chunks of about
+# 2^17 elements), with row counts that split them mid-group and the last 16-block group of a
+# range partial: the small shapes above run in one chunk. Against the reference (checked
+# against the oracle elsewhere), every op and output dtype.
+SPLIT_SHAPES = [(16 * 37, 16 * 45), (3, 16 * 13, 16 * 29), (16 * 5, 16 * 1201)]
+
+
+def split_cases():
+    for i, (block_2d, rht, sr) in enumerate(itertools.product((False, True), repeat=3)):
+        shape = SPLIT_SHAPES[i % len(SPLIT_SHAPES)]
+        dtype = ("bf16", "f32", "f16")[i % 3]
+        axis = -1 if i % 2 == 0 else -2
+        flags = f"{'2d' if block_2d else '1d'}_{'rht' if rht else 'plain'}_{'sr' if sr else 'rn'}"
+        yield pytest.param(
+            shape, dtype, axis, block_2d, rht, sr, id=f"{dtype}_{flags}_axis{axis}_{len(shape)}d"
+        )
+
+
+@pytest.mark.parametrize("shape,dtype,axis,block_2d,rht,sr", list(split_cases()))
+def test_tensors_split_between_threads_equal_the_reference(
+    native, shape, dtype, axis, block_2d, rht, sr
+):
+    ref = make_impl("reference")
+    x = with_underflow_block(heavy_tailed(shape, dtype, seed=sum(shape)), row=2, block=1)
+    flags = dict(axis=axis, block_2d=block_2d, rht=rht, stochastic_rounding=sr)
+    want = ref.quantize(x, key=KEY, **flags)
+    assert_same_q(native.quantize(x, key=KEY, **flags), want, "quantize")
+    for out in ("bf16", "f32"):
+        assert_same_bits(
+            native.fake_quantize(x, key=KEY, dtype=np_dtype(out), **flags),
+            ref.fake_quantize(x, key=KEY, dtype=np_dtype(out), **flags),
+            f"fake_quantize -> {out}",
+        )
+        if not rht:  # the inverse RHT's rounding order is not part of the contract
+            assert_same_bits(
+                native.dequantize(want, np_dtype(out)),
+                ref.dequantize(want, np_dtype(out)),
+                f"dequantize -> {out}",
+            )
+    assert_same_bits(
+        native.tensor_amax(x, axis=axis, rht=rht), ref.tensor_amax(x, axis=axis, rht=rht), "amax"
+    )
+
+
 @pytest.fixture(params=["baseline", "x86-64-v3", "x86-64-v4"])
 def cpu_isa(request):
     """Runs the CPU kernels built for one x86 level (each level is a separate build)."""
@@ -206,3 +250,21 @@ def test_unknown_implementation_is_an_error():
     for bad in ("cuda", "FFI", 1):
         with pytest.raises(ValueError, match="implementation must be one of"):
             nvfp4_jax.quantize(jnp.ones((16, 16)), implementation=bad)
+
+
+@pytest.mark.parametrize(
+    "dtype,block_2d,rht,sr",
+    [("bf16", False, True, True), ("f32", True, False, False)],
+    ids=["bf16_1d_rht_sr", "f32_2d_plain_rn"],
+)
+def test_every_cpu_variant_splits_between_threads_alike(cpu_isa, dtype, block_2d, rht, sr):
+    cpu, ref = make_impl("cpu"), make_impl("reference")
+    x = heavy_tailed(SPLIT_SHAPES[0], dtype, seed=3)
+    flags = dict(block_2d=block_2d, rht=rht, stochastic_rounding=sr)
+    want = ref.quantize(x, key=KEY, **flags)
+    assert_same_q(cpu.quantize(x, key=KEY, **flags), want, cpu_isa)
+    assert_same_bits(
+        cpu.fake_quantize(x, key=KEY, **flags), ref.fake_quantize(x, key=KEY, **flags), cpu_isa
+    )
+    bf16 = np_dtype("bf16")
+    assert_same_bits(cpu.dequantize(want, bf16), ref.dequantize(want, bf16), cpu_isa)
