@@ -83,18 +83,6 @@ def run_point(name: str, out: pathlib.Path, common: list[str]) -> dict:
     return results
 
 
-def gaps_over_steps(results: dict) -> tuple[list[int], list[float]]:
-    """(steps, relative gap in %) at every validation step both runs share."""
-    nvfp4, bf16 = results["histories"]["nvfp4"], results["histories"]["bf16"]
-    base = dict(zip(bf16["val_step"], bf16["val_loss"], strict=True))
-    steps, gaps = [], []
-    for step, loss in zip(nvfp4["val_step"], nvfp4["val_loss"], strict=True):
-        if step in base:
-            steps.append(step)
-            gaps.append(100 * (loss - base[step]) / base[step])
-    return steps, gaps
-
-
 def plot(study: dict, path: pathlib.Path) -> None:
     """One figure, three panels of the relative gap."""
     import matplotlib  # noqa: PLC0415
@@ -166,7 +154,7 @@ def main(argv=None) -> dict:
             "rules": results["config"]["rules"],
         }
         if panel == "width" or name == "policy-suggested":
-            steps, gaps = gaps_over_steps(results)
+            steps, gaps = train_lm.relative_gaps(results["histories"]) or ([], [])
             curves[f"{name}"] = {"steps": steps, "gaps": gaps}
     study = {"steps": args.steps, "points": points, "curves": curves}
     args.out.mkdir(parents=True, exist_ok=True)

@@ -806,20 +806,52 @@ def _json_safe(value):
     return value
 
 
+def relative_gaps(histories: dict) -> tuple[list[int], list[float]] | None:
+    """(steps, NVFP4's relative validation gap in %) where both runs were evaluated, or None."""
+    if not {"nvfp4", "bf16"} <= histories.keys():
+        return None
+    base = dict(zip(histories["bf16"]["val_step"], histories["bf16"]["val_loss"], strict=True))
+    points = [
+        (step, 100 * (loss - base[step]) / base[step])
+        for step, loss in zip(
+            histories["nvfp4"]["val_step"], histories["nvfp4"]["val_loss"], strict=True
+        )
+        if step in base and math.isfinite(loss) and math.isfinite(base[step]) and base[step]
+    ]
+    if not points:
+        return None
+    steps, gaps = zip(*points, strict=True)
+    return list(steps), list(gaps)
+
+
 def plot(histories: dict, path: pathlib.Path) -> None:
-    """Writes both recipes' train and validation loss curves to a PNG."""
+    """Writes both recipes' train and validation loss curves to a PNG, and beside them
+    NVFP4's relative validation gap when both recipes ran."""
     import matplotlib  # noqa: PLC0415
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    gap = relative_gaps(histories)
+    fig, axes = plt.subplots(1, 2 if gap else 1, figsize=(12 if gap else 7, 4.5), squeeze=False)
+    ax = axes[0, 0]
     for (name, h), color in zip(histories.items(), ("tab:red", "tab:blue"), strict=False):
         ax.plot(h["step"], h["train_loss"], color=color, alpha=0.3, lw=1)
         ax.plot(h["val_step"], h["val_loss"], color=color, marker="o", label=f"{name} validation")
     ax.set(xlabel="step", ylabel="loss (nats/byte)", title="byte-level LM: NVFP4 vs bf16")
     ax.grid(alpha=0.3)
     ax.legend()
+    if gap:
+        # The two curves lie close together: the gap itself, on its own scale.
+        ax = axes[0, 1]
+        ax.plot(*gap, color="tab:red", marker="o")
+        ax.axhline(0, color="gray", lw=0.8)
+        ax.set(
+            xlabel="step",
+            ylabel="(val_nvfp4 - val_bf16) / val_bf16 (%)",
+            title="NVFP4's relative validation-loss gap",
+        )
+        ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
