@@ -32,7 +32,8 @@ from nvfp4_jax import backends, formats, reference
 from nvfp4_jax.array import NVFP4Array, bind_dequantize
 from nvfp4_jax.backends import Backend, Implementation
 from nvfp4_jax.reference import hadamard
-from nvfp4_jax.seed import SRSeed, as_seed
+from nvfp4_jax.reference.quantize import check_quantize_call
+from nvfp4_jax.seed import SRSeed
 
 _F32 = jnp.float32
 
@@ -80,21 +81,6 @@ def _rht_jvp(inverse, backend, primals, tangents):
 # --- tensor_amax ----------------------------------------------------------------------------
 
 
-def _check_quantize(x, axis, block_2d, rht, stochastic_rounding, key, op):
-    """Validated (x, negative axis, SR seed or None)."""
-    x = formats.as_float_array(x, op)
-    axis = formats.check_quantize_args(
-        x,
-        axis=axis,
-        block_2d=block_2d,
-        rht=rht,
-        stochastic_rounding=stochastic_rounding,
-        key=key,
-        op=op,
-    )
-    return x, axis, as_seed(key, op) if stochastic_rounding else None
-
-
 def tensor_amax(
     x: jax.Array,
     *,
@@ -111,7 +97,7 @@ def tensor_amax(
       >>> float(tensor_amax(jnp.array([1.0, -3.0] * 8)))
       3.0
     """
-    x, axis, _ = _check_quantize(x, axis, False, rht, False, None, "tensor_amax")
+    x, axis, _, _ = check_quantize_call(x, axis, False, rht, False, None, None, "tensor_amax")
     backend = backends.resolve(implementation, "tensor_amax")
     return _amax(jnp.moveaxis(x, axis, -1), bool(rht), backend)
 
@@ -177,8 +163,9 @@ def quantize(
       ((2, 8), (2, 1), (2, 16))
 
     """
-    x, axis, seed = _check_quantize(x, axis, block_2d, rht, stochastic_rounding, key, "quantize")
-    amax = formats.check_amax(amax, "quantize")
+    x, axis, seed, amax = check_quantize_call(
+        x, axis, block_2d, rht, stochastic_rounding, key, amax, "quantize"
+    )
     backend = backends.resolve(implementation, "quantize")
     # A step function: no derivative flows through it, and the kernels are never traced
     # for one (their tangents are symbolically zero).
@@ -243,8 +230,9 @@ def fake_quantize(
       True
     """
     op = "fake_quantize"
-    x, axis, seed = _check_quantize(x, axis, block_2d, rht, stochastic_rounding, key, op)
-    amax = formats.check_amax(amax, op)
+    x, axis, seed, amax = check_quantize_call(
+        x, axis, block_2d, rht, stochastic_rounding, key, amax, op
+    )
     global_scale = formats.check_flag(global_scale, op, "global_scale")
     dtype = formats.check_dtype(x.dtype if dtype is None else dtype, op)
     backend = backends.resolve(implementation, op)

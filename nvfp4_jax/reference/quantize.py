@@ -97,8 +97,12 @@ def _quantize_core(xs, used, bad, seed: SRSeed | None, block_2d: bool):
     return codes.reshape(xs.shape), scales
 
 
-def _check(x, axis, block_2d, rht, stochastic_rounding, key, amax, op):
-    """Validated (x, negative axis, SR seed or None, f32 amax or None)."""
+def check_quantize_call(x, axis, block_2d, rht, stochastic_rounding, key, amax, op):
+    """Validated (x, negative axis, SR seed or None, f32 amax or None).
+
+    The argument checks of every quantizing op, for every implementation (`nvfp4_jax.ops`
+    calls it too), so they raise the same errors.
+    """
     x = formats.as_float_array(x, op)
     axis = formats.check_quantize_args(
         x,
@@ -128,7 +132,7 @@ def tensor_amax(x: jax.Array, *, axis: int = -1, rht: bool = False) -> jax.Array
       >>> float(tensor_amax(jnp.array([1.0, -3.0] * 8)))
       3.0
     """
-    x, axis, _, _ = _check(x, axis, False, rht, False, None, None, "tensor_amax")
+    x, axis, _, _ = check_quantize_call(x, axis, False, rht, False, None, None, "tensor_amax")
     _, _, _, stored_amax = _prepare(jnp.moveaxis(x, axis, -1), rht, None)
     return stored_amax
 
@@ -154,7 +158,9 @@ def quantize(
       ((2, 8), (2, 1), (2, 16))
 
     """
-    x, axis, seed, amax = _check(x, axis, block_2d, rht, stochastic_rounding, key, amax, "quantize")
+    x, axis, seed, amax = check_quantize_call(
+        x, axis, block_2d, rht, stochastic_rounding, key, amax, "quantize"
+    )
     xs, used, bad, stored_amax = _prepare(jnp.moveaxis(x, axis, -1), rht, amax)
     codes, scales = _quantize_core(xs, used, bad, seed, block_2d)
     return NVFP4Array(
@@ -186,7 +192,9 @@ def fake_quantize(
     `global_scale`, in x's layout, with no inverse RHT, cast to `dtype` (default x's).
     """
     op = "fake_quantize"
-    x, axis, seed, amax = _check(x, axis, block_2d, rht, stochastic_rounding, key, amax, op)
+    x, axis, seed, amax = check_quantize_call(
+        x, axis, block_2d, rht, stochastic_rounding, key, amax, op
+    )
     global_scale = formats.check_flag(global_scale, op, "global_scale")
     dtype = formats.check_dtype(x.dtype if dtype is None else dtype, op)
     xs, used, bad, stored_amax = _prepare(jnp.moveaxis(x, axis, -1), rht, amax)
