@@ -82,7 +82,7 @@ int main(int argc, char** argv) {
   job.codes = codes.data();
   job.scales = scales.data();
   job.values = values.data();
-  std::vector<uint32_t> scratch(job.scratch_words() + 64);
+  std::vector<uint32_t> scratch(job.blocks());  // enough for the 16x16 op below
 
   DequantizeJob dj;
   dj.codes = codes.data();

@@ -50,8 +50,6 @@ void AdviseHugePages(void* data, int64_t bytes) {
 #endif
 }
 
-int64_t FloatBytes(FloatType t) { return t == FloatType::kF32 ? 4 : 2; }
-
 float* F32Data(ffi::AnyBuffer b) { return static_cast<float*>(b.untyped_data()); }
 
 void AtomicMax(std::atomic<uint32_t>& a, uint32_t v) {
@@ -116,7 +114,7 @@ ffi::Error QuantizeImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer a
   QuantizeJob job = MakeJob(x, layout, a, key, block_2d, rht, stochastic_rounding);
   job.codes = static_cast<uint8_t*>(codes->untyped_data());
   job.scales = static_cast<uint8_t*>(scales->untyped_data());
-  AdviseHugePages(job.codes, layout.size() / 2);
+  AdviseHugePages(codes->untyped_data(), codes->size_bytes());
   // A NaN, inf or negative A gives the non-finite result without reading x.
   const bool finite = AmaxValid(a) && RunQuantize(pool, BestTable().quantize[Index(args->x)], job);
   const float stored = StoredAmax(a, finite);
@@ -139,7 +137,7 @@ ffi::Error FakeQuantizeImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuff
   const float a = *F32Data(amax);
   QuantizeJob job = MakeJob(x, layout, a, key, block_2d, rht, stochastic_rounding);
   job.values = out->untyped_data();
-  AdviseHugePages(job.values, layout.size() * FloatBytes(args->result));
+  AdviseHugePages(out->untyped_data(), out->size_bytes());
   job.global = DecodeGlobal(a);
   job.use_global = global_scale;
   const auto fn = BestTable().fake_quantize[Index(args->x)][Index(args->result)];
@@ -168,7 +166,7 @@ ffi::Error DequantizeImpl(ffi::ThreadPool pool, ffi::AnyBuffer codes, ffi::AnyBu
   job.cols = args->layout.cols;
   job.rht = rht;
   job.out = out->untyped_data();
-  AdviseHugePages(job.out, args->layout.size() * FloatBytes(args->result));
+  AdviseHugePages(out->untyped_data(), out->size_bytes());
   const DequantizeRangeFn fn = BestTable().dequantize[Index(args->result)];
   ParallelFor(pool, args->layout.rows, GrainItems(job.cols),
               [&](int64_t begin, int64_t end) { fn(job, begin, end); });

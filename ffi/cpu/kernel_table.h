@@ -34,8 +34,8 @@ struct QuantizeJob {
 
   int64_t blocks() const { return cols / kBlock; }
   int64_t rows_per_item() const { return block_2d ? kBlock : 1; }
-  // Scratch words a worker needs: the 16x16 tile maxima of a row of tiles.
-  int64_t scratch_words() const { return blocks(); }
+  // Scratch words a worker needs: the 16x16 tile maxima of a row of tiles (none for 1x16).
+  int64_t scratch_words() const { return block_2d ? blocks() : 0; }
 };
 
 struct DequantizeJob {

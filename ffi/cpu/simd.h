@@ -275,61 +275,7 @@ NVFP4_VINLINE void NarrowStoreU8(void* p, VI v) {
 }
 
 // ---------------------------------------------------------------------------
-// E2M1 codes: packing, unpacking, values.
-
-// 16 codes (lanes in [0, 15]) -> 8 packed bytes: element 2i low nibble, 2i+1 high.
-NVFP4_VINLINE void PackCodes(uint8_t* p, VI code) {
-#if defined(NVFP4_SIMD_AVX512)
-  // As 64-bit lanes, code 2i + 1 sits at bit 32: shifted down by 28 it lands on bit 4.
-  const __m512i q = (__m512i)code.p[0];
-  const __m512i pairs = _mm512_or_si512(q, _mm512_srli_epi64(q, 28));
-  _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm512_cvtepi64_epi8(pairs));
-#elif defined(NVFP4_SIMD_AVX2)
-  const __m256i lo = (__m256i)code.p[0], hi = (__m256i)code.p[1];
-  const __m256i plo = _mm256_or_si256(lo, _mm256_srli_epi64(lo, 28));
-  const __m256i phi = _mm256_or_si256(hi, _mm256_srli_epi64(hi, 28));
-  // Byte 0 of each 64-bit lane: lo's to bytes 0, 1 (128-bit lane 0) and 2, 3 (lane 1),
-  // hi's to bytes 4, 5 and 6, 7; then the two 128-bit lanes are ORed together.
-  const __m256i sel_lo = _mm256_setr_epi8(0, 8, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
-                                          -1, -1, -1, -1, 0, 8, -1, -1, -1, -1, -1, -1, -1, -1,
-                                          -1, -1, -1, -1);
-  const __m256i sel_hi = _mm256_setr_epi8(-1, -1, -1, -1, 0, 8, -1, -1, -1, -1, -1, -1, -1, -1,
-                                          -1, -1, -1, -1, -1, -1, -1, -1, 0, 8, -1, -1, -1, -1,
-                                          -1, -1, -1, -1);
-  const __m256i both =
-      _mm256_or_si256(_mm256_shuffle_epi8(plo, sel_lo), _mm256_shuffle_epi8(phi, sel_hi));
-  const __m128i bytes =
-      _mm_or_si128(_mm256_castsi256_si128(both), _mm256_extracti128_si256(both, 1));
-  _mm_storel_epi64(reinterpret_cast<__m128i*>(p), bytes);
-#else
-  for (int i = 0; i < 8; ++i) {
-    p[i] = static_cast<uint8_t>(Lane(code, 2 * i) | (Lane(code, 2 * i + 1) << 4));
-  }
-#endif
-}
-
-// 8 packed code bytes -> 16 lanes whose low 4 bits are the codes (higher bits undefined).
-NVFP4_VINLINE VI CodeNibbles(const uint8_t* p) {
-  VI r;
-#if defined(NVFP4_SIMD_AVX512)
-  // Each byte in its own 64-bit lane; shifted up by 28, its high nibble lands on bit 32.
-  const __m512i q = _mm512_cvtepu8_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  r.p[0] = (NI)_mm512_or_si512(q, _mm512_slli_epi64(q, 28));
-#elif defined(NVFP4_SIMD_AVX2)
-  uint32_t w[2];
-  __builtin_memcpy(w, p, 8);
-  for (int j = 0; j < 2; ++j) {
-    const __m256i q = _mm256_cvtepu8_epi64(_mm_cvtsi32_si128(static_cast<int>(w[j])));
-    r.p[j] = (NI)_mm256_or_si256(q, _mm256_slli_epi64(q, 28));
-  }
-#else
-  for (int i = 0; i < 8; ++i) {
-    r.p[(2 * i) / kLanes][(2 * i) % kLanes] = p[i] & 0xF;
-    r.p[(2 * i + 1) / kLanes][(2 * i + 1) % kLanes] = p[i] >> 4;
-  }
-#endif
-  return r;
-}
+// E2M1 code values.
 
 // The signed E2M1 value of each lane's low 4 bits (bit 3 the sign: 0x8 is -0).
 NVFP4_VINLINE VF E2m1Value(VI code) {
