@@ -53,7 +53,7 @@ from rich.table import Table
 
 from nvfp4_jax import formats, ops, reference
 from nvfp4_jax import nnx as nvfp4_nnx
-from nvfp4_jax.dot_general import dot_general
+from nvfp4_jax.dot_general import dot_general, pad_tokens
 from nvfp4_jax.recipe import NVFP4Recipe
 from nvfp4_jax.rules import (
     Rule,
@@ -185,12 +185,6 @@ def _is_seed(key) -> bool:
     return key is None or (isinstance(key, int) and not isinstance(key, bool))
 
 
-def _pad_tokens(x: jax.Array) -> jax.Array:
-    """Zero rows up to a multiple of 16 tokens, as the wgrad GEMM pads them."""
-    pad = -x.shape[0] % formats.BLOCK_SIZE
-    return jnp.pad(x, ((0, pad), (0, 0))) if pad else x
-
-
 def operand_stats(
     x: jax.Array,
     *,
@@ -248,9 +242,9 @@ def _operands(x, w, dy, key, recipe: NVFP4Recipe) -> dict[str, dict[str, jax.Arr
         "dy": operand_stats(
             dy, axis=1, stochastic_rounding=sr, key=dgrad_key, implementation=impl
         ),
-        "x_wgrad": operand_stats(_pad_tokens(x), axis=0, rht=rht, implementation=impl),
+        "x_wgrad": operand_stats(pad_tokens(x), axis=0, rht=rht, implementation=impl),
         "dy_wgrad": operand_stats(
-            _pad_tokens(dy), axis=0, rht=rht, stochastic_rounding=sr, key=wgrad_key,
+            pad_tokens(dy), axis=0, rht=rht, stochastic_rounding=sr, key=wgrad_key,
             implementation=impl,
         ),
     }  # fmt: skip

@@ -33,7 +33,7 @@ _F32 = jnp.float32
 _GRADIENT_KEY_SEED = 0x4E564650
 
 
-def _pad_tokens(x):
+def pad_tokens(x):
     """Zero-pads the token axis (0) to a multiple of 16; zero rows add nothing to x^T dy."""
     pad = -x.shape[0] % formats.BLOCK_SIZE
     return jnp.pad(x, ((0, pad), (0, 0))) if pad else x
@@ -95,7 +95,7 @@ def _nvfp4_matmul_fwd(x, w, key, recipe, out_dtype):
         # 1x16 blocks along K cannot serve dgrad, which contracts over N: quantize along N.
         qw = ops_quantize(w, axis=1, implementation=recipe.implementation)  # stored (K, N)
     qx_tokens = ops_quantize(
-        _pad_tokens(x), axis=0, rht=recipe.wgrad_rht, implementation=recipe.implementation
+        pad_tokens(x), axis=0, rht=recipe.wgrad_rht, implementation=recipe.implementation
     )  # stored (K, M)
     return y.astype(out_dtype), (qw, qx_tokens, key)
 
@@ -121,7 +121,7 @@ def _nvfp4_matmul_bwd(recipe, out_dtype, residuals, dy):
 
     # wgrad: dW (K, N) = x^T dy, both operands quantized along the tokens M (with the RHT).
     dy_m = _operand(
-        _pad_tokens(dy), recipe, axis=0, rht=recipe.wgrad_rht, stochastic_rounding=sr, key=wgrad_key
+        pad_tokens(dy), recipe, axis=0, rht=recipe.wgrad_rht, stochastic_rounding=sr, key=wgrad_key
     )  # stored (N, M)
     x_m = gemm.array_operand(qx_tokens, backend=backend, dtype=dtype)  # stored (K, M)
     dw = gemm.matmul(x_m, dy_m)

@@ -525,25 +525,10 @@ def inverse_rht64(values: np.ndarray) -> np.ndarray:
         return (values.reshape(-1, 16).astype(F64) @ M64.T).reshape(values.shape)
 
 
-def assert_bits(actual, expected, what: str):
-    """`helpers.assert_same_bits`, with NaN payloads and signs ignored for bf16 too.
-
-    (The helper masks NaNs only for dtypes of kind "f" or named "float*"; bfloat16 is
-    neither, so a bf16 -NaN would not match a +NaN.)
-    """
-    actual, expected = np.asarray(actual), np.asarray(expected)
-    if actual.dtype == expected.dtype == DTYPES["bf16"]:
-        nan_a, nan_e = np.isnan(actual.astype(F32)), np.isnan(expected.astype(F32))
-        np.testing.assert_array_equal(nan_a, nan_e, f"{what}: NaN positions")
-        actual = np.where(nan_a, 0, actual).astype(actual.dtype)
-        expected = np.where(nan_e, 0, expected).astype(expected.dtype)
-    assert_same_bits(actual, expected, what)
-
-
 def assert_agree(results: list, what: str):
     """Every implementation's array has the bits of the first one's."""
     for impl, r in results[1:]:
-        assert_bits(r, results[0][1], f"{what}: {impl.name} vs {results[0][0].name}")
+        assert_same_bits(r, results[0][1], f"{what}: {impl.name} vs {results[0][0].name}")
 
 
 # --- properties: agreement -----------------------------------------------------------------
@@ -558,7 +543,7 @@ def _check_dequantize(impls, case, o, qs, name):
     if not case.rht:
         with np.errstate(over="ignore"):  # a cast to f16 may overflow to inf, as it should
             want = oracle.dequantize(o, axis=case.axis, dtype=dtype)
-        assert_bits(deqs[0][1], want, f"dequantize to {name} vs oracle")
+        assert_same_bits(deqs[0][1], want, f"dequantize to {name} vs oracle")
         return
     got = stored(deqs[0][1], case.axis)
     want = inverse_rht64(o.dequant_stored)
@@ -632,7 +617,7 @@ def test_fake_quantize_agrees(impls, case, global_scale, out):
     ]
     assert_agree(results, "fake_quantize")
     want = _expected_fake(case, o, global_scale, dtype)
-    assert_bits(results[0][1], want, "fake_quantize vs oracle")
+    assert_same_bits(results[0][1], want, "fake_quantize vs oracle")
 
 
 SCALE_BYTES = st.one_of(
@@ -688,7 +673,7 @@ def test_dequantize_agrees(impls, args):
     else:
         with np.errstate(over="ignore"):
             want = np.moveaxis(values, -1, q.axis).astype(dtype)
-        assert_bits(results[0][1], want, "dequantize vs oracle")
+        assert_same_bits(results[0][1], want, "dequantize vs oracle")
 
 
 @budget("tensor_amax")
@@ -708,7 +693,7 @@ def test_tensor_amax_agrees(impls, layout, name, rht, data):
         exempt_rht_subnormals(stored(x, axis))
     results = [(impl, np.asarray(impl.tensor_amax(x, axis=axis, rht=rht))) for impl in impls]
     assert_agree(results, "tensor_amax")
-    assert_bits(results[0][1], np.asarray(want, F32), "tensor_amax vs oracle")
+    assert_same_bits(results[0][1], np.asarray(want, F32), "tensor_amax vs oracle")
 
 
 @budget("apply_rht")
@@ -726,7 +711,7 @@ def test_apply_rht_agrees(impls, layout, name, inverse, data):
     assert_agree(results, f"apply_rht(inverse={inverse})")
     with np.errstate(all="ignore"):
         if not inverse:  # section 5's fixed order: bit-exact
-            assert_bits(results[0][1], oracle.fwht_rht(x), "apply_rht vs oracle")
+            assert_same_bits(results[0][1], oracle.fwht_rht(x), "apply_rht vs oracle")
         else:
             xf = x.astype(F32)
             assert_rht_close(results[0][1], inverse_rht64(xf), xf, x.dtype, "inverse vs oracle")
