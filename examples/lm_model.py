@@ -46,12 +46,9 @@ class LMConfig:
     max_len: int = 256
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
-    # None: every linear layer in bf16; else the NVFP4 recipe of the quantized layers.
+    # None: every linear layer in bf16; else every one in NVFP4 with this recipe (to keep some
+    # in bf16, build the model in bf16 and quantize it by rules: nvfp4_jax.quantize_model).
     recipe: nvfp4_jax.NVFP4Recipe | None = None
-    # Layers kept in bf16 at the start and end of the stack (the NVFP4 paper keeps a few
-    # final blocks in bf16); the output head counts as part of the last layer.
-    bf16_first: int = 0
-    bf16_last: int = 0
 
     def __post_init__(self):
         for name in ("depth", "heads", "max_len", "vocab"):
@@ -74,21 +71,11 @@ class LMConfig:
                 f"the MLP size {self.intermediate} and the key/value width "
                 f"{self.head_dim * self.kv_heads} must be multiples of 16 (NVFP4 blocks)"
             )
-        if self.bf16_first < 0 or self.bf16_last < 0:
-            raise ValueError(
-                f"bf16_first/bf16_last must be >= 0, got {self.bf16_first}, {self.bf16_last}"
-            )
 
     @property
     def head_dim(self) -> int:
         """E = D / H."""
         return self.width // self.heads
-
-    def block_is_nvfp4(self, index: int) -> bool:
-        """Whether layer `index` (0..depth-1; depth is the output head) runs in NVFP4."""
-        if self.recipe is None:
-            return False
-        return self.bf16_first <= index < self.depth + 1 - self.bf16_last
 
     def hf_config(self) -> dict:
         """The Hugging Face `LlamaConfig` of this model (what `config.json` holds)."""
@@ -132,9 +119,9 @@ class LMConfig:
         )
 
 
-def linear(cfg: LMConfig, layer: int, d_in: int, d_out: int, rngs: nnx.Rngs) -> nnx.Module:
-    """A bf16-compute linear layer without bias: NVFP4 if layer `layer` is quantized."""
-    if cfg.block_is_nvfp4(layer):
+def linear(cfg: LMConfig, d_in: int, d_out: int, rngs: nnx.Rngs) -> nnx.Module:
+    """A bf16-compute linear layer without bias: NVFP4 when `cfg.recipe` is set."""
+    if cfg.recipe is not None:
         return nvfp4_jax.nnx.Linear(
             d_in, d_out, recipe=cfg.recipe, dtype=jnp.bfloat16, use_bias=False, rngs=rngs
         )
@@ -155,13 +142,13 @@ def rotary(x: jax.Array, theta: float) -> jax.Array:
 class Attention(nnx.Module):
     """Causal grouped-query self-attention with rotary embeddings: (B, T, D) -> (B, T, D)."""
 
-    def __init__(self, cfg: LMConfig, index: int, rngs: nnx.Rngs):
+    def __init__(self, cfg: LMConfig, rngs: nnx.Rngs):
         d, e = cfg.width, cfg.head_dim
         self.cfg = cfg
-        self.q_proj = linear(cfg, index, d, cfg.heads * e, rngs)
-        self.k_proj = linear(cfg, index, d, cfg.kv_heads * e, rngs)
-        self.v_proj = linear(cfg, index, d, cfg.kv_heads * e, rngs)
-        self.o_proj = linear(cfg, index, cfg.heads * e, d, rngs)
+        self.q_proj = linear(cfg, d, cfg.heads * e, rngs)
+        self.k_proj = linear(cfg, d, cfg.kv_heads * e, rngs)
+        self.v_proj = linear(cfg, d, cfg.kv_heads * e, rngs)
+        self.o_proj = linear(cfg, cfg.heads * e, d, rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         b, t, _ = x.shape
@@ -177,10 +164,10 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, cfg: LMConfig, index: int, rngs: nnx.Rngs):
-        self.gate_proj = linear(cfg, index, cfg.width, cfg.intermediate, rngs)
-        self.up_proj = linear(cfg, index, cfg.width, cfg.intermediate, rngs)
-        self.down_proj = linear(cfg, index, cfg.intermediate, cfg.width, rngs)
+    def __init__(self, cfg: LMConfig, rngs: nnx.Rngs):
+        self.gate_proj = linear(cfg, cfg.width, cfg.intermediate, rngs)
+        self.up_proj = linear(cfg, cfg.width, cfg.intermediate, rngs)
+        self.down_proj = linear(cfg, cfg.intermediate, cfg.width, rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -189,12 +176,12 @@ class MLP(nnx.Module):
 class DecoderLayer(nnx.Module):
     """Pre-norm attention and MLP, each with a residual connection."""
 
-    def __init__(self, cfg: LMConfig, index: int, rngs: nnx.Rngs):
+    def __init__(self, cfg: LMConfig, rngs: nnx.Rngs):
         eps = cfg.rms_norm_eps
         self.input_layernorm = nnx.RMSNorm(cfg.width, epsilon=eps, rngs=rngs)
-        self.self_attn = Attention(cfg, index, rngs)
+        self.self_attn = Attention(cfg, rngs)
         self.post_attention_layernorm = nnx.RMSNorm(cfg.width, epsilon=eps, rngs=rngs)
-        self.mlp = MLP(cfg, index, rngs)
+        self.mlp = MLP(cfg, rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x = x + self.self_attn(self.input_layernorm(x)).astype(x.dtype)
@@ -207,9 +194,9 @@ class TransformerLM(nnx.Module):
     def __init__(self, cfg: LMConfig, rngs: nnx.Rngs):
         self.cfg = cfg
         self.embed_tokens = nnx.Embed(cfg.vocab, cfg.width, rngs=rngs)
-        self.layers = nnx.List([DecoderLayer(cfg, i, rngs) for i in range(cfg.depth)])
+        self.layers = nnx.List([DecoderLayer(cfg, rngs) for _ in range(cfg.depth)])
         self.norm = nnx.RMSNorm(cfg.width, epsilon=cfg.rms_norm_eps, rngs=rngs)
-        self.lm_head = linear(cfg, cfg.depth, cfg.width, cfg.vocab, rngs)
+        self.lm_head = linear(cfg, cfg.width, cfg.vocab, rngs)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """Returns f32 logits for every position."""

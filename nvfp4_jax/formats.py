@@ -27,10 +27,6 @@ RCP2688 = np.float32(1.0) / np.float32(FP4_E4M3_MAX)
 # The E4M3 NaN byte: every scale of a tensor with non-finite input (section 8).
 E4M3_NAN_BYTE = 0x7F
 
-E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=np.float32)
-# Value of every 4-bit code, sign included (0x8 is -0).
-E2M1_CODE_VALUES = np.concatenate([E2M1_VALUES, -E2M1_VALUES])
-
 # Round-to-nearest-even decision edges between consecutive E2M1 magnitudes. An edge that
 # is a tie rounds to the even code: ties at 0.25, 1.25, 2.5 and 5 go down (">" below),
 # ties at 0.75, 1.75 and 3.5 go up (">=" below).
