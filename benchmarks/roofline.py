@@ -33,6 +33,10 @@ same jitted function). A peer that is not installed shows as "n/a".
 Named shapes: "example" (the example training run's largest activations: batch 16 x seq 64
 by hidden 128 and by MLP 352, i.e. (1024, 128) and (1024, 352)), "weight_4096" (4096, 4096),
 "activation_16k" (16384, 1024); or any RxC.
+
+--reuse-memory runs the table with glibc's malloc told to keep large blocks (REUSE_MEMORY):
+XLA's results then reuse memory instead of fresh pages, as a copy into a preallocated array
+does, and the kernels' own speed shows.
 """
 
 from __future__ import annotations
@@ -282,8 +286,19 @@ def header_lines(argv) -> list[str]:
         f"qwix {getattr(qwix, '__version__', 'n/a')}, python {platform.python_version()}",
         f"# date: {datetime.datetime.now().isoformat(timespec='seconds')}",
         "# command: python " + " ".join(["benchmarks/roofline.py", *argv]),
+        "# allocator: "
+        + (
+            f"GLIBC_TUNABLES={os.environ['GLIBC_TUNABLES']}"
+            if os.environ.get("GLIBC_TUNABLES")
+            else "glibc defaults (results of 32 MiB and more get fresh pages at every call)"
+        ),
     ]
 
+
+# glibc's malloc maps every block of 32 MiB or more (its largest automatic mmap threshold)
+# afresh and unmaps it on free, so each such XLA result is new memory that the OS zeroes on
+# first touch. These tunables keep blocks up to 1 GiB in the heap, and freed memory there.
+REUSE_MEMORY = "glibc.malloc.mmap_threshold=1073741824:glibc.malloc.trim_threshold=4294967296"
 
 COLUMNS = (
     ("shape", 22),
@@ -330,7 +345,16 @@ def main() -> None:
     parser.add_argument("--no-peers", action="store_true", help="time neither qwix nor JAX")
     parser.add_argument("--settle-ms", type=float, default=0.0, help="sleep before each call")
     parser.add_argument("--out", help="also write the table to this file")
+    parser.add_argument(
+        "--reuse-memory",
+        action="store_true",
+        help=f"rerun this command with GLIBC_TUNABLES={REUSE_MEMORY} (see README, CPU speed)",
+    )
     args = parser.parse_args()
+    if args.reuse_memory and os.environ.get("GLIBC_TUNABLES") != REUSE_MEMORY:
+        # glibc reads its tunables when the process starts: start again with them set.
+        env = {**os.environ, "GLIBC_TUNABLES": REUSE_MEMORY}
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)
     if not kernels.is_available("cpu"):
         raise SystemExit(f"no native CPU kernels: {kernels.unavailable_reason('cpu')}")
     ops = [op for op in args.ops.split(",") if op]

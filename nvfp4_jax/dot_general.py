@@ -72,6 +72,15 @@ def _operand(x, recipe: NVFP4Recipe, *, axis, **flags) -> gemm.Operand:
     )
 
 
+def _array_operand(q, recipe: NVFP4Recipe) -> gemm.Operand:
+    return gemm.array_operand(
+        q,
+        backend=recipe.gemm_backend,
+        dtype=recipe.gemm_dtype,
+        implementation=recipe.implementation,
+    )
+
+
 def _quantize_weight(w, recipe: NVFP4Recipe):
     """W (K, N) quantized along K, stored (N, K): the fprop operand, packed for reuse."""
     return ops_quantize(w, axis=0, block_2d=recipe.weight_2d, implementation=recipe.implementation)
@@ -80,7 +89,7 @@ def _quantize_weight(w, recipe: NVFP4Recipe):
 def _fprop(x, w, recipe: NVFP4Recipe):
     qw = _quantize_weight(w, recipe)
     qx = _operand(x, recipe, axis=-1)  # stored (M, K)
-    w_operand = gemm.array_operand(qw, backend=recipe.gemm_backend, dtype=recipe.gemm_dtype)
+    w_operand = _array_operand(qw, recipe)
     return gemm.matmul(qx, w_operand), qw
 
 
@@ -107,13 +116,13 @@ def _nvfp4_matmul_bwd(recipe, out_dtype, residuals, dy):
     if key is None and sr:
         key = _gradient_key(dy)
     dgrad_key, wgrad_key = jax.random.split(key) if sr else (None, None)
-    backend, dtype = recipe.gemm_backend, recipe.gemm_dtype
+    backend = recipe.gemm_backend
 
     # dgrad: dx (M, K) = dy (M, N) @ W^T, both operands quantized along N.
     dy_n = _operand(dy, recipe, axis=-1, stochastic_rounding=sr, key=dgrad_key)
     if recipe.weight_2d and backend == "scaled_matmul":
         qw = gemm.transpose_2d_blocks(qw)  # stored (K, N)
-    w_n = gemm.array_operand(qw, backend=backend, dtype=dtype)
+    w_n = _array_operand(qw, recipe)
     if recipe.weight_2d and backend != "scaled_matmul":
         # The tile values are the same either way round: contract the (N, K) values over N.
         w_n = gemm.Operand(w_n.data.T, w_n.decode)
@@ -123,7 +132,7 @@ def _nvfp4_matmul_bwd(recipe, out_dtype, residuals, dy):
     dy_m = _operand(
         pad_tokens(dy), recipe, axis=0, rht=recipe.wgrad_rht, stochastic_rounding=sr, key=wgrad_key
     )  # stored (N, M)
-    x_m = gemm.array_operand(qx_tokens, backend=backend, dtype=dtype)  # stored (K, M)
+    x_m = _array_operand(qx_tokens, recipe)  # stored (K, M)
     dw = gemm.matmul(x_m, dy_m)
     return dx.astype(qx_tokens.dtype), dw.astype(qw.dtype), None
 

@@ -131,11 +131,17 @@ def quantize_operand(
     return Operand(jnp.moveaxis(values, axis, -1), reference.decode_scale(amax))
 
 
-def array_operand(q: NVFP4Array, *, backend: GemmBackend, dtype=jnp.bfloat16) -> Operand:
+def array_operand(
+    q: NVFP4Array,
+    *,
+    backend: GemmBackend,
+    dtype=jnp.bfloat16,
+    implementation: Implementation | None = None,
+) -> Operand:
     """A quantized tensor (quantized along K, its stored layout `(..., rows, K)`) as an operand."""
     if backend == "scaled_matmul":
         return Operand(q, q.global_scale)
-    return Operand(reference.block_values(q, dtype), q.global_scale)
+    return Operand(ops.block_values(q, dtype, implementation=implementation), q.global_scale)
 
 
 def transpose_2d_blocks(q: NVFP4Array) -> NVFP4Array:

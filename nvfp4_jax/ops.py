@@ -319,4 +319,21 @@ def _dequantize_jvp(backend, rht, dtype, primals, tangents):
     return _dequantize(codes, scales, decode_scale, backend, rht, dtype), d_out
 
 
+def block_values(
+    q: NVFP4Array, dtype=jnp.bfloat16, *, implementation: Implementation | None = None
+) -> jax.Array:
+    """`value(code) * f32(s_b)` in the stored layout: the operand of an emulated GEMM.
+
+    `reference.block_values` on the chosen implementation: the dequantize kernel with the
+    tensor factor 1 and no inverse RHT. The values are exact in every float dtype (at most
+    6 significant bits), so every implementation gives the same bits.
+    """
+    if not isinstance(q, NVFP4Array):
+        raise TypeError(f"block_values: q must be an NVFP4Array, got {type(q).__name__}")
+    dtype = formats.check_dtype(dtype, "block_values")
+    backend = backends.resolve(implementation, "block_values")
+    one = jnp.ones_like(q.global_scale)
+    return _dequantize_batch(q.codes, q.scales, one, backend, False, dtype)
+
+
 bind_dequantize(dequantize)

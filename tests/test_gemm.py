@@ -7,9 +7,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_same_q, normal, same_bits
+from helpers import assert_same_bits, assert_same_q, heavy_tailed, normal, same_bits
 
-from nvfp4_jax import NVFP4Recipe, dequantize, dot_general, gemm, quantize
+from nvfp4_jax import NVFP4Recipe, dequantize, dot_general, gemm, ops, quantize, reference
 
 # E2M1 code -> value, straight from docs/NUMERICS.md section 1 (bit 3 = sign).
 E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
@@ -38,6 +38,52 @@ def test_operands_round_trip(shape, axis, block_2d, rht):
         ops.data, ops.scales, q.amax, dtype=q.dtype, axis=q.axis, block_2d=block_2d, rht=rht
     )
     assert_same_q(back, q)
+
+
+# ---- the emulated operand: block values on every implementation ----------------------------
+
+
+@pytest.mark.parametrize(
+    "dtype", [jnp.bfloat16, jnp.float16, jnp.float32], ids=lambda d: d.__name__
+)
+@pytest.mark.parametrize(
+    "shape,axis,block_2d,rht",
+    [((48, 80), -1, False, False), ((64, 32), 0, True, False), ((3, 32, 64), -1, False, True)],
+    ids=["m48_k80", "axis0_2d", "batch3_rht"],
+)
+def test_block_values_match_the_reference_and_the_code_table(
+    impl, shape, axis, block_2d, rht, dtype
+):
+    x = jnp.asarray(heavy_tailed(shape, "bf16", seed=3))
+    q = quantize(x, axis=axis, block_2d=block_2d, rht=rht, implementation="reference")
+    got = jax.jit(lambda q: ops.block_values(q, dtype, implementation=impl.implementation))(
+        jax.device_put(q, impl.device)
+    )
+    assert_same_bits(got, reference.block_values(q, dtype), f"{impl.name} block values")
+    # value(code) * f32(s_b), no tensor factor and no inverse RHT, in the stored layout.
+    codes = np.asarray(q.codes)
+    table = np.stack([E2M1[codes & 0xF], E2M1[codes >> 4]], axis=-1).reshape(q.stored_shape)
+    scales = np.repeat(np.asarray(q.scales).astype(np.float32), 16, axis=-1)
+    assert_same_bits(got, (table * scales).astype(dtype), f"{impl.name} against the code table")
+
+
+def test_block_values_of_a_batch_and_of_non_finite_input(impl):
+    x = jnp.asarray(heavy_tailed((2, 16, 32), "f32", seed=4)).at[1, 3, 5].set(jnp.nan)
+    q = jax.vmap(lambda t: quantize(t, implementation="reference"))(x)  # one amax per tensor
+    got = jax.jit(lambda q: ops.block_values(q, implementation=impl.implementation))(
+        jax.device_put(q, impl.device)
+    )
+    expected = reference.block_values(q)
+    assert_same_bits(got, expected, f"{impl.name} batch block values")
+    assert np.isfinite(np.asarray(got[0], np.float32)).all()
+    assert np.isnan(np.asarray(got[1], np.float32)).all()  # every scale is the E4M3 NaN
+
+
+def test_block_values_reject_what_is_not_an_nvfp4_array():
+    with pytest.raises(TypeError, match="block_values: q must be an NVFP4Array, got ndarray"):
+        ops.block_values(np.zeros((16, 16), np.float32))
+    with pytest.raises(TypeError, match="block_values"):
+        ops.block_values(quantize(normal((16, 32))), jnp.int8)
 
 
 def test_operand_values_follow_the_nibble_order():

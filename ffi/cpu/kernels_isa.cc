@@ -107,7 +107,7 @@ struct VecIo<F32> {
 
 template <int H>
 NVFP4_VINLINE VF Butterfly(VF v) {
-  const VI high = ((Iota() & H) != 0) & kSignBit;
+  const VF sign = Select((Iota() & H) != 0, SplatF(-1.0f), SplatF(1.0f));
   VF partner;
   for (int j = 0; j < kParts; ++j) {
     if constexpr (H >= kLanes) {
@@ -116,7 +116,7 @@ NVFP4_VINLINE VF Butterfly(VF v) {
       partner.p[j] = __builtin_shuffle(v.p[j], kNativeIota ^ H);
     }
   }
-  return partner + AsVF(AsVI(v) ^ high);
+  return AddSigned(partner, v, sign);
 }
 
 NVFP4_VINLINE VF Rht16V(VF v, bool inverse) {

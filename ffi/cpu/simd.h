@@ -192,6 +192,26 @@ NVFP4_VINLINE VF Select(VI m, VF a, VF b) {
   return r;
 }
 NVFP4_VINLINE VI MaxI(VI a, VI b) { return Select(a > b, a, b); }
+
+// a + b * s for s = +1 or -1 in each lane: the product is exact, so this is the one rounding
+// of a + b or a - b, bit for bit (NaN payloads aside), in one instruction where the ISA
+// has a fused multiply-add and as an exact sign flip and an add elsewhere.
+NVFP4_VINLINE VF AddSigned(VF a, VF b, VF s) {
+  VF r;
+#if defined(__FMA__) && (defined(NVFP4_SIMD_AVX512) || defined(NVFP4_SIMD_AVX2))
+  for (int j = 0; j < kParts; ++j) {
+#if defined(NVFP4_SIMD_AVX512)
+    r.p[j] = (NF)_mm512_fmadd_ps((__m512)b.p[j], (__m512)s.p[j], (__m512)a.p[j]);
+#else
+    r.p[j] = (NF)_mm256_fmadd_ps((__m256)b.p[j], (__m256)s.p[j], (__m256)a.p[j]);
+#endif
+  }
+#else
+  const NI sign = NI{} + INT32_MIN;
+  for (int j = 0; j < kParts; ++j) r.p[j] = a.p[j] + (NF)((NI)b.p[j] ^ ((NI)s.p[j] & sign));
+#endif
+  return r;
+}
 NVFP4_VINLINE VI MinI(VI a, VI b) { return Select(a < b, a, b); }
 
 template <class V>
