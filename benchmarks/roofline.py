@@ -46,6 +46,7 @@ import datetime
 import importlib
 import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -271,21 +272,21 @@ def parse_shapes(names: str) -> list[tuple[str, tuple[int, int]]]:
     return shapes
 
 
-def header_lines(argv) -> list[str]:
-    model = "unknown CPU"
+def header_lines(argv, script: str = "benchmarks/roofline.py") -> list[str]:
+    """The machine, versions, date, command and allocator settings, as comment lines."""
+    model, flags = "unknown CPU", "no avx512f"
     if os.path.exists("/proc/cpuinfo"):
         with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-    flags = "avx512f" if "avx512f" in open("/proc/cpuinfo").read() else "no avx512f"
+            cpuinfo = f.read()
+        names = re.findall(r"^model name\s*:\s*(.+)$", cpuinfo, re.M)
+        model = names[0].strip() if names else model
+        flags = "avx512f" if "avx512f" in cpuinfo else flags
     return [
         f"# machine: {model} ({platform.machine()}, {flags}), {os.cpu_count()} cores",
         f"# jax {jax.__version__}, jaxlib {jax.lib.__version__}, "
         f"qwix {getattr(qwix, '__version__', 'n/a')}, python {platform.python_version()}",
         f"# date: {datetime.datetime.now().isoformat(timespec='seconds')}",
-        "# command: python " + " ".join(["benchmarks/roofline.py", *argv]),
+        "# command: python " + " ".join([script, *argv]),
         "# allocator: "
         + (
             f"GLIBC_TUNABLES={os.environ['GLIBC_TUNABLES']}"

@@ -1,0 +1,90 @@
+"""The example's train step, NVFP4 against bf16: program size, compile time, step time.
+
+    python benchmarks/train_step.py                   # the example's defaults, 60 steps each
+    python benchmarks/train_step.py --steps 100 -- --width 256 --depth 8
+    python benchmarks/train_step.py --reuse-memory    # glibc keeps large blocks (see roofline.py)
+
+Builds both models as `examples/train_lm.py` does (the same flags after `--`), lowers and
+compiles each train step (StableHLO op count, trace + lower seconds, compile seconds), then
+times the steps interleaved, one NVFP4 step and one bf16 step per round on the same batch, so
+that both see the same load. Prints the medians and their ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import pathlib
+import re
+import statistics
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+
+import train_lm
+from flax import nnx
+from roofline import REUSE_MEMORY, header_lines
+
+RECIPES = ("nvfp4", "bf16")
+
+
+def build(args, recipe: str):
+    """The model, optimizer and cached step function of one recipe."""
+    rules = train_lm.model_rules(args) if recipe == "nvfp4" else None
+    model = train_lm.make_model(args, recipe, rules)
+    optimizer = train_lm.make_optimizer(model, args)
+    return model, optimizer, nnx.cached_partial(train_lm.train_step, model, optimizer)
+
+
+def program_stats(model, optimizer, batch) -> tuple[int, float, float]:
+    """StableHLO op count, trace + lower seconds and compile seconds of one train step."""
+    start = time.perf_counter()
+    lowered = train_lm.train_step.lower(model, optimizer, batch)
+    text = lowered.as_text()
+    traced = time.perf_counter()
+    lowered.compile()
+    compiled = time.perf_counter()
+    ops = collections.Counter(re.findall(r"= \"?([a-z_]+\.[a-z_]+)", text))
+    return sum(ops.values()), traced - start, compiled - traced
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=60, help="timed steps per recipe")
+    parser.add_argument(
+        "--reuse-memory", action="store_true", help=f"GLIBC_TUNABLES={REUSE_MEMORY}"
+    )
+    parser.add_argument("example_flags", nargs="*", help="flags of examples/train_lm.py, after --")
+    args = parser.parse_args()
+    if args.reuse_memory and os.environ.get("GLIBC_TUNABLES") != REUSE_MEMORY:
+        env = {**os.environ, "GLIBC_TUNABLES": REUSE_MEMORY}
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)
+    example = train_lm.parse_args(args.example_flags)
+    train, _ = train_lm.split_text(train_lm.load_text(example.data), example.seq_len)
+
+    def batch(step: int):
+        return train_lm.batch_at(train, step, example.batch, example.seq_len, example.seed)
+
+    print("\n".join(header_lines(sys.argv[1:], "benchmarks/train_step.py")))
+    built = {r: build(example, r) for r in RECIPES}
+    for recipe, (model, optimizer, step_fn) in built.items():
+        ops, lower_s, compile_s = program_stats(model, optimizer, batch(0))
+        float(step_fn(batch(0)))  # the cached step compiles its own program once
+        times = f"trace + lower {lower_s:.1f} s, compile {compile_s:.1f} s"
+        print(f"{recipe:>5s}: {ops:,} StableHLO ops, {times}")
+    seconds = {r: [] for r in RECIPES}
+    for i in range(args.steps):
+        for recipe, (_, _, step_fn) in built.items():
+            start = time.perf_counter()
+            float(step_fn(batch(i + 1)))
+            seconds[recipe].append(time.perf_counter() - start)
+    median = {r: 1e3 * statistics.median(s) for r, s in seconds.items()}
+    for recipe in RECIPES:
+        print(f"{recipe:>5s}: median step {median[recipe]:.1f} ms over {args.steps} steps")
+    print(f"NVFP4 / bf16: {median['nvfp4'] / median['bf16']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
