@@ -82,7 +82,8 @@ int main(int argc, char** argv) {
   job.codes = codes.data();
   job.scales = scales.data();
   job.values = values.data();
-  std::vector<uint32_t> scratch(job.blocks());  // enough for the 16x16 op below
+  job.block_2d = job.rht = true;
+  std::vector<uint32_t> scratch(job.scratch_words());  // the most any op below needs
 
   DequantizeJob dj;
   dj.codes = codes.data();
@@ -104,6 +105,7 @@ int main(int argc, char** argv) {
       {"quant sr", [&] { quantize(true, false, false); }},
       {"quant rht", [&] { quantize(false, true, false); }},
       {"quant 2d", [&] { quantize(false, false, true); }},
+      {"quant rht 2d", [&] { quantize(false, true, true); }},
       {"fake bf16",
        [&] {
          job.sr = job.rht = job.block_2d = false;
@@ -136,7 +138,7 @@ int main(int argc, char** argv) {
     std::sort(v.begin(), v.end());
     const double median = v[v.size() / 2];
     if (i == 0) memcpy_median = median;
-    printf("%-10s %7.3f ms  %5.2f ns/elem  x%.2f memcpy\n", ops[i].name, median * 1e3,
+    printf("%-12s %7.3f ms  %5.2f ns/elem  x%.2f memcpy\n", ops[i].name, median * 1e3,
            median * 1e9 / n, median / memcpy_median);
   }
   return 0;
