@@ -56,8 +56,10 @@ inline void ParallelFor(xla::ffi::ThreadPool& pool, int64_t items, int64_t grain
   }
   auto queue = std::make_shared<internal::ChunkQueue>();
   queue->items = items;
-  // A few chunks per thread balance uneven progress without much claiming overhead.
-  const int64_t target_chunks = std::min((items + grain - 1) / grain, 4 * threads);
+  // A few chunks per thread balance uneven progress without much claiming overhead; a
+  // multiple of the thread count, so that no thread has one chunk more than another.
+  int64_t target_chunks = std::min((items + grain - 1) / grain, 4 * threads);
+  target_chunks = std::min(items, (target_chunks + threads - 1) / threads * threads);
   queue->chunk = (items + target_chunks - 1) / target_chunks;
   queue->chunks = (items + queue->chunk - 1) / queue->chunk;
   queue->fn = &fn;
