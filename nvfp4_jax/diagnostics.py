@@ -366,6 +366,13 @@ def _targets(model: nnx.Module, rules) -> _Targets:
     for path, layer in named_layers(model).items():
         if isinstance(layer, nnx.Linear):
             _classify(path, layer, rules, targets)
+        elif rules is not None:
+            # An nnx.Einsum: quantize_model applies the rules to it, this pass cannot analyze it.
+            found = match_rule(rules, path)
+            if found is None or found[1].recipe is None:
+                targets.high_precision.append(path)
+            else:
+                targets.skipped[path] = "an nnx.Einsum layer: only nnx.Linear layers are analyzed"
     return targets
 
 
@@ -679,14 +686,15 @@ def inspect_model(
 ) -> ModelReport:
     """Runs one forward and backward pass and measures what NVFP4 does to each linear layer.
 
-    Which layers: with `rules`, every `nnx.Linear` (NVFP4 or not) whose first matching rule
-    has a recipe, quantized as that recipe would (so a high-precision model shows what
-    `quantize_model(model, rules)` would do); without, every `nvfp4_jax.nnx.Linear` with its
-    own recipe. The pass itself runs the model as it is. The model is not changed: the pass
-    runs on a copy (`nnx.split`/`nnx.merge`) in which each analyzed layer is wrapped by a tap
-    that records its input x and weight W (as the GEMM sees them, after dtype promotion) and
-    adds a zero probe to its output, whose gradient is dy. A layer called several times
-    contributes the tokens of every call; a layer the pass does not call is reported skipped.
+    Which layers: with `rules`, every `nnx.Linear` (NVFP4 or not) whose first matching rule has
+    a recipe, quantized as that recipe would (so a high-precision model shows what
+    `quantize_model(model, rules)` would do; an `nnx.Einsum` such a rule covers is reported
+    skipped, not analyzed); without, every `nvfp4_jax.nnx.Linear` with its own recipe. The pass
+    itself runs the model as it is. The model is not changed: the pass runs on a copy
+    (`nnx.split`/`nnx.merge`) in which each analyzed layer is wrapped by a tap that records its
+    input x and weight W (as the GEMM sees them, after dtype promotion) and adds a zero probe to
+    its output, whose gradient is dy. A layer called several times contributes the tokens of
+    every call; a layer the pass does not call is reported skipped.
     Memory: the pass keeps x, W and dy of every analyzed layer at once (one batch).
 
     Args:

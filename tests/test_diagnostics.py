@@ -231,6 +231,27 @@ def test_custom_loss_static_inputs_and_errors():
         analyze_layer(jnp.ones((4, 24)), jnp.ones((24, 16)), jnp.ones((4, 16)))
 
 
+def test_einsum_layers_a_rule_covers_are_reported_skipped_not_dropped():
+    class WithEinsum(nnx.Module):
+        def __init__(self, rngs):
+            self.up = nnx.Linear(32, 32, rngs=rngs)
+            self.proj = nnx.Einsum("btd,dhe->bthe", (32, 2, 16), rngs=rngs)
+            self.head = nnx.Einsum("btd,de->bte", (32, 16), rngs=rngs)
+
+        def __call__(self, x):
+            h = self.up(x)
+            return self.proj(h).reshape(*x.shape[:2], 32) + jnp.tile(self.head(h), 2)
+
+    model = WithEinsum(nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(2), (2, 16, 32))
+    report = inspect_model(model, x, rules=[Rule("head", None), Rule("", NVFP4Recipe())])
+    assert [s.path for s in report.layers] == ["up"]
+    assert report.skipped == {"proj": "an nnx.Einsum layer: only nnx.Linear layers are analyzed"}
+    assert report.high_precision == ("head",)
+    # Without rules only nvfp4_jax.nnx.Linear layers count: the plain ones are not listed.
+    assert inspect_model(model, x).skipped == {}
+
+
 # --- the report's forms --------------------------------------------------------------------------
 
 
