@@ -59,12 +59,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from nvfp4_jax._storage import fsync_fd, fsync_path, fsync_tree, is_key_array, key_name
 from nvfp4_jax.array import NVFP4Array, is_nvfp4_array, validate_nvfp4_array
-
-try:
-    import fcntl
-except ImportError:  # not POSIX
-    fcntl = None
 
 FORMAT = "nvfp4_jax.checkpoint/2"
 FORMAT_V1 = "nvfp4_jax.checkpoint/1"
@@ -113,8 +109,8 @@ def save_checkpoint(path: str | os.PathLike, tree: Any, *, force: bool = False) 
     _remove_leftovers(path, keep=current)
     snapshot = os.path.join(path, name)
     _write_snapshot(snapshot, arrays, {"format": FORMAT, "entries": entries})
-    _fsync_tree(snapshot)
-    _fsync_path(path)
+    fsync_tree(snapshot)
+    fsync_path(path)
     _write_pointer(path, name)
     _remove_leftovers(path, keep=name)
 
@@ -143,7 +139,7 @@ def _save_leaf(names, leaf, where) -> tuple[dict, dict]:
         validate_nvfp4_array(leaf, f"save_checkpoint: {where}")
         entry.update(_nvfp4_meta(leaf), kind="nvfp4", shape=list(leaf.shape))
         return entry, {f"{key}/{part}": getattr(leaf, part) for part in _parts_of(leaf)}
-    if _is_key_array(leaf):
+    if is_key_array(leaf):
         impl = _key_impl_name(leaf, where)
         entry.update(kind="key", impl=impl, shape=list(leaf.shape))
         return entry, {key: jax.random.key_data(leaf)}
@@ -169,11 +165,6 @@ def _parts_of(q) -> tuple[str, ...]:
 
 def _entry_parts(shapes: dict) -> tuple[str, ...]:
     return _PARTS + (("decode_scale",) if "decode_scale" in shapes else ())
-
-
-def _is_key_array(leaf) -> bool:
-    dtype = getattr(leaf, "dtype", None)
-    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
 
 
 def _key_impl_name(key, where) -> str:
@@ -225,7 +216,7 @@ def _makedirs(path: str) -> None:
         parent = os.path.dirname(parent)
     os.makedirs(path)
     for directory in reversed(created):
-        _fsync_path(os.path.dirname(directory))
+        fsync_path(os.path.dirname(directory))
 
 
 def _is_leftover(name: str) -> bool:
@@ -280,35 +271,9 @@ def _write_pointer(path: str, name: str) -> None:
     with open(tmp, "w", encoding="utf-8") as f:
         f.write(name + "\n")
         f.flush()
-        _fsync_fd(f.fileno())
+        fsync_fd(f.fileno())
     os.replace(tmp, os.path.join(path, POINTER))
-    _fsync_path(path)
-
-
-def _fsync_fd(fd: int) -> None:
-    if fcntl is not None and hasattr(fcntl, "F_FULLFSYNC"):  # macOS: fsync stops at the drive
-        try:
-            fcntl.fcntl(fd, fcntl.F_FULLFSYNC)
-            return
-        except OSError:
-            pass
-    os.fsync(fd)
-
-
-def _fsync_path(path: str) -> None:
-    """Flushes a file or a directory to disk (a directory: its entries, e.g. a rename)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        _fsync_fd(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(top: str) -> None:
-    for root, _, files in os.walk(top):
-        for name in files:
-            _fsync_path(os.path.join(root, name))
-        _fsync_path(root)
+    fsync_path(path)
 
 
 # --- restore -------------------------------------------------------------------------------
@@ -537,14 +502,7 @@ def _read_arrays(checkpointer, snapshot: str, specs: dict, abstract) -> dict:
 
 def _named_leaves(tree) -> list:
     flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_nvfp4_array)
-    return [(path, tuple(_key_name(k) for k in path), leaf) for path, leaf in flat]
-
-
-def _key_name(key) -> str:
-    for attr in ("key", "name", "idx"):
-        if hasattr(key, attr):
-            return str(getattr(key, attr))
-    return str(key)
+    return [(path, tuple(key_name(k) for k in path), leaf) for path, leaf in flat]
 
 
 def _check_layout(op: str, layout: list) -> None:
@@ -590,7 +548,7 @@ def _abstract_leaf(key: str, entry: dict, leaf) -> dict:
     if is_nvfp4_array(leaf):
         _check_nvfp4_entry(key, entry, leaf)
         return {f"{key}/{part}": _abstract(getattr(leaf, part)) for part in _parts_of(leaf)}
-    if _is_key_array(leaf):
+    if is_key_array(leaf):
         _check_key_entry(key, entry, leaf)
         data = jax.eval_shape(jax.random.key_data, leaf)
         return {key: _abstract(leaf, data.shape, data.dtype)}

@@ -53,6 +53,7 @@ import numpy as np
 from flax import nnx
 
 from nvfp4_jax import formats
+from nvfp4_jax._storage import fsync_fd, fsync_path, is_key_array, key_name
 from nvfp4_jax._version import __version__
 from nvfp4_jax.array import NVFP4Array, is_nvfp4_array, validate_nvfp4_array
 from nvfp4_jax.ops import dequantize, quantize, tensor_amax
@@ -370,7 +371,7 @@ def _write_safetensors(path: str, units: Sequence[_Unit], metadata: dict[str, st
                 _write_array(file, name, arrays.pop(name), dtype, shape)
             del arrays
         file.flush()
-        os.fsync(file.fileno())
+        fsync_fd(file.fileno())
 
 
 def _write_array(file, name: str, array: np.ndarray, dtype: str, shape: tuple[int, ...]) -> None:
@@ -420,13 +421,6 @@ def _is_leaf(value) -> bool:
     return isinstance(value, nnx.Variable) or is_nvfp4_array(value)
 
 
-def _key_name(key) -> str:
-    for attr in ("key", "name", "idx"):
-        if hasattr(key, attr):
-            return str(getattr(key, attr))
-    return str(key)
-
-
 def _collect_leaves(params, skip: Sequence[str]) -> _Leaves:
     """Sorts the leaves: weights, recorded input amaxes or scales, and what is skipped.
 
@@ -438,7 +432,7 @@ def _collect_leaves(params, skip: Sequence[str]) -> _Leaves:
     leaves = _Leaves()
     flat, _ = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_leaf)
     for keypath, leaf in flat:
-        names = [_key_name(k) for k in keypath]
+        names = [key_name(k) for k in keypath]
         while names and names[-1] in ("value", "raw_value"):
             names.pop()
         path, where = "/".join(names), jax.tree_util.keystr(keypath) or "the root"
@@ -456,7 +450,7 @@ def _sort_leaf(leaves: _Leaves, path, where, value, is_weight, skip) -> None:
         leaves.skipped.append(path)
     elif last in ("input_amax", "input_scale"):
         getattr(leaves, last)[parent] = (where, value)
-    elif not is_weight or last in _KV_SUFFIXES or _is_key_array(value):
+    elif not is_weight or last in _KV_SUFFIXES or is_key_array(value):
         leaves.skipped.append(path)
     elif path in leaves.weights:
         raise ValueError(
@@ -465,11 +459,6 @@ def _sort_leaf(leaves: _Leaves, path, where, value, is_weight, skip) -> None:
         )
     else:
         leaves.weights[path] = (where, value)
-
-
-def _is_key_array(value) -> bool:
-    dtype = getattr(value, "dtype", None)
-    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
 
 
 # --- export: the modules ------------------------------------------------------------------
@@ -898,15 +887,7 @@ def _write_json(path: str, value) -> None:
         json.dump(value, file, indent=2)
         file.write("\n")
         file.flush()
-        os.fsync(file.fileno())
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        fsync_fd(file.fileno())
 
 
 def _check_target(directory: str, force: bool) -> None:
@@ -947,7 +928,7 @@ def _move_into_place(tmp: str, directory: str) -> None:
             os.rename(old, directory)
             raise
         shutil.rmtree(old, ignore_errors=True)
-    _fsync_dir(parent)
+    fsync_path(parent)
 
 
 def _write_directory(directory: str, write: Callable[[str], Any]):
@@ -959,7 +940,7 @@ def _write_directory(directory: str, write: Callable[[str], Any]):
     try:
         result = write(tmp)
         _carry_over(directory, tmp)
-        _fsync_dir(tmp)
+        fsync_path(tmp)
         _move_into_place(tmp, directory)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
