@@ -192,6 +192,7 @@ NVFP4_VINLINE VF Select(VI m, VF a, VF b) {
   return r;
 }
 NVFP4_VINLINE VI MaxI(VI a, VI b) { return Select(a > b, a, b); }
+NVFP4_VINLINE VI MinI(VI a, VI b) { return Select(a < b, a, b); }
 
 // a + b * s for s = +1 or -1 in each lane: the product is exact, so this is the one rounding
 // of a + b or a - b, bit for bit (NaN payloads aside), in one instruction where the ISA
@@ -212,7 +213,6 @@ NVFP4_VINLINE VF AddSigned(VF a, VF b, VF s) {
 #endif
   return r;
 }
-NVFP4_VINLINE VI MinI(VI a, VI b) { return Select(a < b, a, b); }
 
 template <class V>
 NVFP4_VINLINE V LoadV(const void* p) {
