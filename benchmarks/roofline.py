@@ -301,6 +301,15 @@ def header_lines(argv, script: str = "benchmarks/roofline.py") -> list[str]:
 # first touch. These tunables keep blocks up to 1 GiB in the heap, and freed memory there.
 REUSE_MEMORY = "glibc.malloc.mmap_threshold=1073741824:glibc.malloc.trim_threshold=4294967296"
 
+
+def restart_reusing_memory() -> None:
+    """Runs this command again with REUSE_MEMORY set, unless it is already (glibc reads its
+    tunables when the process starts)."""
+    if os.environ.get("GLIBC_TUNABLES") != REUSE_MEMORY:
+        env = {**os.environ, "GLIBC_TUNABLES": REUSE_MEMORY}
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)
+
+
 COLUMNS = (
     ("shape", 22),
     ("op", 17),
@@ -352,10 +361,8 @@ def main() -> None:
         help=f"rerun this command with GLIBC_TUNABLES={REUSE_MEMORY} (see README, CPU speed)",
     )
     args = parser.parse_args()
-    if args.reuse_memory and os.environ.get("GLIBC_TUNABLES") != REUSE_MEMORY:
-        # glibc reads its tunables when the process starts: start again with them set.
-        env = {**os.environ, "GLIBC_TUNABLES": REUSE_MEMORY}
-        os.execve(sys.executable, [sys.executable, *sys.argv], env)
+    if args.reuse_memory:
+        restart_reusing_memory()
     if not kernels.is_available("cpu"):
         raise SystemExit(f"no native CPU kernels: {kernels.unavailable_reason('cpu')}")
     ops = [op for op in args.ops.split(",") if op]

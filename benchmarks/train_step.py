@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
 import pathlib
 import re
 import statistics
@@ -25,7 +24,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples")
 
 import train_lm
 from flax import nnx
-from roofline import REUSE_MEMORY, header_lines
+from roofline import REUSE_MEMORY, header_lines, restart_reusing_memory
 
 RECIPES = ("nvfp4", "bf16")
 
@@ -58,9 +57,8 @@ def main() -> None:
     )
     parser.add_argument("example_flags", nargs="*", help="flags of examples/train_lm.py, after --")
     args = parser.parse_args()
-    if args.reuse_memory and os.environ.get("GLIBC_TUNABLES") != REUSE_MEMORY:
-        env = {**os.environ, "GLIBC_TUNABLES": REUSE_MEMORY}
-        os.execve(sys.executable, [sys.executable, *sys.argv], env)
+    if args.reuse_memory:
+        restart_reusing_memory()
     example = train_lm.parse_args(args.example_flags)
     train, _ = train_lm.split_text(train_lm.load_text(example.data), example.seq_len)
 

@@ -344,7 +344,7 @@ class _Targets:
     skipped: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
-def _classify(path: str, layer: nnx.Linear, rules, targets: _Targets) -> None:
+def _classify(path: str, layer: nnx.Module, rules, targets: _Targets) -> None:
     if rules is None:
         is_nvfp4 = isinstance(layer, nvfp4_nnx.Linear)
         recipe = layer.recipe if is_nvfp4 else None
@@ -354,7 +354,10 @@ def _classify(path: str, layer: nnx.Linear, rules, targets: _Targets) -> None:
     if recipe is None:
         targets.high_precision.append(path)
         return
-    problem = linear_problem(layer)
+    if isinstance(layer, nnx.Linear):
+        problem = linear_problem(layer)
+    else:  # an nnx.Einsum: quantize_model applies the rules to it, this pass cannot analyze it
+        problem = "an nnx.Einsum layer: only nnx.Linear layers are analyzed"
     if problem:
         targets.skipped[path] = problem
     else:
@@ -364,15 +367,7 @@ def _classify(path: str, layer: nnx.Linear, rules, targets: _Targets) -> None:
 def _targets(model: nnx.Module, rules) -> _Targets:
     targets = _Targets()
     for path, layer in named_layers(model).items():
-        if isinstance(layer, nnx.Linear):
-            _classify(path, layer, rules, targets)
-        elif rules is not None:
-            # An nnx.Einsum: quantize_model applies the rules to it, this pass cannot analyze it.
-            found = match_rule(rules, path)
-            if found is None or found[1].recipe is None:
-                targets.high_precision.append(path)
-            else:
-                targets.skipped[path] = "an nnx.Einsum layer: only nnx.Linear layers are analyzed"
+        _classify(path, layer, rules, targets)
     return targets
 
 

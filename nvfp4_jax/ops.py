@@ -32,7 +32,7 @@ from nvfp4_jax import backends, formats, reference
 from nvfp4_jax.array import NVFP4Array, bind_dequantize
 from nvfp4_jax.backends import Backend, Implementation
 from nvfp4_jax.reference import hadamard
-from nvfp4_jax.reference.quantize import check_quantize_call
+from nvfp4_jax.reference.quantize import check_dequantize_call, check_quantize_call
 from nvfp4_jax.seed import SRSeed
 
 _F32 = jnp.float32
@@ -283,9 +283,7 @@ def dequantize(
       True
 
     """
-    if not isinstance(q, NVFP4Array):
-        raise TypeError(f"dequantize: q must be an NVFP4Array, got {type(q).__name__}")
-    dtype = formats.check_dtype(dtype, "dequantize")
+    dtype = check_dequantize_call(q, dtype, "dequantize")
     backend = backends.resolve(implementation, "dequantize")
     # D, in jnp: its derivative in `q.amax` (or `q.decode_scale`) is JAX's own.
     stored = _dequantize_batch(q.codes, q.scales, q.global_scale, backend, q.rht, dtype)
@@ -328,9 +326,7 @@ def block_values(
     tensor factor 1 and no inverse RHT. The values are exact in every float dtype (at most
     6 significant bits), so every implementation gives the same bits.
     """
-    if not isinstance(q, NVFP4Array):
-        raise TypeError(f"block_values: q must be an NVFP4Array, got {type(q).__name__}")
-    dtype = formats.check_dtype(dtype, "block_values")
+    dtype = check_dequantize_call(q, dtype, "block_values")
     backend = backends.resolve(implementation, "block_values")
     one = jnp.ones_like(q.global_scale)
     return _dequantize_batch(q.codes, q.scales, one, backend, False, dtype)

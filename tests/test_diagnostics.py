@@ -248,8 +248,10 @@ def test_einsum_layers_a_rule_covers_are_reported_skipped_not_dropped():
     assert [s.path for s in report.layers] == ["up"]
     assert report.skipped == {"proj": "an nnx.Einsum layer: only nnx.Linear layers are analyzed"}
     assert report.high_precision == ("head",)
-    # Without rules only nvfp4_jax.nnx.Linear layers count: the plain ones are not listed.
-    assert inspect_model(model, x).skipped == {}
+    # Without rules only nvfp4_jax.nnx.Linear layers count: every plain layer is high precision.
+    plain = inspect_model(model, x)
+    assert plain.skipped == {}
+    assert plain.high_precision == ("head", "proj", "up") and plain.layers == ()
 
 
 # --- the report's forms --------------------------------------------------------------------------

@@ -207,9 +207,14 @@ def fake_quantize(
     return jnp.moveaxis(values.astype(dtype), -1, axis)
 
 
-def _check_array(q, op: str) -> None:
+def check_dequantize_call(q, dtype, op: str) -> jnp.dtype:
+    """Checks the arguments of an op that decodes `q`; returns `dtype` as a jnp dtype.
+
+    For every implementation (`nvfp4_jax.ops` calls it too), so they raise the same errors.
+    """
     if not isinstance(q, NVFP4Array):
         raise TypeError(f"{op}: q must be an NVFP4Array, got {type(q).__name__}")
+    return formats.check_dtype(dtype, op)
 
 
 def _dequantize_stored(q: NVFP4Array, dtype) -> jax.Array:
@@ -238,8 +243,7 @@ def dequantize(q: NVFP4Array, dtype=jnp.float32) -> jax.Array:
       True
 
     """
-    _check_array(q, "dequantize")
-    dtype = formats.check_dtype(dtype, "dequantize")
+    dtype = check_dequantize_call(q, dtype, "dequantize")
     return jnp.moveaxis(_dequantize_stored(q, dtype), -1, q.axis)
 
 
@@ -250,7 +254,7 @@ def block_values(q: NVFP4Array, dtype=jnp.bfloat16) -> jax.Array:
     an emulated block-scaled GEMM, whose result is then multiplied by `A * RCP2688` of each
     operand (section 9). No inverse RHT is applied.
     """
-    _check_array(q, "block_values")
+    dtype = check_dequantize_call(q, dtype, "block_values")
     codes = formats.unpack_nibbles(q.codes)
     blocks = codes.reshape(*q.scales.shape, formats.BLOCK_SIZE)
     values = formats.scaled_code_values(blocks, q.scales.astype(_F32)[..., None])
