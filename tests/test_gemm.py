@@ -84,6 +84,8 @@ def test_block_values_reject_what_is_not_an_nvfp4_array():
         ops.block_values(np.zeros((16, 16), np.float32))
     with pytest.raises(TypeError, match="block_values"):
         ops.block_values(quantize(normal((16, 32))), jnp.int8)
+    with pytest.raises(TypeError, match="block_values: dtype must be"):
+        reference.block_values(quantize(normal((16, 32))), jnp.int8)
 
 
 def test_operand_values_follow_the_nibble_order():
