@@ -1,0 +1,117 @@
+"""The programs `tests/test_multiprocess.py` runs in two JAX processes and in one.
+
+Each task takes a working directory and returns `{name: NumPy array}` of global values. It
+is written for the global device set, whatever the processes: in the test's two processes
+(4 CPU devices each, `multiprocess_child.py`) and in the pytest process (8 CPU devices) the
+same code runs on a mesh of 8 devices, so the parent compares the two results directly.
+Global inputs are built from the same host data in every process
+(`jax.make_array_from_callback`: each process fills only its own devices' shards) and global
+results are gathered with `multihost_utils.process_allgather`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import nvfp4_jax
+
+AXIS = "x"
+IMPLEMENTATIONS = ("reference", "ffi")
+
+
+def mesh() -> jax.sharding.Mesh:
+    return jax.make_mesh(
+        (jax.device_count(),), (AXIS,), axis_types=(AxisType.Auto,), devices=jax.devices()
+    )
+
+
+def put(value, spec: P) -> jax.Array:
+    """A global array holding the host value `value`, sharded by `spec` over `mesh()`."""
+    if isinstance(value, jax.Array) and jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
+        data = put(np.asarray(jax.random.key_data(value)), spec)
+        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(value))
+    host = np.asarray(value)
+    sharding = NamedSharding(mesh(), spec)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def gather(value) -> np.ndarray:
+    """The whole global array on the host of every process (ml_dtypes' floats as their bits,
+    which `np.savez` keeps)."""
+    if isinstance(value, jax.Array) and jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
+        value = jax.random.key_data(value)
+    if isinstance(value, jax.Array) and not value.is_fully_addressable:
+        value = multihost_utils.process_allgather(value, tiled=True)
+    value = np.asarray(value)
+    if value.dtype.kind == "V":  # bfloat16, float8_*: not NumPy's own
+        value = value.view(f"uint{8 * value.dtype.itemsize}")
+    return value
+
+
+def gather_q(prefix: str, q) -> dict[str, np.ndarray]:
+    return {f"{prefix}/{part}": gather(getattr(q, part)) for part in ("codes", "scales", "amax")}
+
+
+# --- sharded quantization ----------------------------------------------------------------------
+
+
+def _sharded_quantize_cases():
+    from test_distributed import JIT_CASES, data  # noqa: PLC0415
+
+    return JIT_CASES, data
+
+
+def quantize_task(workdir: str) -> dict[str, np.ndarray]:
+    """Every case of test_distributed's JIT_CASES, on each implementation."""
+    cases, data = _sharded_quantize_cases()
+    out = {}
+    for implementation in IMPLEMENTATIONS:
+        for case, (shape, spec, kw) in cases.items():
+            x = np.asarray(data(shape))
+            if case.endswith("bf16"):
+                x = x.astype(jnp.bfloat16)
+
+            def run(x, key, kw=kw):
+                return nvfp4_jax.quantize(x, key=key, implementation=implementation, **kw)
+
+            q = jax.jit(run)(put(x, spec), put(jax.random.key(3), P()))
+            out.update(gather_q(f"{implementation}/{case}", q))
+    return out
+
+
+# --- data-parallel and FSDP train steps -------------------------------------------------------
+
+
+def train_task(workdir: str) -> dict[str, np.ndarray]:
+    """test_distributed's NVFP4 MLP step, data-parallel and FSDP, on each implementation."""
+    from test_distributed import TRAIN_SPECS, mlp_loss, train_setup  # noqa: PLC0415
+
+    out = {}
+    for implementation in IMPLEMENTATIONS:
+        recipe = nvfp4_jax.NVFP4Recipe(implementation=implementation)
+        step = jax.jit(jax.value_and_grad(mlp_loss), static_argnums=4)
+        for layout, specs in TRAIN_SPECS.items():
+            params, x, y, key = train_setup()
+            params = {name: put(value, specs[name]) for name, value in params.items()}
+            batch = P(AXIS, None)
+            loss, grads = step(params, put(x, batch), put(y, batch), put(key, P()), recipe)
+            out[f"{implementation}/{layout}/loss"] = gather(loss)
+            out.update({f"{implementation}/{layout}/{k}": gather(v) for k, v in grads.items()})
+    return out
+
+
+TASKS = {
+    "quantize": quantize_task,
+    "train": train_task,
+}
+
+
+def workdir_path(workdir: str, *names: str) -> str:
+    return os.path.join(workdir, *names)
