@@ -1,12 +1,12 @@
 """Saving and restoring NVFP4Arrays (and pytrees or Flax nnx states holding them) with orbax.
 
-On-disk layout (format `nvfp4_jax.checkpoint/2`). `path` is a directory:
+On-disk layout (format `nvfp4_jax.checkpoint/3`). `path` is a directory:
 
     path/
       CURRENT                 one line: the name of the current snapshot
       snapshot-000007/        the current snapshot, an orbax `Composite` checkpoint:
         arrays/               a flat `{name: array}` dict (orbax `StandardSave`)
-        nvfp4/metadata        JSON: the format and one entry per leaf
+        nvfp4/metadata        JSON: the format, one entry per leaf, digests
         ...                   orbax's own bookkeeping files
       snapshot-000006/, snapshot-000008.orbax-checkpoint-tmp-*/, CURRENT.tmp
                               leftovers of an interrupted save, removed by the next save
@@ -16,11 +16,31 @@ Inside a snapshot, a plain leaf at path `a/b` is stored as `a/b`; an `NVFP4Array
 `a/w/decode_scale` (f32); a typed PRNG key array
 (an nnx rng stream's key) as its `jax.random.key_data` (uint32) under its own name. The bytes
 are stored as they are: restoring is bit-exact. NumPy leaves stay NumPy (a float64 stays
-float64). The JSON entry of a leaf holds its path, kind ("array", "nvfp4" or "key"), shapes
+float64, a bfloat16 one a NumPy bfloat16 array) unless the target gives a jax leaf for them.
+The JSON entry of a leaf holds its path, kind ("array", "nvfp4" or "key"), shapes
 and dtypes, the static metadata of an NVFP4 leaf (dtype, axis, block_2d, rht, logical shape)
 and the implementation of a key (e.g. "threefry2x32"). Every stored name belongs to exactly
 one leaf: `save_checkpoint` raises before writing anything if two leaves would share one
 (a "/" in a dict key, a plain leaf at `w/codes` beside an NVFP4Array at `w`).
+
+Dtypes: a plain leaf may have any boolean or numeric dtype that tensorstore (orbax's writer)
+stores: NumPy's, and those of ml_dtypes that JAX uses, bfloat16, float8_e4m3fn, float8_e5m2,
+float8_e4m3fnuz, float8_e5m2fnuz, float8_e4m3b11fnuz, float8_e3m4, float8_e8m0fnu,
+float4_e2m1fn, int4 and int2 (NumPy calls their kind "V", like a structured dtype's), every
+bit pattern kept (NaN payloads, negative zeros). Others (ml_dtypes' float8_e4m3, float6_*,
+int1, uint1/2/4; object, string, structured, void or datetime dtypes) are a `TypeError`
+naming the leaf and its dtype, raised before anything is written.
+
+Edited metadata (format 3): each entry carries `digest`, the sha256 of the canonical JSON
+(sorted keys, no spaces, ASCII) of the rest of the entry, and the metadata a `digest` of the
+canonical JSON of its format and entries (theirs included). `restore_checkpoint` recomputes
+them before using anything: an entry whose fields were changed (any field: dtype, axis,
+block_2d, rht, shapes, kind, impl, path...) or that lost its digest is a `ValueError` naming
+the entry (all such entries) and the file; entries added, removed, duplicated or reordered,
+or a changed format, are a `ValueError` naming the file; so is a format-1/2 header on metadata
+that has digests. The digests catch edits and corruption, not forgery: whoever edits the file
+can recompute them. Formats 1 and 2 have no digests: there only edits that make the metadata
+inconsistent (with itself, `validate_nvfp4_array` or the stored arrays) are caught.
 
 Atomicity: a save never touches the current snapshot nor `CURRENT` until its very end. It
 writes a new snapshot under a fresh name (orbax writes it into a temporary directory and
@@ -29,17 +49,34 @@ writes the new name into `CURRENT.tmp`, fsyncs it and `os.replace`s it over `CUR
 atomic rename on POSIX: Linux and macOS), and fsyncs `path`. Until that replace `CURRENT` names
 the old, complete snapshot; after it, the new, complete one. Only then are other snapshots
 deleted. So a crash at any point (an exception, SIGKILL, power loss) leaves the old or the new
-checkpoint, whole. One process saves to a `path` at a time. A forced save replaces the
+checkpoint, whole. One program saves to a `path` at a time. A forced save replaces the
 checkpoint only: other files in `path` stay.
 
-The first format, `nvfp4_jax.checkpoint/1` (the orbax `Composite` at `path` itself, no
-`CURRENT`), is still restored; a forced save over it converts it, atomically as above.
+Several processes (`jax.distributed`, `jax.process_count() > 1`): every process calls
+`save_checkpoint` with the same `path` and tree (global jax.Arrays, sharded as they are; NumPy
+leaves are written by process 0) on a file system they share. Process 0 alone creates and
+checks `path`, picks the snapshot name, removes leftovers, writes `CURRENT` and removes the
+old snapshot; orbax writes the snapshot, each process its shards, then every process fsyncs
+the snapshot; collectives (`jax.experimental.multihost_utils.process_allgather`) separate
+these steps and give every process the snapshot name of process 0. `CURRENT` is replaced only
+after all processes have written and flushed their shards, and no process returns before it
+is, so a process killed at any point leaves the old or the new checkpoint, whole. An error of
+one process in these steps (e.g. process 0's `FileExistsError`) is raised on every process,
+with the same type; an error inside orbax's own writing is orbax's to handle (its barriers
+time out). `restore_checkpoint` only reads: every process calls it, with a target whose
+leaves carry the shardings (a leaf without one is restored to the process's first device).
+With one process, none of this happens: the save is the one described above.
 
-`restore_checkpoint(path, target)` checks every JSON entry against itself, against
-`validate_nvfp4_array` and against the arrays orbax stored, and the checkpoint against `target`
-(a pytree of arrays, `jax.ShapeDtypeStruct`s, or NVFP4Arrays of either, e.g. the state of
-`nnx.eval_shape(...)`), before reading any array; it raises a `ValueError` naming the entry on
-a mismatch. Without a target it rebuilds nested dicts from the paths (keys become strings).
+The first format, `nvfp4_jax.checkpoint/1` (the orbax `Composite` at `path` itself, no
+`CURRENT`), and the second (this layout, no digests) are still restored; a forced save over
+them writes format 3, atomically as above.
+
+`restore_checkpoint(path, target)` checks the digests, every JSON entry against itself,
+against `validate_nvfp4_array` and against the arrays orbax stored, and the checkpoint
+against `target` (a pytree of arrays, `jax.ShapeDtypeStruct`s, or NVFP4Arrays of either,
+e.g. the state of `nnx.eval_shape(...)`), before reading any array; it raises a `ValueError`
+naming the entry on a mismatch. Without a target it rebuilds nested dicts from the paths
+(keys become strings).
 
 Example (an nnx model):
     save_checkpoint(path, nnx.state(model))
@@ -50,6 +87,8 @@ Example (an nnx model):
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import os
 import re
 import shutil
@@ -62,8 +101,10 @@ import numpy as np
 from nvfp4_jax._storage import fsync_fd, fsync_path, fsync_tree, is_key_array, key_name
 from nvfp4_jax.array import NVFP4Array, is_nvfp4_array, validate_nvfp4_array
 
-FORMAT = "nvfp4_jax.checkpoint/2"
+FORMAT = "nvfp4_jax.checkpoint/3"
+FORMAT_V2 = "nvfp4_jax.checkpoint/2"
 FORMAT_V1 = "nvfp4_jax.checkpoint/1"
+_DIGEST = "digest"  # the field of each entry, and of the whole metadata, holding its digest
 POINTER = "CURRENT"
 _POINTER_TMP = "CURRENT.tmp"
 _SNAPSHOT = re.compile(r"snapshot-([0-9]+)")
@@ -100,19 +141,132 @@ def save_checkpoint(path: str | os.PathLike, tree: Any, *, force: bool = False) 
       FileExistsError: `path` is not a directory, or (without `force`) already holds a
         checkpoint or other files.
       ValueError: two leaves would be stored under the same name (the message names both).
-      TypeError: a leaf is not an array, or an NVFP4Array is invalid.
+      TypeError: a leaf is not an array, has a dtype orbax cannot store (the message names
+        the leaf and the dtype), or an NVFP4Array is invalid.
+
+    With several JAX processes every process calls it with the same `path` and tree; process
+    0 alone touches `path` itself, and an error of one process is raised on all (see the
+    module docstring).
     """
     path = _abspath(path)
     arrays, entries = _arrays_and_entries(tree)
+    meta = _metadata(entries)
+    if jax.process_count() > 1:
+        _save_multiprocess(path, arrays, meta, force)
+        return
     current = _prepare_directory(path, force)
     name = _next_snapshot_name(path)
     _remove_leftovers(path, keep=current)
     snapshot = os.path.join(path, name)
-    _write_snapshot(snapshot, arrays, {"format": FORMAT, "entries": entries})
+    _write_snapshot(snapshot, arrays, meta)
     fsync_tree(snapshot)
     fsync_path(path)
     _write_pointer(path, name)
     _remove_leftovers(path, keep=name)
+
+
+def _save_multiprocess(path: str, arrays: dict, meta: dict, force: bool) -> None:
+    """The save of every process of a multi-process JAX program (all call it, same `path`).
+
+    Process 0 alone touches `path` itself (checks, snapshot name, leftovers, `CURRENT`);
+    orbax writes the snapshot, each process its own shards. Every step ends in a collective
+    that also carries a failure of any process to all of them, so all raise it.
+    """
+    name = _collective("preparing the save", lambda: _begin_save(path, force), primary=True)
+    snapshot = os.path.join(path, name)
+    _write_snapshot(snapshot, arrays, meta)
+    # Each process flushes the snapshot (on a shared file system, what it wrote is flushed
+    # only by itself); `CURRENT` names it only once all have.
+    _collective("flushing the snapshot", lambda: fsync_tree(snapshot), primary=False)
+    _collective("committing the save", lambda: _commit(path, name), primary=True)
+
+
+def _begin_save(path: str, force: bool) -> str:
+    current = _prepare_directory(path, force)
+    name = _next_snapshot_name(path)
+    _remove_leftovers(path, keep=current)
+    return name
+
+
+def _commit(path: str, name: str) -> None:
+    fsync_path(path)
+    _write_pointer(path, name)
+    _remove_leftovers(path, keep=name)
+
+
+# A step's outcome as every process shares it: JSON, in a fixed number of bytes.
+_SHARED_BYTES = 8192
+_SHARED_ERRORS = {
+    e.__name__: e
+    for e in (
+        FileExistsError,
+        FileNotFoundError,
+        NotADirectoryError,
+        IsADirectoryError,
+        PermissionError,
+        OSError,
+        ValueError,
+        TypeError,
+    )
+}
+
+
+def _collective(what: str, step, *, primary: bool):
+    """Runs `step` on process 0 (`primary`) or on every process, then waits for all.
+
+    Returns process 0's result (JSON: a string or None) on every process. If `step` raised
+    on some process, every process raises: that one its own exception, the others one of the
+    same type (`RuntimeError` for an unusual one) naming the process and the step.
+    """
+    outcome, error = {"result": None, "error": None}, None
+    if not primary or jax.process_index() == 0:
+        try:
+            outcome["result"] = step()
+        except Exception as e:  # noqa: BLE001  (shared with every process, then raised)
+            error = e
+            outcome["error"] = [type(e).__name__, str(e)]
+    from jax.experimental import multihost_utils  # noqa: PLC0415
+
+    rows = multihost_utils.process_allgather(_encode(outcome))
+    outcomes = [_decode(row) for row in np.asarray(rows).reshape(jax.process_count(), -1)]
+    if error is not None:
+        raise error
+    for index, other in enumerate(outcomes):
+        if other["error"] is not None:
+            kind, message = other["error"]
+            raise _SHARED_ERRORS.get(kind, RuntimeError)(
+                f"{message} (a {kind} of process {index} while {what})"
+            )
+    return outcomes[0]["result"]
+
+
+def _encode(outcome: dict) -> np.ndarray:
+    """`outcome` as `_SHARED_BYTES` bytes of ASCII JSON (a long error message shortened)."""
+    data = json.dumps(outcome).encode()
+    if len(data) > _SHARED_BYTES and outcome["error"] is not None:
+        kind, message = outcome["error"]  # an escaped character takes at most 12 bytes
+        outcome = {**outcome, "error": [kind[:100], message[: _SHARED_BYTES // 16] + "..."]}
+        data = json.dumps(outcome).encode()
+    if len(data) > _SHARED_BYTES:  # not a name save_checkpoint makes
+        raise ValueError(f"save_checkpoint: a result of {len(data)} bytes is too long to share")
+    return np.frombuffer(data.ljust(_SHARED_BYTES, b"\0"), np.uint8)
+
+
+def _decode(row: np.ndarray) -> dict:
+    return json.loads(bytes(np.asarray(row, np.uint8)).rstrip(b"\0").decode())
+
+
+def _metadata(entries: list) -> dict:
+    """The JSON a save writes: the format, the entries, and a digest of each and of all."""
+    entries = [{**entry, _DIGEST: _digest(entry)} for entry in entries]
+    meta = {"format": FORMAT, "entries": entries}
+    return {**meta, _DIGEST: _digest(meta)}
+
+
+def _digest(value) -> str:
+    """sha256 of the canonical JSON of `value` (sorted keys, no spaces, ASCII)."""
+    text = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
 
 
 def _abspath(path) -> str:
@@ -188,9 +342,32 @@ def _as_array(leaf, where):
             value = jnp.asarray(leaf)
         except TypeError as e:
             raise TypeError(f"save_checkpoint: the leaf at {where} is not an array: {e}") from e
-    if np.dtype(value.dtype).kind in "OSUV":
-        raise TypeError(f"save_checkpoint: the leaf at {where} has dtype {value.dtype}")
+    reason = _unstorable(value.dtype)
+    if reason:
+        raise TypeError(f"save_checkpoint: the leaf at {where} has dtype {value.dtype}: {reason}")
     return value
+
+
+def _unstorable(dtype) -> str | None:
+    """Why orbax cannot store arrays of `dtype`, or None when it can.
+
+    Storable: booleans and numbers, NumPy's and the ones JAX takes from ml_dtypes (bfloat16,
+    the float8 types, int4, ...) alike (NumPy's kind of the latter is "V", as for a
+    structured dtype), as far as tensorstore, which writes orbax's arrays, has them.
+    """
+    try:
+        dtype = jnp.dtype(dtype)
+    except TypeError:
+        return "not a dtype"
+    if dtype != np.bool_ and not jax.dtypes.issubdtype(dtype, np.number):
+        return "not a boolean or numeric dtype"
+    import tensorstore  # noqa: PLC0415  (orbax writes with it)
+
+    try:
+        tensorstore.dtype(dtype.name)
+    except (TypeError, ValueError):
+        return "tensorstore (which orbax writes arrays with) has no such data type"
+    return None
 
 
 def _prepare_directory(path: str, force: bool) -> str | None:
@@ -295,7 +472,8 @@ def restore_checkpoint(path: str | os.PathLike, target: Any = None) -> Any:
 
     Raises:
       FileNotFoundError: `path` holds no complete checkpoint.
-      ValueError: the checkpoint is inconsistent (its metadata and its arrays disagree), or
+      ValueError: the checkpoint's metadata was edited after the save (format 3: its
+        digests), the checkpoint is inconsistent (its metadata and its arrays disagree), or
         it and `target` disagree (missing entry, shape, dtype or NVFP4 metadata); the message
         names the entry.
     """
@@ -350,14 +528,52 @@ def _read_entries(checkpointer, snapshot: str) -> list:
 
     args = ocp.args.Composite(nvfp4=ocp.args.JsonRestore())
     meta = checkpointer.restore(snapshot, args).nvfp4
-    if not isinstance(meta, dict) or meta.get("format") not in (FORMAT, FORMAT_V1):
+    if not isinstance(meta, dict) or meta.get("format") not in (FORMAT, FORMAT_V2, FORMAT_V1):
         raise ValueError(f"restore_checkpoint: {snapshot} is not an nvfp4_jax checkpoint")
     entries = meta.get("entries")
     if not isinstance(entries, list):
         raise ValueError(f"restore_checkpoint: {snapshot} has no list of entries")
+    _check_digests(meta, os.path.join(snapshot, "nvfp4", "metadata"))
     for entry in entries:
         _check_entry_head(entry)
-    return entries
+    return [{k: v for k, v in entry.items() if k != _DIGEST} for entry in entries]
+
+
+def _check_digests(meta: dict, file: str) -> None:
+    """Checks that the metadata is the one its save wrote (formats 1 and 2 have no digests)."""
+    entries = meta["entries"]
+    sealed = [isinstance(entry, dict) and _DIGEST in entry for entry in entries]
+    if meta["format"] != FORMAT:
+        if any(sealed) or _DIGEST in meta:
+            raise ValueError(
+                f"restore_checkpoint: {file} was edited: it has the digests of format "
+                f"{FORMAT!r} but says {meta['format']!r}"
+            )
+        return
+    edited = []
+    for entry, has_digest in zip(entries, sealed, strict=True):
+        if not has_digest:
+            edited.append(_entry_name(entry))
+        elif entry[_DIGEST] != _digest({k: v for k, v in entry.items() if k != _DIGEST}):
+            edited.append(_entry_name(entry))
+    if edited:
+        which = "entry" if len(edited) == 1 else "entries"
+        raise ValueError(
+            f"restore_checkpoint: the metadata of the {which} {', '.join(edited)} in {file} "
+            "was edited after the save (it no longer matches the sha256 digest saved with it)"
+        )
+    if meta.get(_DIGEST) != _digest({k: v for k, v in meta.items() if k != _DIGEST}):
+        keys = [_entry_name(entry) for entry in entries]
+        raise ValueError(
+            f"restore_checkpoint: {file} was edited after the save: its entries ({len(keys)}: "
+            f"{', '.join(keys[:10])}{', ...' if len(keys) > 10 else ''}) or its format are "
+            "not the ones saved (an entry added, removed or moved?)"
+        )
+
+
+def _entry_name(entry) -> str:
+    key = entry.get("key") if isinstance(entry, dict) else None
+    return repr(key) if isinstance(key, str) else str(entry)[:200]
 
 
 def _check_entry_head(entry) -> None:
@@ -382,7 +598,10 @@ def _stored_specs(entries: list) -> dict:
 def _entry_specs(entry: dict) -> dict:
     key, kind = entry["key"], entry.get("kind")
     if kind == "array":
-        return {key: (_shape_field(entry, "shape"), _dtype_field(entry, "array_dtype").name)}
+        dtype = _dtype_field(entry, "array_dtype")
+        if _unstorable(dtype):
+            raise _bad(key, f"array_dtype {dtype.name!r} is not a dtype orbax stores")
+        return {key: (_shape_field(entry, "shape"), dtype.name)}
     if kind == "key":
         data_shape = _shape_field(entry, "shape") + _key_data_shape(entry)
         return {key: (data_shape, "uint32")}
@@ -588,8 +807,8 @@ def _check_nvfp4_entry(key, entry, leaf):
 
 def _abstract(leaf, shape=None, dtype=None) -> jax.ShapeDtypeStruct:
     sharding = getattr(leaf, "sharding", None)
-    if sharding is None:
-        sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    if sharding is None:  # on this process's first device (with several processes, its own)
+        sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     shape = leaf.shape if shape is None else shape
     return jax.ShapeDtypeStruct(shape, leaf.dtype if dtype is None else dtype, sharding=sharding)
 
