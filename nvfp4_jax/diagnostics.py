@@ -52,14 +52,16 @@ from rich.console import Console
 from rich.table import Table
 
 from nvfp4_jax import formats, ops, reference
-from nvfp4_jax import nnx as nvfp4_nnx
 from nvfp4_jax.dot_general import dot_general, pad_tokens
 from nvfp4_jax.recipe import NVFP4Recipe
 from nvfp4_jax.rules import (
     Rule,
     check_rules,
+    layer_paths,
+    layer_recipe,
     linear_problem,
-    match_rule,
+    linear_stack,
+    match_layer,
     named_layers,
     recipe_from_dict,
     recipe_to_dict,
@@ -113,6 +115,9 @@ class LayerStats:
       wgrad_angle: angle (degrees) between the recipe's NVFP4 `dW` and `x^T dy` in f32.
       wgrad_angle_sr: the same with stochastic rounding of dy.
       wgrad_angle_rtn: the same with round-to-nearest of dy.
+      module_path: for one slice of a stacked layer (a kernel `(L, K, N)` run under
+        `nnx.scan`), the layer's module path (the one rules match), `path` being
+        `module_path[i]`; None for a plain layer, whose `path` is its module path.
     """
 
     path: str
@@ -128,6 +133,12 @@ class LayerStats:
     wgrad_angle: float
     wgrad_angle_sr: float
     wgrad_angle_rtn: float
+    module_path: str | None = None
+
+    @property
+    def rule_path(self) -> str:
+        """The module path rules match: `module_path` for a slice, else `path`."""
+        return self.path if self.module_path is None else self.module_path
 
     @property
     def summed_error(self) -> float:
@@ -344,12 +355,12 @@ class _Targets:
     skipped: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
-def _classify(path: str, layer: nnx.Module, rules, targets: _Targets) -> None:
+def _classify(paths: tuple[str, ...], layer: nnx.Module, rules, targets: _Targets) -> None:
+    path = paths[0]
     if rules is None:
-        is_nvfp4 = isinstance(layer, nvfp4_nnx.Linear)
-        recipe = layer.recipe if is_nvfp4 else None
+        recipe = layer_recipe(layer)
     else:
-        found = match_rule(rules, path)
+        found = match_layer(rules, paths, "inspect_model")
         recipe = None if found is None else found[1].recipe
     if recipe is None:
         targets.high_precision.append(path)
@@ -366,34 +377,66 @@ def _classify(path: str, layer: nnx.Module, rules, targets: _Targets) -> None:
 
 def _targets(model: nnx.Module, rules) -> _Targets:
     targets = _Targets()
-    for path, layer in named_layers(model).items():
-        _classify(path, layer, rules, targets)
+    for layer, paths in layer_paths(model).values():
+        _classify(paths, layer, rules, targets)
     return targets
 
 
-class _Tap:
+class _Seen(nnx.Variable):
+    """What a tap saw in the pass: rows counted, x and W (f32 buffers). Not a parameter."""
+
+
+class _Probe(nnx.Variable):
+    """Zeros added to a tapped layer's output rows: the loss's gradient with respect to it is dy."""
+
+
+class _Dtypes:
+    """Static facts the taps note while traced: per path, the dtypes of x (and W) and of y."""
+
+    def __init__(self):
+        self.of: dict[str, tuple[Any, Any]] = {}
+
+
+class _Tap(nnx.Module):
     """Stands in for a layer in the copy `inspect_model` runs: records x and W, adds a probe.
 
-    The probe (zeros, one per call) is added to the layer's output, so the gradient of the
-    loss with respect to it is the layer's output gradient dy. Without probes (the shape
-    pass) the tap records the output's shape instead.
+    An nnx Module whose records are nnx Variables, so that it can be traced through the nnx
+    transforms a model applies to its layers (`nnx.remat`, `nnx.scan`, `nnx.vmap`,
+    `nnx.jit`): the records flow out as the state updates those transforms carry. Each call
+    appends its x rows (flattened to (M, K)) at `rows`, and adds the matching rows of the
+    zero probe to the layer's output, whose gradient is dy. A stacked layer (kernel
+    `(*stack, K, N)`, see `linear_stack`) gets stacked records: each step of a scan over its
+    layer axis writes its own slice. Without buffers (the first pass), the tap only counts
+    the rows.
     """
 
-    def __init__(self, layer: nnx.Linear, path: str, probes, record: dict):
-        self.layer, self.path, self.probes, self.record = layer, path, probes, record
+    def __init__(self, layer: nnx.Linear, path: str, dtypes: _Dtypes, rows: int | None):
+        stack = linear_stack(layer)
+        k, n = layer.in_features, layer.out_features
+        self.layer, self.path, self.dtypes = layer, path, dtypes
+        self.rows = _Seen(jnp.zeros(stack, jnp.int32))
+        if rows is None:
+            self.x = self.w = self.probe = nnx.data(None)
+        else:
+            self.x = _Seen(jnp.zeros((*stack, rows, k), _F32))
+            self.w = _Seen(jnp.zeros((*stack, k, n), _F32))
+            self.probe = _Probe(jnp.zeros((*stack, rows, n), _F32))
 
     def __call__(self, inputs, *args, **kwargs):
-        y = self.layer(inputs, *args, **kwargs)
         layer = self.layer
-        kernel = layer.kernel[...]
-        x, w, _ = layer.promote_dtype((inputs, kernel, None), dtype=layer.dtype)
-        calls = self.record["layers"].setdefault(self.path, {"x": [], "w": w})["x"]
-        index = len(calls)
-        calls.append(x)
-        if self.probes is None:
-            self.record["shapes"][f"{self.path}#{index}"] = y
+        y = layer(inputs, *args, **kwargs)
+        x, w, _ = layer.promote_dtype((inputs, layer.kernel[...], None), dtype=layer.dtype)
+        self.dtypes.of[self.path] = (x.dtype, y.dtype)
+        x = x.reshape(-1, layer.in_features)
+        start = self.rows[...]
+        self.rows[...] = start + x.shape[0]
+        if self.probe is None:
             return y
-        return y + self.probes[f"{self.path}#{index}"].astype(y.dtype)
+        corner = (start, jnp.zeros_like(start))
+        self.x[...] = jax.lax.dynamic_update_slice(self.x[...], x.astype(_F32), corner)
+        self.w[...] = w.astype(_F32)
+        probe = jax.lax.dynamic_slice(self.probe[...], corner, (x.shape[0], y.shape[-1]))
+        return y + probe.reshape(y.shape).astype(y.dtype)
 
 
 def _default_loss(model, *inputs) -> jax.Array:
@@ -415,50 +458,76 @@ def _split_inputs(inputs: tuple) -> tuple[list, Callable[[list], tuple]]:
     return [leaf for a, leaf in zip(is_array, leaves, strict=True) if a], rebuild
 
 
-def _run(graphdef, state, paths, loss_fn, probes, inputs):
-    """The loss of a copy of the model whose target layers are taps, and what they recorded."""
+def _tapped(graphdef, state, paths, dtypes: _Dtypes, rows: dict | None):
+    """A copy of the model whose target layers are taps (with `rows` buffer rows, or none)."""
     model = nnx.merge(graphdef, state, copy=True)
-    record: dict = {"layers": {}, "shapes": {}}
+
+    def tap(layer, path):
+        return _Tap(layer, path, dtypes, None if rows is None else rows[path])
+
     if paths == [""]:  # the model is the layer itself: the loss calls the tap
-        model = _Tap(model, "", probes, record)
-    else:
-        layers = named_layers(model)
-        taps = [(layers[p], _Tap(layers[p], p, probes, record)) for p in paths]
-        reasons = replace_layers(model, taps)
-        for path, reason in zip(paths, reasons, strict=True):
-            if reason:
-                raise ValueError(f"inspect_model: cannot observe {path!r}: {reason}")
-    loss = loss_fn(model, *inputs)
-    return jnp.asarray(loss, _F32), record
+        return tap(model, "")
+    layers = named_layers(model)
+    reasons = replace_layers(model, [(layers[p], tap(layers[p], p)) for p in paths])
+    for path, reason in zip(paths, reasons, strict=True):
+        if reason:
+            raise ValueError(f"inspect_model: cannot observe {path!r}: {reason}")
+    return model
+
+
+def _taps(model) -> dict[str, _Tap]:
+    return {node.path: node for _, node in nnx.iter_graph(model) if isinstance(node, _Tap)}
 
 
 def _capture(model, paths, loss_fn, inputs):
-    """(loss, {path: (x (M, K), w (K, N), dy (M, N))}) from one forward and backward pass."""
+    """(loss, {path: [(slice index, flat index, x (M, K), w (K, N), dy (M, N)), ...]}).
+
+    Two passes over a copy: the first counts the rows each tap sees (per slice of a stacked
+    layer), the second records x and W into buffers of that size and takes the gradient of
+    the loss with respect to the probes. A plain layer has one entry, with slice index None.
+    """
     graphdef, state = nnx.split(model)
     arrays, rebuild = _split_inputs(inputs)
+    dtypes = _Dtypes()
 
-    def shapes(state, arrays):
-        return _run(graphdef, state, paths, loss_fn, None, rebuild(arrays))[1]["shapes"]
+    def count(state, arrays):
+        tapped = _tapped(graphdef, state, paths, dtypes, None)
+        loss_fn(tapped, *rebuild(arrays))
+        return {path: tap.rows[...] for path, tap in _taps(tapped).items()}
 
-    out_shapes = jax.eval_shape(shapes, state, arrays) if paths else {}
-    probes = {name: jnp.zeros(s.shape, s.dtype) for name, s in out_shapes.items()}
+    counts = jax.device_get(jax.jit(count)(state, arrays)) if paths else {}
+    sizes = {path: int(np.max(rows, initial=0)) for path, rows in counts.items()}
 
-    def loss_and_grads(probes, state, arrays):
+    def loss_and_grads(state, arrays):
+        tapped = _tapped(graphdef, state, paths, dtypes, sizes)
+        probe_graphdef, probes, rest = nnx.split(tapped, _Probe, ...)
+
         def run(probes):
-            return _run(graphdef, state, paths, loss_fn, probes, rebuild(arrays))
+            model = nnx.merge(probe_graphdef, probes, rest, copy=True)
+            loss = loss_fn(model, *rebuild(arrays))
+            seen = {path: (t.rows[...], t.x[...], t.w[...]) for path, t in _taps(model).items()}
+            return jnp.asarray(loss, _F32), seen
 
-        (loss, record), grads = jax.value_and_grad(run, has_aux=True)(probes)
-        return loss, record["layers"], grads
+        (loss, seen), grads = jax.value_and_grad(run, has_aux=True)(probes)
+        dys = {
+            path: t.probe[...] for path, t in _taps(nnx.merge(probe_graphdef, grads, rest)).items()
+        }
+        return loss, seen, dys
 
-    loss, record, grads = jax.jit(loss_and_grads)(probes, state, arrays)
+    loss, seen, dys = jax.jit(loss_and_grads)(state, arrays)
     operands = {}
-    for path in (p for p in paths if p in record):  # a layer not called has no operands
-        xs = record[path]["x"]
-        dys = [grads[f"{path}#{i}"] for i in range(len(xs))]
-        w = record[path]["w"]
-        x = jnp.concatenate([x.reshape(-1, w.shape[0]) for x in xs])
-        dy = jnp.concatenate([d.reshape(-1, w.shape[1]) for d in dys])
-        operands[path] = (x, w, dy)
+    for path in paths:
+        rows, xs, ws = (np.asarray(a) for a in seen[path])
+        x_dtype, y_dtype = dtypes.of.get(path, (_F32, _F32))
+        slices = []
+        for flat, index in enumerate(np.ndindex(rows.shape)):  # () for a plain layer
+            if rows[index]:
+                x = jnp.asarray(xs[index][: rows[index]], x_dtype)
+                w = jnp.asarray(ws[index], x_dtype)
+                dy = jnp.asarray(np.asarray(dys[path])[index][: rows[index]], y_dtype)
+                slices.append((index if rows.shape else None, flat, x, w, dy))
+        if slices:  # a layer not called has no operands
+            operands[path] = slices
     return loss, operands
 
 
@@ -578,7 +647,9 @@ class ModelReport:
           score: how layers are ranked (`scores`); the worst come first.
 
         Returns:
-          One exact-path rule (`^path$`, recipe None) per kept layer, worst first, followed
+          One exact-path rule (`^path$`, recipe None) per kept layer, worst first (a slice
+          of a stacked layer keeps the whole stacked layer: one rule for its module path,
+          which rules match; the share counts the slices, each a GEMM), followed
           by the rules the model was inspected under (which end with their catch-all), or,
           for a model inspected as it is, by exact-path rules for the layers in high
           precision and for those whose recipe is not the most common one, and a catch-all
@@ -589,16 +660,17 @@ class ModelReport:
         scores = self.scores(score)
         ranked = sorted(scores, key=lambda path: -scores[path])
         count = math.ceil(share * len(ranked) - 1e-9)
-        keep = [Rule(_exact(path), None) for path in ranked[:count]]
-        return [*keep, *(self.rules if self.rules is not None else self._current_rules())]
+        keep = [Rule(_exact(self[path].rule_path), None) for path in ranked[:count]]
+        rest = self.rules if self.rules is not None else self._current_rules()
+        return [*dict.fromkeys(keep), *rest]
 
     def _current_rules(self) -> list[Rule]:
         """Rules reproducing the inspected model: its high-precision layers, its recipes."""
         counts = collections.Counter(stats.recipe for stats in self.layers)
         common = counts.most_common(1)[0][0] if counts else NVFP4Recipe()
         rules = [Rule(_exact(path), None) for path in self.high_precision]
-        rules += [Rule(_exact(s.path), s.recipe) for s in self.layers if s.recipe != common]
-        return [*rules, Rule(".*", common)]
+        rules += [Rule(_exact(s.rule_path), s.recipe) for s in self.layers if s.recipe != common]
+        return [*dict.fromkeys(rules), Rule(".*", common)]
 
     # -- presentation
 
@@ -688,8 +760,14 @@ def inspect_model(
     itself runs the model as it is. The model is not changed: the pass runs on a copy
     (`nnx.split`/`nnx.merge`) in which each analyzed layer is wrapped by a tap that records its
     input x and weight W (as the GEMM sees them, after dtype promotion) and adds a zero probe to
-    its output, whose gradient is dy. A layer called several times contributes the tokens of
-    every call; a layer the pass does not call is reported skipped.
+    its output, whose gradient is dy. The tap is an nnx Module whose records are nnx Variables,
+    so layers the model runs through `nnx.remat`, `nnx.scan`, `nnx.vmap` or `nnx.jit` are
+    observed too (one extra forward pass counts the tokens first). A layer called several
+    times contributes the tokens of every call; a layer the pass does not call is reported
+    skipped. A layer held at several paths is analyzed once, at its first path (its paths'
+    rules must agree, see `match_layer`). A stacked layer (kernel `(L, K, N)` run under
+    `nnx.scan`) is reported per slice, `path[i]` with `module_path` the layer's path: each
+    slice is its own GEMM with its own amax.
     Memory: the pass keeps x, W and dy of every analyzed layer at once (one batch).
 
     Args:
@@ -725,11 +803,15 @@ def inspect_model(
         if path not in operands:
             targets.skipped[path] = "not called in the pass"
             continue
-        x, w, dy = operands[path]
         layer_key = jax.random.fold_in(key, index)
-        layers.append(
-            analyze_layer(x, w, dy, recipe=targets.recipes[path], key=layer_key, path=path)
-        )
+        for where, flat, x, w, dy in operands[path]:
+            name, module_path, slice_key = path, None, layer_key
+            if where is not None:  # a slice of a stacked layer: its own GEMM
+                name, module_path = f"{path}[{','.join(map(str, where))}]", path
+                slice_key = jax.random.fold_in(layer_key, flat)
+            recipe = targets.recipes[path]
+            stats = analyze_layer(x, w, dy, recipe=recipe, key=slice_key, path=name)
+            layers.append(dataclasses.replace(stats, module_path=module_path))
     return ModelReport(
         layers=tuple(layers),
         loss=float(loss),

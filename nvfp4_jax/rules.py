@@ -146,6 +146,47 @@ def match_rule(rules: Sequence[Rule], path: str) -> tuple[int, Rule] | None:
     return None
 
 
+def match_layer(
+    rules: Sequence[Rule], paths: Sequence[str], op: str = "rules"
+) -> tuple[int, Rule] | None:
+    """The rule of a layer held at `paths` (one layer, e.g. a tied head, at several paths).
+
+    Each path is matched (`match_rule`); the paths no rule matches have no say. The rules
+    matched must agree on what the layer computes with (the same recipe, or all None); the
+    first path's rule is returned, or None when no path is matched.
+
+    Raises:
+      ValueError: two paths of the layer match rules with different recipes, naming both
+        paths and both rules.
+
+    Example:
+      >>> rules = [Rule("lm_head", None), Rule("", NVFP4Recipe())]
+      >>> match_layer(rules, ["embed_proj", "lm_head"])
+      Traceback (most recent call last):
+      ...
+      ValueError: rules: one layer is held at 'embed_proj' and at 'lm_head', and their ...
+    """
+    decided = [(path, found) for path in paths if (found := match_rule(rules, path))]
+    if not decided:
+        return None
+    first_path, first = decided[0]
+    for path, found in decided[1:]:
+        if found[1].recipe != first[1].recipe:
+            raise ValueError(
+                f"{op}: one layer is held at {first_path!r} and at {path!r}, and their rules "
+                f"disagree: rules[{first[0]}] {first[1]!r} {_says(first[1])}, "
+                f"rules[{found[0]}] {found[1]!r} {_says(found[1], short=True)}; add a rule "
+                "for one of the paths that agrees with the other"
+            )
+    return first
+
+
+def _says(rule: Rule, short: bool = False) -> str:
+    if rule.recipe is None:
+        return "in high precision" if short else "keeps it in high precision"
+    return "in NVFP4" if short else "puts it in NVFP4"
+
+
 def keep_bf16(*patterns: str) -> list[Rule]:
     """Rules keeping the layers that match any of `patterns` in high precision (their dtype).
 
@@ -248,6 +289,10 @@ class LayerDecision:
       pattern: the matching rule's pattern, or None.
       recipe: the recipe the layer computes with ("nvfp4" only).
       reason: why a layer was skipped.
+      aliases: the other paths of a layer held at several paths (a tied head), for which
+        this decision holds too (`report[alias]` gives it).
+      stack: the leading layer axes of a stacked layer (a kernel (L, K, N) made under
+        `nnx.vmap` and run under `nnx.scan`: `(L,)`); `()` for a plain one.
     """
 
     path: str
@@ -257,6 +302,8 @@ class LayerDecision:
     pattern: str | None = None
     recipe: NVFP4Recipe | None = None
     reason: str = ""
+    aliases: tuple[str, ...] = ()
+    stack: tuple[int, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict."""
@@ -270,16 +317,18 @@ class QuantizeReport:
     """Per module path, what became of each linear layer (a `LayerDecision`).
 
     Index it by path (`report["layers/0/mlp/up_proj"]`); `paths(action)` lists the paths of
-    one action.
+    one action. A layer held at several paths has one entry, at its first path, listing the
+    others as its `aliases`; indexing by an alias gives that entry.
     """
 
     layers: dict[str, LayerDecision] = dataclasses.field(default_factory=dict)
+    aliases: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def __getitem__(self, path: str) -> LayerDecision:
-        return self.layers[path]
+        return self.layers[self.aliases.get(path, path)]
 
     def __contains__(self, path: object) -> bool:
-        return path in self.layers
+        return path in self.layers or path in self.aliases
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -297,11 +346,26 @@ class QuantizeReport:
         lines = []
         for path, entry in self.layers.items():
             rule = "-" if entry.rule is None else f"rules[{entry.rule}] {entry.pattern!r}"
-            detail = f" ({entry.reason})" if entry.reason else ""
+            notes = [f"also at {', '.join(entry.aliases)}"] if entry.aliases else []
+            if entry.stack:
+                notes.append(f"stacked {'x'.join(map(str, entry.stack))}")
+            if entry.reason:
+                notes.append(entry.reason)
+            detail = f" ({'; '.join(notes)})" if notes else ""
             lines.append(f"{path:<{width}}  {entry.layer:<12} {entry.action:<14} {rule}{detail}")
         return "\n".join(lines)
 
-    def _record(self, path: str, layer: str, action: Action, found, reason: str = "") -> None:
+    def _record(
+        self,
+        path: str,
+        layer: str,
+        action: Action,
+        found,
+        reason: str = "",
+        *,
+        aliases: Sequence[str] = (),
+        stack: Sequence[int] = (),
+    ) -> None:
         index, rule = found if found is not None else (None, None)
         self.layers[path] = LayerDecision(
             path=path,
@@ -311,7 +375,11 @@ class QuantizeReport:
             pattern=None if rule is None else rule.pattern,
             recipe=None if rule is None or action != "nvfp4" else rule.recipe,
             reason=reason,
+            aliases=tuple(aliases),
+            stack=tuple(stack),
         )
+        for alias in aliases:
+            self.aliases[alias] = path
 
 
 # --- einsum -------------------------------------------------------------------------------------
@@ -465,6 +533,33 @@ def _is_nvfp4_linear(layer) -> bool:
     return isinstance(layer, nvfp4_nnx.Linear)
 
 
+def _dot_general_recipe(fn) -> NVFP4Recipe | None:
+    """The recipe of a `nvfp4_dot_general(recipe)` function, None for any other function."""
+    recipe = getattr(fn, "nvfp4_recipe", None)
+    return recipe if isinstance(recipe, NVFP4Recipe) else None
+
+
+def layer_recipe(layer) -> NVFP4Recipe | None:
+    """The recipe an nnx layer computes with now, or None for high precision.
+
+    An `nvfp4_jax.nnx.Linear` computes with its `recipe`, an `nnx.Linear` built with
+    `dot_general=nvfp4_dot_general(recipe)` with that recipe, an `nnx.Einsum` with
+    `einsum_op=NVFP4Einsum(recipe)` with that one; any other layer in high precision.
+
+    Example:
+      >>> layer = nnx.Linear(32, 16, dot_general=nvfp4_dot_general(), rngs=nnx.Rngs(0))
+      >>> layer_recipe(layer) == NVFP4Recipe()
+      True
+    """
+    if _is_nvfp4_linear(layer):
+        return layer.recipe if layer.activations is None else None
+    if isinstance(layer, nnx.Linear):
+        return _dot_general_recipe(layer.dot_general)
+    if isinstance(layer, nnx.Einsum) and isinstance(layer.einsum_op, NVFP4Einsum):
+        return layer.einsum_op.recipe
+    return None
+
+
 def _linear_kind_problem(layer: nnx.Linear) -> str:
     if type(layer) not in (nnx.Linear, nvfp4_nnx.Linear):
         return f"a subclass of nnx.Linear ({type(layer).__name__}) computes its own way"
@@ -491,17 +586,46 @@ def weight_problem(shape: Sequence[int]) -> str:
     return ""
 
 
+def linear_stack(layer: nnx.Linear) -> tuple[int, ...] | None:
+    """The leading layer axes of an `nnx.Linear`'s kernel: `()` for a plain (K, N) kernel.
+
+    A stacked layer (made under `nnx.vmap`, run under `nnx.scan` over the layer axis, as in
+    Flax's "scan over layers") holds a kernel `(L, K, N)` while its `in_features` and
+    `out_features` are K and N: each step of the scan sees one (K, N) kernel. None when the
+    kernel's last two axes are not `(in_features, out_features)`.
+
+    Example:
+      >>> linear_stack(nnx.Linear(32, 16, rngs=nnx.Rngs(0)))
+      ()
+    """
+    shape = tuple(layer.kernel.shape)
+    if len(shape) < 2 or shape[-2:] != (layer.in_features, layer.out_features):
+        return None
+    return shape[:-2]
+
+
+def _linear_shape_problem(layer: nnx.Linear) -> str:
+    shape = tuple(layer.kernel.shape)
+    if linear_stack(layer) is None:
+        return (
+            f"its kernel {shape} is neither an (in, out) = ({layer.in_features}, "
+            f"{layer.out_features}) matrix nor a stack of them"
+        )
+    return weight_problem(shape[-2:])
+
+
 def linear_problem(layer: nnx.Linear) -> str:
     """Why the `nnx.Linear` `layer` cannot compute in NVFP4 ("" if it can).
 
     It cannot when it is a subclass (its own `__call__` would be lost), a frozen quantized
-    layer (`Linear.from_quantized`), or its sizes are not multiples of 16.
+    layer (`Linear.from_quantized`), or its sizes are not multiples of 16. A stacked layer
+    (kernel `(L, K, N)`, see `linear_stack`) can: each of its (K, N) slices is one GEMM.
 
     Example:
       >>> linear_problem(nnx.Linear(32, 16, rngs=nnx.Rngs(0)))
       ''
     """
-    return _linear_kind_problem(layer) or weight_problem(layer.kernel.shape)
+    return _linear_kind_problem(layer) or _linear_shape_problem(layer)
 
 
 def _linear_config(layer: nnx.Linear) -> dict[str, Any]:
@@ -523,28 +647,43 @@ def _adopt(new: nnx.Linear, old: nnx.Linear) -> nnx.Linear:
 
 
 def _to_nvfp4(layer: nnx.Linear, recipe: NVFP4Recipe, rngs: nnx.Rngs, stream: str):
-    """An NVFP4 `Linear` holding `layer`'s variables (`layer` itself if nothing changes)."""
-    if _is_nvfp4_linear(layer) and layer.recipe == recipe:
+    """An NVFP4 `Linear` holding `layer`'s variables (`layer` itself if nothing changes).
+
+    A stacked layer's per-layer state gets its layer axes too, so that `nnx.scan` (or
+    `nnx.vmap`) hands every step its own: the calibration `input_amax` is `zeros(stack)`,
+    the stochastic-rounding stream holds one key and one count per layer.
+    """
+    if layer_recipe(layer) == recipe:
         return layer
-    in_features, out_features = layer.kernel.shape
+    stack = linear_stack(layer)
     config = _linear_config(layer)
     new = nnx.eval_shape(
         lambda: nvfp4_nnx.Linear(
-            in_features, out_features, recipe=recipe, rngs=nnx.Rngs(0), **config
+            layer.in_features, layer.out_features, recipe=recipe, rngs=nnx.Rngs(0), **config
         )
     )
-    new.input_amax = nvfp4_nnx.InputAmax(jnp.zeros((), jnp.float32))
-    new.quantize_rngs = rngs[stream].fork() if recipe.stochastic_rounding else nnx.data(None)
+    new.input_amax = nvfp4_nnx.InputAmax(jnp.zeros(stack, jnp.float32))
+    if not recipe.stochastic_rounding:
+        new.quantize_rngs = nnx.data(None)
+    else:
+        new.quantize_rngs = rngs[stream].split(stack) if stack else rngs[stream].fork()
     return _adopt(new, layer)
 
 
 def _to_high_precision(layer: nnx.Linear) -> nnx.Linear:
-    """A plain `nnx.Linear` holding `layer`'s variables (`layer` itself if it is one)."""
+    """A plain `nnx.Linear` holding `layer`'s variables (`layer` itself if it is one).
+
+    An `nnx.Linear` built with `dot_general=nvfp4_dot_general(...)` gets back the default
+    `jax.lax.dot_general`.
+    """
     if not _is_nvfp4_linear(layer):
+        if _dot_general_recipe(layer.dot_general) is not None:
+            layer.dot_general = jax.lax.dot_general
         return layer
-    in_features, out_features = layer.kernel.shape
     config = _linear_config(layer)
-    new = nnx.eval_shape(lambda: nnx.Linear(in_features, out_features, rngs=nnx.Rngs(0), **config))
+    new = nnx.eval_shape(
+        lambda: nnx.Linear(layer.in_features, layer.out_features, rngs=nnx.Rngs(0), **config)
+    )
     return _adopt(new, layer)
 
 
@@ -564,22 +703,54 @@ def _path_str(path: tuple) -> str:
     return "/".join(str(part) for part in path)
 
 
+def layer_paths(model: nnx.Module) -> dict[str, tuple[nnx.Module, tuple[str, ...]]]:
+    """Maps first path -> (layer, all its paths) for every `nnx.Linear` and `nnx.Einsum`.
+
+    A layer held at several paths (a head tied to another projection: `model.head =
+    model.embed_proj`) is listed once, under the first of its paths in path order; the
+    tuple holds all of them, that one first. Layers come in path order.
+
+    Example:
+      >>> class Tied(nnx.Module):
+      ...     def __init__(self, rngs):
+      ...         self.embed_proj = nnx.Linear(16, 16, rngs=rngs)
+      ...         self.head = self.embed_proj
+      >>> [paths for _, paths in layer_paths(Tied(nnx.Rngs(0))).values()]
+      [('embed_proj', 'head')]
+    """
+    found: dict[int, tuple[Any, list[str]]] = {}
+
+    def visit(node, path: tuple, ancestors: frozenset) -> None:
+        if isinstance(node, (nnx.Linear, nnx.Einsum)):
+            found.setdefault(id(node), (node, []))[1].append(_path_str(path))
+        impl = nnx.graphlib.get_node_impl(node)
+        if impl is None or id(node) in ancestors:  # a leaf, or a reference back up
+            return
+        inner = ancestors | {id(node)}
+        for key, child in impl.node_dict(node).items():
+            if not (isinstance(key, str) and key.startswith("_pytree__")):
+                visit(child, (*path, key), inner)
+
+    visit(model, (), frozenset())
+    layers = {}
+    for layer, paths in found.values():
+        paths = tuple(sorted(dict.fromkeys(paths), key=_natural_key))
+        layers[paths[0]] = (layer, paths)
+    return dict(sorted(layers.items(), key=lambda item: _natural_key(item[0])))
+
+
 def named_layers(model: nnx.Module) -> dict[str, nnx.Module]:
     """Maps path -> layer for every `nnx.Linear` and `nnx.Einsum` of `model`, in path order.
 
     Paths are "/"-joined (`layers/3/mlp/down_proj`) and sorted with block indices in number
-    order; a layer held at several paths is listed once, at its first.
+    order; a layer held at several paths is listed once, at its first (`layer_paths` gives
+    all of them).
 
     Example:
       >>> list(named_layers(nnx.Sequential(nnx.Linear(16, 16, rngs=nnx.Rngs(0)))))
       ['layers/0']
     """
-    found = [
-        (_path_str(path), node)
-        for path, node in nnx.iter_graph(model)
-        if isinstance(node, (nnx.Linear, nnx.Einsum))
-    ]
-    return dict(sorted(found, key=lambda item: _natural_key(item[0])))
+    return {path: layer for path, (layer, _) in layer_paths(model).items()}
 
 
 def _holders(model: nnx.Module, targets: dict[int, Any]) -> dict[int, list[tuple[Any, Any]]]:
@@ -657,7 +828,7 @@ def _convert(layer, rule: Rule, rngs: nnx.Rngs, stream: str):
         return layer, "skipped", problem
     if rule.recipe is None:
         return _to_high_precision(layer), "high_precision", ""
-    problem = weight_problem(layer.kernel.shape)
+    problem = _linear_shape_problem(layer)
     if problem:
         return layer, "skipped", problem
     return _to_nvfp4(layer, rule.recipe, rngs, stream), "nvfp4", ""
@@ -676,12 +847,21 @@ def quantize_model(
     `nvfp4_jax.nnx.Linear` with that recipe, holding the very same kernel and bias variables
     (values, dtype, metadata) and the layer's `dtype`, `param_dtype`, `precision`,
     `promote_dtype` and `preferred_element_type`; one matching a rule with recipe None
-    becomes (or stays) a plain `nnx.Linear`. An `nnx.Einsum` whose contraction is a plain
-    dense one (`einsum_plan`) gets `einsum_op=NVFP4Einsum(recipe)`. A layer whose sizes are
-    not multiples of 16, an einsum with batch dimensions or sums, and a frozen quantized
+    becomes (or stays) a plain `nnx.Linear` computing with `jax.lax.dot_general` (also one
+    built with `dot_general=nvfp4_dot_general()`). An `nnx.Einsum` whose contraction is a
+    plain dense one (`einsum_plan`) gets `einsum_op=NVFP4Einsum(recipe)`. A layer whose sizes
+    are not multiples of 16, an einsum with batch dimensions or sums, and a frozen quantized
     layer (`Linear.from_quantized`) stay as they are, reported "skipped" with the reason. A
-    layer no rule matches is left alone. A layer held at several paths is replaced at all of
-    them (and reported at the first).
+    layer no rule matches is left alone.
+
+    A layer held at several paths (a tied head) is decided by the rules its paths match
+    (`match_layer`: they must agree, else ValueError), replaced at all of them, and reported
+    once, at its first path, with the others as `aliases`. A stacked layer (an
+    `nnx.Linear` made under `nnx.vmap`, kernel `(L, K, N)`, run under `nnx.scan`) becomes
+    one `nvfp4_jax.nnx.Linear` holding the same stacked kernel, its calibration amax and
+    stochastic-rounding stream stacked alike, so that every step of the scan runs the
+    ordinary NVFP4 GEMM of its own (K, N) slice, with its own amax; the report gives its
+    `stack`.
 
     Stochastic rounding: each converted `Linear` forks its own stream from
     `rngs[rng_collection]` (the default stream if there is none of that name) and draws a
@@ -701,29 +881,44 @@ def quantize_model(
     Raises:
       TypeError: `model` is not an nnx Module, `rules` holds something other than `Rule`s,
         `rngs` is not an `nnx.Rngs`.
-      ValueError: `rngs` has no stream to fork from.
+      ValueError: `rngs` has no stream to fork from, or two paths of one layer match rules
+        that disagree (nothing is changed then).
     """
     if not isinstance(model, nnx.Module):
         raise TypeError(f"quantize_model: model must be a flax.nnx.Module, got {type(model)}")
     rules = check_rules(rules, "quantize_model")
     rngs = _check_rngs(rngs, rng_collection)
+    layers = layer_paths(model)
+    # Every rule is resolved (and a shared layer's conflict raised) before anything changes.
+    found = {
+        path: match_layer(rules, paths, "quantize_model") for path, (_, paths) in layers.items()
+    }
     report = QuantizeReport()
     pending = []
-    for path, layer in named_layers(model).items():
-        found = match_rule(rules, path)
+    for path, (layer, paths) in layers.items():
         kind = type(layer).__name__
-        if found is None:
-            report._record(path, kind, "unmatched", None)
+        stack = (linear_stack(layer) or ()) if isinstance(layer, nnx.Linear) else ()
+        notes = dict(aliases=paths[1:], stack=stack)
+        if found[path] is None:
+            report._record(path, kind, "unmatched", None, **notes)
             continue
-        new, action, reason = _convert(layer, found[1], rngs, rng_collection)
-        report._record(path, kind, action, found, reason)
+        new, action, reason = _convert(layer, found[path][1], rngs, rng_collection)
+        report._record(path, kind, action, found[path], reason, **notes)
         if new is not layer:
             pending.append((path, layer, new))
     failures = replace_layers(model, [(layer, new) for _, layer, new in pending])
     for (path, _, _), reason in zip(pending, failures, strict=True):
         if reason:
             entry = report[path]
-            report._record(path, entry.layer, "skipped", (entry.rule, rules[entry.rule]), reason)
+            report._record(
+                path,
+                entry.layer,
+                "skipped",
+                (entry.rule, rules[entry.rule]),
+                reason,
+                aliases=entry.aliases,
+                stack=entry.stack,
+            )
     return report
 
 
@@ -819,6 +1014,10 @@ class _Interceptor:
         found = match_rule(self.rules, path)
         action, reason = _linen_decision(module, found, args, kwargs)
         self.report._record(path, type(module).__name__, action, found, reason)
+        if action == "high_precision" and _dot_general_recipe(getattr(module, "dot_general", None)):
+            # A layer built with `dot_general=nvfp4_dot_general()`: back to `lax.dot_general`.
+            with _fields(module, dot_general=None):
+                return next_fun(*args, **kwargs)
         if action != "nvfp4":
             return next_fun(*args, **kwargs)
         return self._nvfp4(module, found[1].recipe, args, kwargs, next_fun)
@@ -865,7 +1064,9 @@ def quantize_linen(
     so `init` and `apply` see the same tree as without the rules. Stochastic rounding draws
     from the `rng_collection` rngs when `apply` is given them (`rngs={"quantize": key}`),
     else from a key derived from the incoming gradient. An `nvfp4_jax.linen.Dense` a rule
-    matches takes the rule's recipe.
+    matches takes the rule's recipe. A layer built with `dot_general=nvfp4_dot_general()`
+    that a rule with recipe None matches computes with `jax.lax.dot_general` (high
+    precision, as reported); one a rule with a recipe matches, with that recipe.
 
     Use it inside the function that `jax.jit` traces (or wrap with `quantized`): a function
     jitted outside the block keeps what it was traced with.

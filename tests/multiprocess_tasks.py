@@ -78,7 +78,7 @@ def quantize_task(workdir: str) -> dict[str, np.ndarray]:
             if case.endswith("bf16"):
                 x = x.astype(jnp.bfloat16)
 
-            def run(x, key, kw=kw):
+            def run(x, key, kw=kw, implementation=implementation):
                 return nvfp4_jax.quantize(x, key=key, implementation=implementation, **kw)
 
             q = jax.jit(run)(put(x, spec), put(jax.random.key(3), P()))
@@ -107,11 +107,41 @@ def train_task(workdir: str) -> dict[str, np.ndarray]:
     return out
 
 
+# --- load_hf_checkpoint with a sharding: each process reads only its slices -------------------
+
+MODELOPT_FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "modelopt_llama_nvfp4")
+
+
+def hf_load_task(workdir: str) -> dict[str, np.ndarray]:
+    """The ModelOpt fixture loaded with one sharding over all devices: its leaves, and the
+    bytes of distinct tensor slices each process read from the files."""
+    from nvfp4_jax import hf  # noqa: PLC0415
+
+    slices: dict[tuple, int] = {}
+    original = hf._SafetensorsFile.read
+
+    def read(self, name, index=None):
+        array = original(self, name, index)
+        slices[(self.path, name, repr(index))] = array.nbytes
+        return array
+
+    hf._SafetensorsFile.read = read
+    try:
+        sharding = NamedSharding(mesh(), P(None, AXIS))
+        tree = nvfp4_jax.load_hf_checkpoint(MODELOPT_FIXTURE, sharding=sharding)
+    finally:
+        hf._SafetensorsFile.read = original
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    out = {jax.tree_util.keystr(path): gather(value) for path, value in flat}
+    read_bytes = np.array([sum(slices.values())], np.int64)
+    out["bytes read by each process"] = np.asarray(
+        multihost_utils.process_allgather(read_bytes)
+    ).reshape(-1)
+    return out
+
+
 TASKS = {
     "quantize": quantize_task,
     "train": train_task,
+    "hf_load": hf_load_task,
 }
-
-
-def workdir_path(workdir: str, *names: str) -> str:
-    return os.path.join(workdir, *names)

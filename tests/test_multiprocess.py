@@ -47,8 +47,15 @@ def two_processes(tmp_path_factory):
     env["JAX_PLATFORMS"] = "cpu"
     procs = [
         subprocess.Popen(
-            [sys.executable, CHILD, str(i), str(NUM_PROCESSES), str(port), workdir,
-             *multiprocess_tasks.TASKS],
+            [
+                sys.executable,
+                CHILD,
+                str(i),
+                str(NUM_PROCESSES),
+                str(port),
+                workdir,
+                *multiprocess_tasks.TASKS,
+            ],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -111,3 +118,18 @@ def test_train_steps_match_one_process(two_processes, one_process):
             np.testing.assert_allclose(
                 got[name], want[name], rtol=0, atol=F32_SUM_TOLERANCE * scale, err_msg=name
             )
+
+
+def test_load_hf_checkpoint_reads_each_process_slices(two_processes, one_process):
+    """The fixture's tensors, sharded along their output axis over 8 devices in 2 processes:
+    the same bits as one process, and each process read about half of the files' bytes (the
+    replicated norms and scalars in full, the rest only its own shards)."""
+    got, want = _load(two_processes, "hf_load"), one_process("hf_load")
+    per_process = got.pop("bytes read by each process")
+    (everything,) = want.pop("bytes read by each process")
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert_same_bits(got[name], want[name], name)
+    assert len(per_process) == NUM_PROCESSES
+    for count in per_process:
+        assert everything / NUM_PROCESSES <= count < 0.55 * everything, (per_process, everything)

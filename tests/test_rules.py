@@ -226,7 +226,8 @@ def test_shared_odd_shaped_and_frozen_layers():
     model = Odd(nnx.Rngs(0))
     report = quantize_model(model, [Rule(".*", NVFP4Recipe())])
     assert model.blocks[0] is model.again and type(model.again) is nvfp4_jax.nnx.Linear
-    assert report["again"].action == "nvfp4" and "blocks/0" not in report  # the first path
+    assert report["again"].action == "nvfp4" and report["again"].aliases == ("blocks/0",)
+    assert report["blocks/0"] is report["again"] and list(report.layers)[0] == "again"
     odd = report["blocks/1"]
     assert odd.action == "skipped" and "out_features=24" in odd.reason
     assert type(model.blocks[1]) is nnx.Linear
