@@ -15,12 +15,11 @@ import subprocess
 import sys
 
 import jax
+import multiprocess_tasks
 import numpy as np
 import pytest
 from helpers import assert_same_bits
 from test_distributed import EXACT_LEAVES, F32_SUM_TOLERANCE
-
-import multiprocess_tasks
 
 pytestmark = [
     pytest.mark.multiprocess,
@@ -72,7 +71,7 @@ def two_processes(tmp_path_factory):
             if proc.poll() is None:
                 proc.kill()
                 proc.communicate()
-    for i, (proc, output) in enumerate(zip(procs, outputs)):
+    for i, (proc, output) in enumerate(zip(procs, outputs, strict=True)):
         assert proc.returncode == 0, f"process {i} exited {proc.returncode}:\n{output[-6000:]}"
     return workdir
 
