@@ -27,6 +27,7 @@ from nvfp4_jax.array import NVFP4Array
 from nvfp4_jax.checkpoint import restore_checkpoint, save_checkpoint
 
 PROCESSES, LOCAL_DEVICES = 2, 4
+KILLED = 37  # the exit code of the process that dies in the middle of a save
 
 
 def full_values(seed: int) -> dict:
@@ -101,8 +102,12 @@ def check_restored(restored: dict, values: dict, target: dict) -> list[str]:
     return problems
 
 
-def child(process_id: int, port: int, workdir: str) -> None:
-    """One of the two processes: saves, fails to save without force, saves again, restores."""
+def child(process_id: int, port: int, workdir: str, mode: str = "save") -> None:
+    """One of the two processes: saves, fails to save without force, saves again, restores.
+
+    In `mode` "kill", it saves once, then saves again and process 1 dies in the middle of
+    that save (after orbax wrote its shards, before the processes agree to commit).
+    """
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(
         coordinator_address=f"127.0.0.1:{port}",
@@ -113,6 +118,14 @@ def child(process_id: int, port: int, workdir: str) -> None:
     assert jax.process_count() == PROCESSES and jax.device_count() == 8
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("devices",))
     path = os.path.join(workdir, "ckpt")
+    if mode == "kill":
+        save_checkpoint(path, sharded_tree(full_values(0), mesh))
+        if process_id == 1:
+            from nvfp4_jax import checkpoint  # noqa: PLC0415
+
+            checkpoint.fsync_tree = lambda top: os._exit(KILLED)
+        save_checkpoint(path, sharded_tree(full_values(1), mesh), force=True)
+        raise AssertionError("the save went on after process 1 died")
     report = {"process": process_id, "problems": []}
 
     save_checkpoint(path, sharded_tree(full_values(0), mesh))
@@ -147,17 +160,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.multiprocess
-def test_two_processes_save_and_restore_one_sharded_checkpoint(tmp_path):
+def start_processes(workdir, mode: str) -> list[subprocess.Popen]:
     env = dict(
         os.environ,
         JAX_PLATFORMS="cpu",
         XLA_FLAGS=f"--xla_force_host_platform_device_count={LOCAL_DEVICES}",
     )
-    port, started = free_port(), time.monotonic()
-    procs = [
+    port = free_port()
+    return [
         subprocess.Popen(
-            [sys.executable, __file__, str(i), str(port), str(tmp_path)],
+            [sys.executable, __file__, str(i), str(port), str(workdir), mode],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -165,6 +177,28 @@ def test_two_processes_save_and_restore_one_sharded_checkpoint(tmp_path):
         )
         for i in range(PROCESSES)
     ]
+
+
+def restore_in_this_process(path, values: dict) -> None:
+    """Restores `path` here and checks every bit against `values` (of `full_values`)."""
+    parts = {p: jax.ShapeDtypeStruct(v.shape, v.dtype) for p, v in values["w"].items()}
+    meta = dict(dtype=jnp.dtype(jnp.bfloat16), axis=-1, block_2d=False, rht=False)
+    target = {
+        "w": NVFP4Array(**parts, **meta),
+        "b": jax.ShapeDtypeStruct(values["b"].shape, values["b"].dtype),
+        "n": np.zeros_like(values["n"]),
+    }
+    restored = restore_checkpoint(path, target)
+    for part, value in values["w"].items():
+        assert same_bytes(getattr(restored["w"], part), value), part
+    assert same_bytes(restored["b"], values["b"])
+    assert isinstance(restored["n"], np.ndarray) and same_bytes(restored["n"], values["n"])
+
+
+@pytest.mark.multiprocess
+def test_two_processes_save_and_restore_one_sharded_checkpoint(tmp_path):
+    started = time.monotonic()
+    procs = start_processes(tmp_path, "save")
     outputs = []
     try:
         for proc in procs:
@@ -187,20 +221,35 @@ def test_two_processes_save_and_restore_one_sharded_checkpoint(tmp_path):
     assert reports[0]["listing"] == ["CURRENT", current]  # the first snapshot is gone
 
     # In this single process: every bit of the checkpoint the two processes wrote.
-    new = full_values(1)
-    parts = {p: jax.ShapeDtypeStruct(v.shape, v.dtype) for p, v in new["w"].items()}
-    meta = dict(dtype=jnp.dtype(jnp.bfloat16), axis=-1, block_2d=False, rht=False)
-    target = {
-        "w": NVFP4Array(**parts, **meta),
-        "b": jax.ShapeDtypeStruct(new["b"].shape, new["b"].dtype),
-        "n": np.zeros_like(new["n"]),
-    }
-    restored = restore_checkpoint(tmp_path / "ckpt", target)
-    for part, value in new["w"].items():
-        assert same_bytes(getattr(restored["w"], part), value), part
-    assert same_bytes(restored["b"], new["b"])
-    assert isinstance(restored["n"], np.ndarray) and same_bytes(restored["n"], new["n"])
+    restore_in_this_process(tmp_path / "ckpt", full_values(1))
+
+
+@pytest.mark.multiprocess
+def test_a_process_killed_in_the_middle_of_a_save_leaves_the_old_checkpoint(tmp_path):
+    """Process 1 dies after writing its shards of a second save; process 0, left waiting for
+    it, is killed too. The checkpoint is the first save, whole, and a later save (here, one
+    process) replaces it and removes what the dead save left."""
+    procs = start_processes(tmp_path, "kill")
+    try:
+        output = procs[1].communicate(timeout=90)[0]
+        assert procs[1].returncode == KILLED, output[-5000:]
+        try:  # process 0 waits for the dead one until JAX's coordination gives up, or we do
+            procs[0].communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    path = tmp_path / "ckpt"
+    leftovers = sorted(n for n in os.listdir(path) if n != "CURRENT")
+    assert len(leftovers) == 2, leftovers  # the current snapshot and the dead save's
+    restore_in_this_process(path, full_values(0))
+    save_checkpoint(path, {"b": jnp.zeros(3)}, force=True)
+    current = (path / "CURRENT").read_text().strip()
+    assert sorted(os.listdir(path)) == ["CURRENT", current]
 
 
 if __name__ == "__main__":
-    child(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
+    child(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])
