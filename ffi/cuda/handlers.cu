@@ -16,37 +16,54 @@
 namespace nvfp4::cuda {
 namespace {
 
-// Grid-stride kernels use at most this many thread blocks: enough to fill the GPU.
-constexpr int64_t kMaxGrid = 4096;
-
-int64_t GridFor(int64_t threads) {
-  return std::max<int64_t>(1, (threads + kThreads - 1) / kThreads);
-}
-
-int64_t CappedGridFor(int64_t threads) { return std::min(GridFor(threads), kMaxGrid); }
+// Grids come from nvfp4/launch.h (GridFor, StridedGridFor), checked on the host by
+// tests/cuda_launch_check.cc: every launch passes a grid in [1, 2^31 - 1].
 
 bool Aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
 float* F32Data(const ffi::AnyBuffer& b) { return static_cast<float*>(b.untyped_data()); }
 
+// The runtime's last error is per host thread and sticky across calls until read: read it
+// (and so clear it) when a handler starts, so that a failure of some earlier call on this
+// thread is not reported as this target's.
+void ClearStaleError() { cudaGetLastError(); }
+
+ffi::Error CudaError(const char* target, const char* what, cudaError_t e) {
+  cudaGetLastError();  // the failed call also set the last error: leave none behind
+  return ffi::Error::Internal(std::string(target) + ": " + what + " failed: " +
+                              cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")");
+}
+
+// After the last launch of a handler: any launch that failed (bad configuration, no kernel
+// image, too many resources) set the last error. Kernel faults surface later, on the
+// stream, where XLA reports them.
 ffi::Error LaunchError(const char* target) {
   const cudaError_t e = cudaGetLastError();
   if (e == cudaSuccess) return ffi::Error::Success();
-  return ffi::Error::Internal(std::string(target) +
-                              ": CUDA launch failed: " + cudaGetErrorString(e));
+  return CudaError(target, "CUDA kernel launch", e);
+}
+
+// One launch covers at most 2^31 - 1 thread blocks of kThreads threads, about 5.5e11
+// 16-blocks: far beyond any GPU's memory, but a dim3 would silently truncate the count.
+ffi::Error TooLarge(const char* target, int64_t threads) {
+  return ffi::Error::InvalidArgument(std::string(target) + ": " + std::to_string(threads) +
+                                     " threads exceed one launch's grid (2^31 - 1 blocks of " +
+                                     std::to_string(kThreads) + ")");
 }
 
 ffi::Error AmaxImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out,
                     bool rht) {
   auto args = CheckAmaxArgs(x, *out);
   if (args.has_error()) return args.error();
+  ClearStaleError();
   auto* bits = static_cast<uint32_t*>(out->untyped_data());
   const int64_t blocks = args->layout.size() / kBlock;
-  cudaMemsetAsync(bits, 0, sizeof(uint32_t), stream);
+  const cudaError_t e = cudaMemsetAsync(bits, 0, sizeof(uint32_t), stream);
+  if (e != cudaSuccess) return CudaError("nvfp4_amax", "cudaMemsetAsync", e);
   if (blocks > 0) {
     VisitFloatType(args->x, [&](auto t) {
       using T = decltype(t);
-      AmaxKernel<T><<<CappedGridFor(blocks), kThreads, 0, stream>>>(
+      AmaxKernel<T><<<StridedGridFor(blocks), kThreads, 0, stream>>>(
           static_cast<const typename T::Storage*>(x.untyped_data()), blocks,
           Aligned(x.untyped_data(), 16), rht, bits);
     });
@@ -55,15 +72,17 @@ ffi::Error AmaxImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyB
   return LaunchError("nvfp4_amax");
 }
 
+// The quantize kernel's thread count and grid for a layout (grid 0: too large to launch).
+int64_t QuantizeThreads(const RowLayout& l, bool block_2d) {
+  return block_2d ? Quantize2dThreads(l.rows, l.cols) : Quantize1dThreads(l.rows, l.cols);
+}
+
 template <class T, class Sink>
-void LaunchQuantize(cudaStream_t stream, const QuantizeArgs& a, bool block_2d) {
-  const int64_t blocks = a.rows * (a.cols / kBlock);
-  if (blocks == 0) return;
+void LaunchQuantize(cudaStream_t stream, const QuantizeArgs& a, bool block_2d, int64_t grid) {
   if (block_2d) {
-    const int64_t warps = (a.rows / kBlock) * ((a.cols / kBlock + 1) / 2);
-    Quantize2dKernel<T, Sink><<<GridFor(32 * warps), kThreads, 0, stream>>>(a);
+    Quantize2dKernel<T, Sink><<<grid, kThreads, 0, stream>>>(a);
   } else {
-    Quantize1dKernel<T, Sink><<<GridFor(blocks), kThreads, 0, stream>>>(a);
+    Quantize1dKernel<T, Sink><<<grid, kThreads, 0, stream>>>(a);
   }
 }
 
@@ -91,6 +110,10 @@ ffi::Error QuantizeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer am
                         bool block_2d, bool rht, bool stochastic_rounding) {
   auto args = CheckQuantizeArgs(x, amax, key, *codes, *scales, *stored_amax, block_2d);
   if (args.has_error()) return args.error();
+  const int64_t threads = QuantizeThreads(args->layout, block_2d);
+  const int64_t grid = GridFor(threads);
+  if (grid == 0) return TooLarge("nvfp4_quantize", threads);
+  ClearStaleError();
   QuantizeArgs a = MakeArgs(x, args->layout, amax, key, *stored_amax, rht, stochastic_rounding);
   a.codes = static_cast<uint8_t*>(codes->untyped_data());
   a.scales = static_cast<uint8_t*>(scales->untyped_data());
@@ -101,10 +124,11 @@ ffi::Error QuantizeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer am
   StoredAmaxKernel<<<1, 1, 0, stream>>>(a.amax, stored);
   const int64_t blocks = args->layout.size() / kBlock;
   if (blocks > 0) {
-    VisitFloatType(args->x,
-                   [&](auto t) { LaunchQuantize<decltype(t), CodeSink>(stream, a, block_2d); });
-    NonFiniteCodesKernel<<<CappedGridFor(blocks), kThreads, 0, stream>>>(stored, blocks, a.codes,
-                                                                         a.scales);
+    VisitFloatType(args->x, [&](auto t) {
+      LaunchQuantize<decltype(t), CodeSink>(stream, a, block_2d, grid);
+    });
+    NonFiniteCodesKernel<<<StridedGridFor(blocks), kThreads, 0, stream>>>(stored, blocks, a.codes,
+                                                                          a.scales);
   }
   return LaunchError("nvfp4_quantize");
 }
@@ -115,6 +139,10 @@ ffi::Error FakeQuantizeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffe
                             bool stochastic_rounding, bool global_scale) {
   auto args = CheckFakeQuantizeArgs(x, amax, key, *out, *stored_amax, block_2d);
   if (args.has_error()) return args.error();
+  const int64_t threads = QuantizeThreads(args->layout, block_2d);
+  const int64_t grid = GridFor(threads);
+  if (grid == 0) return TooLarge("nvfp4_fake_quantize", threads);
+  ClearStaleError();
   QuantizeArgs a = MakeArgs(x, args->layout, amax, key, *stored_amax, rht, stochastic_rounding);
   a.values = out->untyped_data();
   a.use_global = global_scale;
@@ -127,8 +155,8 @@ ffi::Error FakeQuantizeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffe
     VisitFloatType(args->x, [&](auto t) {
       VisitFloatType(args->result, [&](auto u) {
         using U = decltype(u);
-        LaunchQuantize<decltype(t), ValueSink<U>>(stream, a, block_2d);
-        FillNanKernel<U><<<CappedGridFor(size), kThreads, 0, stream>>>(
+        LaunchQuantize<decltype(t), ValueSink<U>>(stream, a, block_2d, grid);
+        FillNanKernel<U><<<StridedGridFor(size), kThreads, 0, stream>>>(
             stored, size, static_cast<typename U::Storage*>(a.values));
       });
     });
@@ -141,11 +169,14 @@ ffi::Error DequantizeImpl(cudaStream_t stream, ffi::AnyBuffer codes, ffi::AnyBuf
   auto args = CheckDequantizeArgs(codes, scales, decode_scale, *out);
   if (args.has_error()) return args.error();
   const int64_t blocks = args->layout.size() / kBlock;
+  const int64_t grid = GridFor(blocks);
+  if (grid == 0) return TooLarge("nvfp4_dequantize", blocks);
+  ClearStaleError();
   const bool vec = Aligned(codes.untyped_data(), 8) && Aligned(out->untyped_data(), 16);
   if (blocks > 0) {
     VisitFloatType(args->result, [&](auto u) {
       using U = decltype(u);
-      DequantizeKernel<U><<<GridFor(blocks), kThreads, 0, stream>>>(
+      DequantizeKernel<U><<<grid, kThreads, 0, stream>>>(
           static_cast<const uint8_t*>(codes.untyped_data()),
           static_cast<const uint8_t*>(scales.untyped_data()), F32Data(decode_scale), blocks, rht, vec,
           static_cast<typename U::Storage*>(out->untyped_data()));
@@ -159,11 +190,14 @@ ffi::Error RhtImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBu
   auto args = CheckRhtArgs(x, *out);
   if (args.has_error()) return args.error();
   const int64_t blocks = args->layout.size() / kBlock;
+  const int64_t grid = GridFor(blocks);
+  if (grid == 0) return TooLarge("nvfp4_rht", blocks);
+  ClearStaleError();
   const bool vec = Aligned(x.untyped_data(), 16) && Aligned(out->untyped_data(), 16);
   if (blocks > 0) {
     VisitFloatType(args->x, [&](auto t) {
       using T = decltype(t);
-      RhtKernel<T><<<GridFor(blocks), kThreads, 0, stream>>>(
+      RhtKernel<T><<<grid, kThreads, 0, stream>>>(
           static_cast<const typename T::Storage*>(x.untyped_data()), blocks, inverse, vec,
           static_cast<typename T::Storage*>(out->untyped_data()));
     });
@@ -186,6 +220,7 @@ std::string ProbeReason() {
   int driver = 0, runtime = 0;
   cudaDriverGetVersion(&driver);
   cudaRuntimeGetVersion(&runtime);
+  cudaGetLastError();
   if (driver == 0) return "no CUDA driver found";
   int count = 0;
   cudaError_t e = cudaGetDeviceCount(&count);

@@ -12,11 +12,16 @@
 #include <cstdint>
 
 #include "nvfp4/dtypes.h"
+#include "nvfp4/launch.h"
 #include "nvfp4/numerics.h"
 
 namespace nvfp4::cuda {
 
-constexpr int kThreads = 256;
+// Every kernel but the 1-thread scalar ones is launched with kThreads threads per block
+// (nvfp4/launch.h computes the grids); __launch_bounds__ lets the compiler budget registers
+// for exactly that, and a launch with more threads fails instead of running wrongly.
+constexpr int kThreads = kLaunchThreads;
+#define NVFP4_KERNEL __global__ void __launch_bounds__(nvfp4::cuda::kThreads)
 
 __device__ __forceinline__ int64_t GlobalThread() {
   return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -92,8 +97,8 @@ __device__ __forceinline__ uint32_t WarpMax(uint32_t v) { return __reduce_max_sy
 // amax: grid-stride over blocks, one atomicMax per warp on the result's bits.
 
 template <class T>
-__global__ void AmaxKernel(const typename T::Storage* x, int64_t blocks, bool vec, bool rht,
-                           uint32_t* out_bits) {
+NVFP4_KERNEL AmaxKernel(const typename T::Storage* x, int64_t blocks, bool vec, bool rht,
+                        uint32_t* out_bits) {
   uint32_t seen = 0;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t b = GlobalThread(); b < blocks; b += stride) {
@@ -107,11 +112,11 @@ __global__ void AmaxKernel(const typename T::Storage* x, int64_t blocks, bool ve
 }
 
 // Max |x| bits -> f32 amax, NaN when any element was not finite.
-__global__ void AmaxFinalizeKernel(uint32_t* bits) { *bits = *bits < kInfBits ? *bits : kNanBits; }
+NVFP4_KERNEL AmaxFinalizeKernel(uint32_t* bits) { *bits = *bits < kInfBits ? *bits : kNanBits; }
 
 // stored amax = A, or NaN when A is NaN, inf or negative (the quantize pass may still set
 // NaN: then the fill kernels below make the whole result the non-finite one).
-__global__ void StoredAmaxKernel(const float* amax, float* stored) {
+NVFP4_KERNEL StoredAmaxKernel(const float* amax, float* stored) {
   *stored = StoredAmax(*amax, true);
 }
 
@@ -178,9 +183,9 @@ __device__ __forceinline__ void QuantizeBlock(const QuantizeArgs& a, const Globa
 
 // 1x16 blocks: thread t owns flat block t.
 template <class T, class Sink>
-__global__ void Quantize1dKernel(QuantizeArgs a) {
+NVFP4_KERNEL Quantize1dKernel(QuantizeArgs a) {
   const int64_t block = GlobalThread();
-  if (block >= a.rows * (a.cols / kBlock)) return;
+  if (block >= Quantize1dThreads(a.rows, a.cols)) return;
   const float amax = __ldg(a.amax);
   const GlobalScale g = MakeGlobalScale(amax);
   float v[kBlock];
@@ -193,16 +198,11 @@ __global__ void Quantize1dKernel(QuantizeArgs a) {
 // 16x16 blocks: a warp owns two tiles side by side; lane l holds row l % 16 of tile l / 16,
 // so the tile max is a shuffle reduction over the 16 lanes of a half-warp.
 template <class T, class Sink>
-__global__ void Quantize2dKernel(QuantizeArgs a) {
-  const int64_t blocks_per_row = a.cols / kBlock;
-  const int64_t pairs = (blocks_per_row + 1) / 2;
-  const int64_t warp = GlobalThread() / 32;
-  const int lane = threadIdx.x & 31;
-  const int64_t group = warp / pairs;
-  const int64_t cb = (warp % pairs) * 2 + lane / 16;
-  const int64_t row = group * kBlock + lane % 16;
-  const bool valid = group < a.rows / kBlock && cb < blocks_per_row;
-  const int64_t block = row * blocks_per_row + cb;
+NVFP4_KERNEL Quantize2dKernel(QuantizeArgs a) {
+  // No early return: every lane takes part in the shuffles below (launch.h).
+  const Quantize2dPlace place = Quantize2dPlaceOf(GlobalThread(), a.rows, a.cols);
+  const bool valid = place.valid;
+  const int64_t block = place.block;
   const float amax = __ldg(a.amax);
   const GlobalScale g = MakeGlobalScale(amax);
   float v[kBlock];
@@ -224,8 +224,8 @@ __global__ void Quantize2dKernel(QuantizeArgs a) {
 // docs/NUMERICS.md section 8, run after the quantize pass: when the stored amax is NaN (A or an
 // input element was not finite), every code 0 and every scale E4M3 NaN. Grid-stride over
 // the 16-blocks; the threads return at once for a finite tensor.
-__global__ void NonFiniteCodesKernel(const float* stored, int64_t blocks, uint8_t* codes,
-                                     uint8_t* scales) {
+NVFP4_KERNEL NonFiniteCodesKernel(const float* stored, int64_t blocks, uint8_t* codes,
+                                  uint8_t* scales) {
   const float a = *stored;
   if (a == a) return;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
@@ -239,7 +239,7 @@ __global__ void NonFiniteCodesKernel(const float* stored, int64_t blocks, uint8_
 // Fake quantization of a non-finite tensor (NaN stored amax): every value NaN, as
 // dequantizing the non-finite codes gives. Grid-stride over the n values.
 template <class U>
-__global__ void FillNanKernel(const float* stored, int64_t n, typename U::Storage* out) {
+NVFP4_KERNEL FillNanKernel(const float* stored, int64_t n, typename U::Storage* out) {
   const float a = *stored;
   if (a == a) return;
   const typename U::Storage nan = U::Store(AsFloat(kNanBits));
@@ -251,8 +251,8 @@ __global__ void FillNanKernel(const float* stored, int64_t n, typename U::Storag
 // Dequantize and the RHT.
 
 template <class U>
-__global__ void DequantizeKernel(const uint8_t* codes, const uint8_t* scales, const float* decode,
-                                 int64_t blocks, bool rht, bool vec, typename U::Storage* out) {
+NVFP4_KERNEL DequantizeKernel(const uint8_t* codes, const uint8_t* scales, const float* decode,
+                              int64_t blocks, bool rht, bool vec, typename U::Storage* out) {
   const int64_t b = GlobalThread();
   if (b >= blocks) return;
   uint8_t q[kBlock / 2];
@@ -270,8 +270,8 @@ __global__ void DequantizeKernel(const uint8_t* codes, const uint8_t* scales, co
 }
 
 template <class T>
-__global__ void RhtKernel(const typename T::Storage* x, int64_t blocks, bool inverse, bool vec,
-                          typename T::Storage* out) {
+NVFP4_KERNEL RhtKernel(const typename T::Storage* x, int64_t blocks, bool inverse, bool vec,
+                       typename T::Storage* out) {
   const int64_t b = GlobalThread();
   if (b >= blocks) return;
   float v[kBlock];
@@ -281,5 +281,7 @@ __global__ void RhtKernel(const typename T::Storage* x, int64_t blocks, bool inv
 }
 
 }  // namespace nvfp4::cuda
+
+#undef NVFP4_KERNEL
 
 #endif  // NVFP4_CUDA_KERNELS_CUH_
