@@ -20,6 +20,7 @@ import jax
 
 from nvfp4_jax import kernels, reference
 from nvfp4_jax.array import NVFP4Array
+from nvfp4_jax.reference.quantize import fake_quantize_stored, quantize_stored
 from nvfp4_jax.seed import SRSeed
 
 Implementation = Literal["reference", "ffi"]
@@ -68,28 +69,13 @@ class ReferenceBackend:
         return reference.tensor_amax(x, rht=rht)
 
     def quantize(self, x, amax, seed, *, block_2d, rht):
-        """`reference.quantize`, as (codes, scales, stored amax)."""
-        q = reference.quantize(
-            x,
-            block_2d=block_2d,
-            rht=rht,
-            stochastic_rounding=seed is not None,
-            key=seed,
-            amax=amax,
-        )
-        return q.codes, q.scales, q.amax
+        """(codes, scales, stored amax): `reference.quantize` of the stored layout."""
+        return quantize_stored(x, amax, seed, block_2d=block_2d, rht=rht)
 
     def fake_quantize(self, x, amax, seed, *, block_2d, rht, global_scale, dtype):
-        """`reference.fake_quantize`."""
-        return reference.fake_quantize(
-            x,
-            block_2d=block_2d,
-            rht=rht,
-            stochastic_rounding=seed is not None,
-            key=seed,
-            amax=amax,
-            global_scale=global_scale,
-            dtype=dtype,
+        """`reference.fake_quantize` of the stored layout (checked by `ops`)."""
+        return fake_quantize_stored(
+            x, amax, seed, block_2d=block_2d, rht=rht, global_scale=global_scale, dtype=dtype
         )
 
     def dequantize(self, codes, scales, decode_scale, *, rht, dtype):

@@ -280,6 +280,7 @@ def nvfp4_dot_general(recipe: NVFP4Recipe = NVFP4Recipe(), key: jax.Array | None
         )
         return constrain_output(y, out_sharding)
 
+    nvfp4_dot.nvfp4_recipe = recipe  # what it computes with (read by `rules`)
     return nvfp4_dot
 
 

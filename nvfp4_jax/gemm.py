@@ -112,17 +112,18 @@ def quantize_operand(
     """Quantizes `x` along its contraction `axis` into a GEMM operand (stored layout).
 
     The emulated backend never packs: `fake_quantize(global_scale=False)` gives the block
-    values directly, with the tensor amax computed once for both them and `D`.
+    values directly, with the tensor amax computed once for both them and `D`. That amax is
+    data (NaN for a NaN/inf `x`): the operand is NaN eagerly as under `jit`, never an error.
     """
     flags = dict(block_2d=block_2d, rht=rht, stochastic_rounding=stochastic_rounding, key=key)
     if backend == "scaled_matmul":
         q = ops.quantize(x, axis=axis, implementation=implementation, **flags)
         return Operand(q, q.global_scale)
     amax = ops.tensor_amax(x, axis=axis, rht=rht, implementation=implementation)
-    values = ops.fake_quantize(
+    values = ops.fake_quantize_with_data_amax(
         x,
+        amax,
         axis=axis,
-        amax=amax,
         global_scale=False,
         dtype=dtype,
         implementation=implementation,

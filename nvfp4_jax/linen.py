@@ -35,7 +35,8 @@ class Dense(nn.Dense):
       calibrate: record max |inputs| as `calibration/input_amax` (when that collection is
         mutable).
       activations: with an `NVFP4Array` kernel: "high_precision" (weight-only) or "nvfp4"
-        (W4A4, quantized with the amax `input_scale * 2688` of the `input_scale` param).
+        (W4A4, quantized with the amax `input_scale * 2688` of the `input_scale` param; that
+        param is data: a NaN, inf or negative one gives NaN, eagerly as under `jit`).
 
     Example:
       >>> layer = Dense(32)
@@ -65,7 +66,8 @@ class Dense(nn.Dense):
                     "parameter beside the NVFP4 kernel"
                 )
             amax = jnp.asarray(self.get_variable("params", "input_scale"), jnp.float32) * 2688
-            inputs = ops.fake_quantize(inputs, amax=amax.reshape(()), dtype=dtype)
+            # A param is data: a NaN/inf/negative scale gives NaN, eagerly as under jit.
+            inputs = ops.fake_quantize_with_data_amax(inputs, amax.reshape(()), dtype=dtype)
         return jnp.matmul(inputs, ops.dequantize(kernel, dtype))
 
     @nn.compact

@@ -100,7 +100,9 @@ class Linear(nnx.Linear):
             0 (what `load_hf_checkpoint` gives for a linear: the HF (out, in) bytes).
           bias: an optional (out,) bias (a trainable `nnx.Param`).
           input_scale: the static activation scale of W4A4 (`input_amax * RCP2688`, the
-            checkpoint's `.input_scale`); required with `activations="nvfp4"`.
+            checkpoint's `.input_scale`); required with `activations="nvfp4"`. A concrete
+            NaN, inf or negative one is a `ValueError`; once stored in the layer it is data
+            (a traced one, or one restored or calibrated into it): then W4A4 outputs NaN.
           activations: "high_precision" (weight-only) or "nvfp4" (W4A4: the inputs are
             quantized in 1x16 blocks with the tensor amax `input_scale * 2688`; larger
             values saturate).
@@ -143,6 +145,11 @@ class Linear(nnx.Linear):
         layer.activations = activations
         scale = jnp.zeros((), jnp.float32) if input_scale is None else input_scale
         scale = jnp.asarray(scale, jnp.float32).reshape(())
+        if not isinstance(scale, jax.core.Tracer) and not 0 <= float(scale) < float("inf"):
+            raise ValueError(
+                "Linear.from_quantized: input_scale must be a finite, non-negative number, got "
+                f"{float(scale)}"
+            )
         # The amax W4A4 quantizes with; the scale itself is kept too, so that exporting the
         # layer again writes the checkpoint's `input_scale` bits (amax * RCP2688 may not).
         layer.input_amax = InputAmax(scale * 2688)
@@ -160,7 +167,8 @@ class Linear(nnx.Linear):
         dtype = self.dtype or inputs.dtype
         inputs = inputs.astype(dtype)
         if self.activations == "nvfp4":
-            inputs = ops.fake_quantize(inputs, amax=self.input_amax[...], dtype=dtype)
+            # The stored amax is data: a NaN/inf/negative one gives NaN, eagerly as under jit.
+            inputs = ops.fake_quantize_with_data_amax(inputs, self.input_amax[...], dtype=dtype)
         weight = ops.dequantize(self.kernel.get_value(), dtype)
         return jnp.matmul(inputs, weight, preferred_element_type=self.preferred_element_type)
 

@@ -163,8 +163,12 @@ def quantize(
       ((2, 8), (2, 1), (2, 16))
 
     """
+    return _quantize(x, axis, block_2d, rht, stochastic_rounding, key, amax, implementation)
+
+
+def _quantize(x, axis, block_2d, rht, stochastic_rounding, key, amax, implementation, **check):
     x, axis, seed, amax = check_quantize_call(
-        x, axis, block_2d, rht, stochastic_rounding, key, amax, "quantize"
+        x, axis, block_2d, rht, stochastic_rounding, key, amax, "quantize", **check
     )
     backend = backends.resolve(implementation, "quantize")
     # A step function: no derivative flows through it, and the kernels are never traced
@@ -182,6 +186,28 @@ def quantize(
         axis=axis,
         block_2d=bool(block_2d),
         rht=bool(rht),
+    )
+
+
+def quantize_with_data_amax(
+    x: jax.Array,
+    amax: jax.Array,
+    *,
+    axis: int = -1,
+    block_2d: bool = False,
+    rht: bool = False,
+    stochastic_rounding: bool = False,
+    key: jax.Array | SRSeed | None = None,
+    implementation: Implementation | None = None,
+) -> NVFP4Array:
+    """`quantize(x, amax=amax, ...)` for an amax the library computed or stores: data.
+
+    The entry point of internal callers (not re-exported): a NaN, inf or negative `amax`
+    gives the NaN tensor, run eagerly as under `jit`, where `quantize` raises for a caller's
+    concrete one. Every other argument is checked as `quantize` checks it.
+    """
+    return _quantize(
+        x, axis, block_2d, rht, stochastic_rounding, key, amax, implementation, amax_is_data=True
     )
 
 
@@ -229,9 +255,27 @@ def fake_quantize(
       >>> jax.grad(lambda v: fake_quantize(v).sum())(x).tolist() == jnp.ones_like(x).tolist()
       True
     """
+    return _fake_quantize_call(
+        x, axis, block_2d, rht, stochastic_rounding, key, amax, global_scale, dtype, implementation
+    )
+
+
+def _fake_quantize_call(
+    x,
+    axis,
+    block_2d,
+    rht,
+    stochastic_rounding,
+    key,
+    amax,
+    global_scale,
+    dtype,
+    implementation,
+    **check,
+):
     op = "fake_quantize"
     x, axis, seed, amax = check_quantize_call(
-        x, axis, block_2d, rht, stochastic_rounding, key, amax, op
+        x, axis, block_2d, rht, stochastic_rounding, key, amax, op, **check
     )
     global_scale = formats.check_flag(global_scale, op, "global_scale")
     dtype = formats.check_dtype(x.dtype if dtype is None else dtype, op)
@@ -239,6 +283,39 @@ def fake_quantize(
     static = (backend, bool(block_2d), bool(rht), global_scale, dtype)
     values = _fake_quantize(jnp.moveaxis(x, axis, -1), amax, seed, *static)
     return jnp.moveaxis(values, -1, axis)
+
+
+def fake_quantize_with_data_amax(
+    x: jax.Array,
+    amax: jax.Array,
+    *,
+    axis: int = -1,
+    block_2d: bool = False,
+    rht: bool = False,
+    stochastic_rounding: bool = False,
+    key: jax.Array | SRSeed | None = None,
+    global_scale: bool = True,
+    dtype=None,
+    implementation: Implementation | None = None,
+) -> jax.Array:
+    """`fake_quantize(x, amax=amax, ...)` for an amax the library computed or stores.
+
+    As `quantize_with_data_amax`: a NaN, inf or negative `amax` gives a NaN result, run
+    eagerly as under `jit`; for the GEMM operands and the W4A4 layers' stored input amax.
+    """
+    return _fake_quantize_call(
+        x,
+        axis,
+        block_2d,
+        rht,
+        stochastic_rounding,
+        key,
+        amax,
+        global_scale,
+        dtype,
+        implementation,
+        amax_is_data=True,
+    )
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4, 5, 6, 7))

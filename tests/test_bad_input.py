@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numerics_oracle as oracle
 import numpy as np
 import pytest
+from flax import nnx
 from helpers import DENSE, assert_same_bits, assert_same_q, heavy_tailed
 
 import nvfp4_jax
@@ -214,3 +215,92 @@ def test_the_rht_of_tiny_values_dequantizes_alike(impl):
     reference = nvfp4_jax.reference.dequantize(nvfp4_jax.reference.quantize(x, rht=True))
     assert_same_bits(impl.dequantize(q), reference)
     np.testing.assert_array_equal(np.asarray(impl.dequantize(q))[0], 0)
+
+
+# --- non-finite data eagerly and under jit: the same NaN, never an error ---------------------
+# The GEMM computes each operand's tensor amax and quantizes with it: that amax is data, so
+# a NaN/inf operand must give the same NaN result run eagerly as under `jax.jit` (where
+# the amax is traced), not the ValueError a user's concrete invalid `amax=` gets.
+
+LAYER_APIS = ["dot_general", "drop_in_nnx_linear", "nnx_linear", "linen_dense"]
+
+
+def _layer_fn(api: str, implementation: str):
+    """`f(x (16, 32), w (32, 16)) -> y` through one of the four NVFP4 GEMM entry points."""
+    recipe = nvfp4_jax.NVFP4Recipe(implementation=implementation)
+    if api == "dot_general":
+        return lambda x, w: nvfp4_jax.dot_general(x, w, DENSE, recipe=recipe)
+    if api == "linen_dense":
+        layer = nvfp4_jax.linen.Dense(16, recipe=recipe)
+        return lambda x, w: layer.apply({"params": {"kernel": w, "bias": jnp.zeros(16)}}, x)
+    if api == "nnx_linear":
+        module = nvfp4_jax.nnx.Linear(32, 16, recipe=recipe, rngs=nnx.Rngs(0, quantize=1))
+    else:
+        dot = nvfp4_jax.nvfp4_dot_general(recipe)
+        module = nnx.Linear(32, 16, dot_general=dot, rngs=nnx.Rngs(0))
+    graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+
+    def apply(x, w):
+        params_w = nnx.State(dict(params))
+        params_w["kernel"] = params["kernel"].replace(w)
+        # A fresh copy of the same state (the same SR key) on every call.
+        return nnx.merge(graphdef, params_w, rest, copy=True)(x)
+
+    return apply
+
+
+def _value_and_grads(f, x, w, dy):
+    y, pullback = jax.vjp(f, x, w)
+    return (y, *pullback(dy))
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf], ids=["nan", "inf"])
+@pytest.mark.parametrize("where", ["x", "w", "dy"])
+@pytest.mark.parametrize("api", LAYER_APIS)
+def test_non_finite_gemm_data_gives_the_same_nan_eagerly_and_under_jit(impl, api, where, bad):
+    x, w = heavy_tailed((16, 32), "f32", seed=7), heavy_tailed((32, 16), "f32", seed=8)
+    dy = heavy_tailed((16, 16), "f32", seed=9)
+    {"x": x, "w": w, "dy": dy}[where][3, 5] = bad
+    f = _layer_fn(api, impl.implementation)
+    with jax.default_device(impl.device):
+        eager = _value_and_grads(f, x, w, dy)
+        jitted = jax.jit(lambda a, b, c: _value_and_grads(f, a, b, c))(x, w, dy)
+    # README: NaN or inf anywhere in an operand -> the GEMM it enters is all NaN.
+    nan_in = {"y": where in ("x", "w"), "dx": where in ("w", "dy"), "dw": where in ("x", "dy")}
+    for name, a, b in zip(("y", "dx", "dw"), eager, jitted, strict=True):
+        a, b = np.asarray(a), np.asarray(b)
+        if nan_in[name]:
+            assert np.all(np.isnan(a)), f"{name}: eager not all NaN"
+            assert_same_bits(a, b, f"{name}: eager vs jit")
+        else:
+            # A finite GEMM of the same operands; jit may pick another CPU kernel, so equal up
+            # to the f32 summation order of its contraction (K = 32 at most here).
+            assert np.all(np.isfinite(a)) and np.all(np.isfinite(b)), name
+            np.testing.assert_allclose(a, b, rtol=0, atol=(32 + 2) * 2.0**-24 * np.abs(a).max())
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -1.0], ids=["nan", "inf", "neg"])
+def test_an_amax_the_library_computed_is_data_eagerly_as_under_jit(impl, bad):
+    x = heavy_tailed((16, 32), "f32", seed=10)
+    amax = jnp.float32(bad)
+    for op in (nvfp4_jax.ops.quantize_with_data_amax, nvfp4_jax.ops.fake_quantize_with_data_amax):
+        with jax.default_device(impl.device):
+            eager = op(x, amax, implementation=impl.implementation)
+            jitted = jax.jit(lambda a, m, op=op: op(a, m, implementation=impl.implementation))(
+                x, amax
+            )
+        if op is nvfp4_jax.ops.quantize_with_data_amax:
+            assert_nan_tensor(eager)
+            assert_same_q(eager, jitted, "quantize eager vs jit")
+        else:
+            assert np.all(np.isnan(np.asarray(eager)))
+            assert_same_bits(eager, jitted, "fake_quantize eager vs jit")
+    # A user's concrete invalid amax is still an error, on the public ops and the reference.
+    for op in (
+        nvfp4_jax.quantize,
+        nvfp4_jax.fake_quantize,
+        nvfp4_jax.reference.quantize,
+        nvfp4_jax.reference.fake_quantize,
+    ):
+        with pytest.raises(ValueError, match="amax must be a finite, non-negative number"):
+            op(x, amax=bad)

@@ -324,3 +324,43 @@ def test_linen_dense_calibration_and_frozen_kernel():
     w4a4 = nvfp4_jax.linen.Dense(32, activations="nvfp4").apply(frozen, x)
     x_q = nvfp4_jax.fake_quantize(x, amax=jnp.float32(0.01) * 2688)
     assert_same_bits(w4a4, x_q @ nvfp4_jax.dequantize(q) + params["params"]["bias"])
+
+
+# --- a non-finite input scale: data in the model, a constructor argument checked ---------------
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -1.0], ids=["nan", "inf", "neg"])
+def test_a_bad_stored_input_scale_gives_the_same_nan_eagerly_and_under_jit(bad):
+    # A scale stored in the model (restored, calibrated on non-finite data, a loaded param) is
+    # data: W4A4 then quantizes the activations to NaN, eagerly as under jit, never an error.
+    q, x = quantized_kernel(2), inputs((8, 64))
+    layer = nvfp4_jax.nnx.Linear.from_quantized(
+        q, input_scale=jnp.float32(0.01), activations="nvfp4", dtype=jnp.float32
+    )
+    layer.input_scale[...] = jnp.float32(bad)
+    layer.input_amax[...] = jnp.float32(bad) * 2688
+    eager = layer(x)
+    assert np.all(np.isnan(np.asarray(eager)))
+    assert_same_bits(eager, nnx.jit(lambda m, v: m(v))(layer, x))
+
+    frozen = {"params": {"kernel": q, "bias": jnp.zeros(32), "input_scale": jnp.float32(bad)}}
+    dense = nvfp4_jax.linen.Dense(32, activations="nvfp4")
+    eager = dense.apply(frozen, x)
+    assert np.all(np.isnan(np.asarray(eager)))
+    assert_same_bits(eager, jax.jit(dense.apply)(frozen, x))
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -1.0], ids=["nan", "inf", "neg"])
+def test_from_quantized_rejects_a_bad_input_scale_argument(bad):
+    for activations in ("nvfp4", "high_precision"):
+        with pytest.raises(ValueError, match="input_scale must be a finite, non-negative number"):
+            nvfp4_jax.nnx.Linear.from_quantized(
+                quantized_kernel(), input_scale=bad, activations=activations
+            )
+    # Traced (built under jit), it cannot be checked: it is data, as a stored one.
+    build = nnx.jit(
+        lambda s: nvfp4_jax.nnx.Linear.from_quantized(
+            quantized_kernel(), input_scale=s, activations="nvfp4"
+        )
+    )
+    assert np.all(np.isnan(np.asarray(build(jnp.float32(bad))(inputs((4, 64))))))

@@ -97,11 +97,24 @@ def _quantize_core(xs, used, bad, seed: SRSeed | None, block_2d: bool):
     return codes.reshape(xs.shape), scales
 
 
-def check_quantize_call(x, axis, block_2d, rht, stochastic_rounding, key, amax, op):
+def _amax_data(amax, op: str) -> jax.Array:
+    """A computed amax as an f32 scalar, NaN, inf or negative included (a NaN tensor)."""
+    amax = jnp.asarray(amax)
+    if amax.shape != () or not jnp.issubdtype(amax.dtype, jnp.floating):
+        raise TypeError(f"{op}: amax must be a float scalar, got {amax.dtype} {amax.shape}")
+    return amax.astype(_F32)
+
+
+def check_quantize_call(
+    x, axis, block_2d, rht, stochastic_rounding, key, amax, op, *, amax_is_data=False
+):
     """Validated (x, negative axis, SR seed or None, f32 amax or None).
 
     The argument checks of every quantizing op, for every implementation (`nvfp4_jax.ops`
-    calls it too), so they raise the same errors.
+    calls it too), so they raise the same errors. A caller's concrete amax that is negative,
+    NaN or inf is an error; with `amax_is_data` (an amax the library computed or stores, e.g.
+    a GEMM operand's `tensor_amax`) only its type is checked: such an amax is NaN exactly when
+    the data is, and gives the NaN tensor eagerly as under `jit`.
     """
     x = formats.as_float_array(x, op)
     axis = formats.check_quantize_args(
@@ -114,6 +127,8 @@ def check_quantize_call(x, axis, block_2d, rht, stochastic_rounding, key, amax, 
         op=op,
     )
     seed = as_seed(key, op) if stochastic_rounding else None
+    if amax is not None and amax_is_data:
+        return x, axis, seed, _amax_data(amax, op)
     return x, axis, seed, formats.check_amax(amax, op)
 
 
@@ -161,10 +176,11 @@ def quantize(
     x, axis, seed, amax = check_quantize_call(
         x, axis, block_2d, rht, stochastic_rounding, key, amax, "quantize"
     )
-    xs, used, bad, stored_amax = _prepare(jnp.moveaxis(x, axis, -1), rht, amax)
-    codes, scales = _quantize_core(xs, used, bad, seed, block_2d)
+    codes, scales, stored_amax = quantize_stored(
+        jnp.moveaxis(x, axis, -1), amax, seed, block_2d=block_2d, rht=rht
+    )
     return NVFP4Array(
-        codes=formats.pack_nibbles(codes),
+        codes=codes,
         scales=scales,
         amax=stored_amax,
         dtype=jnp.dtype(x.dtype),
@@ -197,14 +213,41 @@ def fake_quantize(
     )
     global_scale = formats.check_flag(global_scale, op, "global_scale")
     dtype = formats.check_dtype(x.dtype if dtype is None else dtype, op)
-    xs, used, bad, stored_amax = _prepare(jnp.moveaxis(x, axis, -1), rht, amax)
+    values = fake_quantize_stored(
+        jnp.moveaxis(x, axis, -1),
+        amax,
+        seed,
+        block_2d=block_2d,
+        rht=rht,
+        global_scale=global_scale,
+        dtype=dtype,
+    )
+    return jnp.moveaxis(values, -1, axis)
+
+
+# The specification on the stored layout (quantized axis last), arguments already checked:
+# what the reference backend runs once `nvfp4_jax.ops` has checked a call.
+
+
+def quantize_stored(xs, amax, seed: SRSeed | None, *, block_2d: bool, rht: bool):
+    """(packed codes, scales, stored amax) of `xs`, quantized along its last axis."""
+    xs, used, bad, stored_amax = _prepare(xs, rht, amax)
+    codes, scales = _quantize_core(xs, used, bad, seed, block_2d)
+    return formats.pack_nibbles(codes), scales, stored_amax
+
+
+def fake_quantize_stored(
+    xs, amax, seed: SRSeed | None, *, block_2d: bool, rht: bool, global_scale: bool, dtype
+):
+    """`fake_quantize` of `xs` along its last axis, in the stored layout."""
+    xs, used, bad, stored_amax = _prepare(xs, rht, amax)
     codes, scales = _quantize_core(xs, used, bad, seed, block_2d)
     blocks = codes.reshape(*scales.shape, formats.BLOCK_SIZE)
     factor = scales.astype(_F32)
     if global_scale:
         factor = factor * decode_scale(stored_amax)
     values = formats.scaled_code_values(blocks, factor[..., None]).reshape(xs.shape)
-    return jnp.moveaxis(values.astype(dtype), -1, axis)
+    return values.astype(dtype)
 
 
 def check_dequantize_call(q, dtype, op: str) -> jnp.dtype:
