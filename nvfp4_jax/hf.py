@@ -53,6 +53,7 @@ import numpy as np
 from flax import nnx
 
 from nvfp4_jax import formats
+from nvfp4_jax import nnx as nvfp4_nnx
 from nvfp4_jax._storage import fsync_fd, fsync_path, is_key_array, key_name
 from nvfp4_jax._version import __version__
 from nvfp4_jax.array import NVFP4Array, is_nvfp4_array, validate_nvfp4_array
@@ -287,34 +288,136 @@ class _SafetensorsFile:
 
 
 def _read_header(path: str) -> tuple[dict[str, _Entry], dict, int]:
+    """The entries, metadata and data offset of a safetensors file, every number checked.
+
+    Nothing is allocated from the header's numbers: each entry is checked against the file's
+    size before any tensor is read (a header claiming 2^60 elements is an error, not an
+    allocation).
+    """
     size = os.path.getsize(path)
     with open(path, "rb") as file:
         raw = file.read(8)
         length = struct.unpack("<Q", raw)[0] if len(raw) == 8 else -1
         if not 0 < length <= min(size - 8, _MAX_HEADER):
-            raise ValueError(f"{path}: not a safetensors file (header length {length})")
-        try:
-            header = json.loads(file.read(length))
-        except ValueError as error:
-            raise ValueError(f"{path}: the safetensors header is not JSON: {error}") from error
-    metadata = header.pop("__metadata__", None) or {}
-    entries = {name: _parse_entry(path, name, info) for name, info in header.items()}
-    end = max((e.end for e in entries.values()), default=0)
-    if 8 + length + end > size:
-        raise ValueError(f"{path}: truncated ({size} bytes, the header needs {8 + length + end})")
+            raise ValueError(
+                f"{path}: not a safetensors file (header length {length}, file size {size})"
+            )
+        blob = file.read(length)
+    header = _loads(path, blob, "the safetensors header")
+    if not isinstance(header, dict):
+        raise ValueError(
+            f"{path}: the safetensors header must be a JSON object, got {type(header).__name__}"
+        )
+    metadata = header.pop("__metadata__", None)
+    if metadata is None:
+        metadata = {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise ValueError(
+            f"{path}: __metadata__ must map strings to strings, got {_short(metadata)}"
+        )
+    data_size = size - 8 - length
+    entries = {name: _parse_entry(path, name, info, data_size) for name, info in header.items()}
+    spans = sorted((e.begin, e.end, name) for name, e in entries.items() if e.end > e.begin)
+    for (_, end, first), (begin, _, second) in zip(spans, spans[1:], strict=False):
+        if begin < end:
+            raise ValueError(f"{path}: the data of tensors {first!r} and {second!r} overlap")
     return entries, metadata, 8 + length
 
 
-def _parse_entry(path: str, name: str, info: dict) -> _Entry:
+def _parse_entry(path: str, name: str, info, data_size: int) -> _Entry:
+    """One header entry, checked: dtype, shape and offsets fit each other and the file."""
+    where = f"{path}: tensor {name!r}"
+    if not isinstance(info, dict):
+        raise ValueError(f"{where}: the entry must be a JSON object, got {_short(info)}")
+    missing = [key for key in ("dtype", "shape", "data_offsets") if key not in info]
+    if missing:
+        raise ValueError(f"{where}: the entry lacks {missing}")
+    dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    if not isinstance(dtype, str) or dtype not in _ST_DTYPES:
+        raise ValueError(f"{where}: dtype {_short(dtype)} is not one of {sorted(_ST_DTYPES)}")
+    if not _is_int_list(shape) or any(d < 0 for d in shape):
+        raise ValueError(f"{where}: shape {_short(shape)} is not a list of non-negative integers")
+    if not _is_int_list(offsets) or len(offsets) != 2 or not 0 <= offsets[0] <= offsets[1]:
+        raise ValueError(
+            f"{where}: data_offsets {_short(offsets)} is not a list [begin, end] of integers "
+            "with 0 <= begin <= end"
+        )
+    (begin, end), nbytes = offsets, math.prod(shape) * _ST_DTYPES[dtype].itemsize
+    if end - begin != nbytes:
+        raise ValueError(
+            f"{where}: data_offsets {begin}..{end} hold {end - begin} bytes; {dtype} "
+            f"{tuple(shape)} needs {nbytes} bytes"
+        )
+    if end > data_size:
+        raise ValueError(
+            f"{where}: data_offsets {begin}..{end} run past the end of the file ({data_size} "
+            "bytes of data)"
+        )
+    return _Entry(_ST_DTYPES[dtype], tuple(shape), begin, end)
+
+
+def _is_int_list(value) -> bool:
+    return isinstance(value, list) and all(type(v) is int for v in value)
+
+
+def _short(value, limit: int = 80) -> str:
+    """`repr(value)`, cut to `limit` characters (a hostile file's values can be huge)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# A JSON string (escapes included), and every byte but brackets: to measure nesting.
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_MAX_JSON_DEPTH = 64
+
+
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        twice = next(key for key, _ in pairs if key in seen or seen.add(key))
+        raise _DuplicateKey(twice)
+    return out
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def _loads(path: str, blob: bytes, what: str):
+    """Strict JSON from UTF-8 `blob`: no duplicate keys, no NaN/Infinity, bounded nesting.
+
+    Raises a ValueError naming `path` for anything else; the nesting is measured before the
+    parser runs (without recursion), so a hostile file cannot exhaust the stack.
+    """
     try:
-        dtype = _ST_DTYPES[info["dtype"]]
-        shape = tuple(int(d) for d in info["shape"])
-        begin, end = (int(v) for v in info["data_offsets"])
-    except (KeyError, TypeError, ValueError) as error:
-        raise ValueError(f"{path}: tensor {name} has a bad or unsupported entry {info}") from error
-    if end - begin != math.prod(shape) * dtype.itemsize or begin < 0:
-        raise ValueError(f"{path}: tensor {name}: offsets {begin}..{end} do not fit {shape}")
-    return _Entry(dtype, shape, begin, end)
+        text = blob.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path}: {what} is not UTF-8 ({error})") from None
+    # Removing the innermost bracket pairs once per level: what is left after the limit
+    # nests deeper than it, or its brackets do not match.
+    brackets = _JSON_STRING.sub(b"", blob).translate(None, _NOT_BRACKETS)
+    for _ in range(_MAX_JSON_DEPTH):
+        shorter = brackets.replace(b"[]", b"").replace(b"{}", b"")
+        if shorter == brackets:
+            break
+        brackets = shorter
+    if brackets:
+        raise ValueError(
+            f"{path}: {what} is not valid JSON: its brackets nest deeper than "
+            f"{_MAX_JSON_DEPTH} levels or do not match"
+        )
+    try:
+        return json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
+    except _DuplicateKey as error:
+        raise ValueError(f"{path}: {what} holds the key {error.args[0]!r} twice") from None
+    except (ValueError, RecursionError, MemoryError) as error:
+        raise ValueError(f"{path}: {what} is not valid JSON: {_short(error, 200)}") from None
 
 
 def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
@@ -328,8 +431,11 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
       shapes.
 
     Raises:
-      ValueError: not a safetensors file, or an entry with an unsupported dtype or bad
-        offsets (the message names the tensor).
+      ValueError: not a safetensors file (a header that is not a UTF-8 JSON object, has
+        duplicate keys, nests deeper than 64 levels, or `__metadata__` that is not strings
+        to strings), or an entry with an unsupported dtype, a shape that is not a list of
+        non-negative ints, offsets that do not match it, run past the file or overlap
+        another tensor's (the message names the file and the tensor).
     """
     file = _SafetensorsFile(os.fspath(path))
     return {name: file.read(name) for name in file.entries}
@@ -398,6 +504,14 @@ class ExportReport:
       files: the safetensors files, in order.
       total_size: bytes of tensor data in them.
       skipped: Flax paths of leaves that are not weights (rng state, `skip=` matches).
+      followed: where the precision of each linear came from: "rules" (`rules=`), "model"
+        (the layers of an nnx model or state: `nvfp4_jax.nnx.Linear`s in NVFP4, others in
+        high precision) or "" (none: every linear not excluded is quantized).
+      trained_high_precision: HF names of the linears kept in high precision because the
+        model computed them so (a plain `nnx.Linear`, a rule with recipe None).
+      group_high_precision: HF names of linears the model computed in NVFP4 but written in
+        high precision because another member of their fused group (q/k/v, gate/up) was
+        trained in high precision: engines load a fused group all quantized or all not.
     """
 
     directory: str
@@ -407,6 +521,9 @@ class ExportReport:
     files: tuple[str, ...]
     total_size: int
     skipped: tuple[str, ...]
+    followed: str = ""
+    trained_high_precision: tuple[str, ...] = ()
+    group_high_precision: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass
@@ -415,6 +532,12 @@ class _Leaves:
     input_amax: dict[str, tuple[str, Any]] = dataclasses.field(default_factory=dict)
     input_scale: dict[str, tuple[str, Any]] = dataclasses.field(default_factory=dict)
     skipped: list[str] = dataclasses.field(default_factory=list)
+    # Flax module paths holding the variables of an `nvfp4_jax.nnx.Linear`.
+    nvfp4: set[str] = dataclasses.field(default_factory=set)
+
+
+# The variables only an `nvfp4_jax.nnx.Linear` holds: they mark a layer that computes in NVFP4.
+_NVFP4_VARIABLES = (nvfp4_nnx.InputAmax, nvfp4_nnx.InputScale, nvfp4_nnx.QuantizedKernel)
 
 
 def _is_leaf(value) -> bool:
@@ -440,6 +563,8 @@ def _collect_leaves(params, skip: Sequence[str]) -> _Leaves:
         # A frozen NVFP4 kernel (`Linear.from_quantized`) is a weight though not an nnx.Param.
         is_weight = not isinstance(leaf, nnx.Variable) or isinstance(leaf, nnx.Param)
         is_weight = is_weight or is_nvfp4_array(value)
+        if isinstance(leaf, _NVFP4_VARIABLES):
+            leaves.nvfp4.add(path.rpartition("/")[0])
         _sort_leaf(leaves, path, where, value, is_weight, skip)
     return leaves
 
@@ -475,6 +600,9 @@ class _Tensor:
     value: Any
     excluded: bool = False
     group: tuple[str, int] | None = None
+    # Why a linear is kept in high precision besides `exclude=`: "trained" (the model computed
+    # it so) or "group" (a member of its fused group was trained in high precision).
+    why: str = ""
 
     @property
     def module(self) -> str:
@@ -514,17 +642,19 @@ def _engine_ignores(module: str, ignore: Sequence[str]) -> bool:
     return any(p == module or p in module or fnmatch.fnmatchcase(module, p) for p in ignore)
 
 
-def _plan_modules(tensors, exclude, fused_groups, block_2d) -> list[str]:
-    """Marks excluded linears and fused groups; checks them; returns the `ignore` list."""
-    ignore = set()
+def _plan_modules(tensors, exclude, fused_groups, block_2d, decide=None) -> list[str]:
+    """Marks excluded linears and fused groups; checks them; returns the `ignore` list.
+
+    `decide(t)`, where given, tells whether the model computed the linear `t` in NVFP4 (None:
+    it cannot tell); a linear it computed in high precision is kept so, with the whole fused
+    group it belongs to.
+    """
     for t in tensors:
-        if t.kind in ("linear", "embedding"):
-            module = t.hf.removesuffix(".weight")
-            if any(module == p or fnmatch.fnmatchcase(module, p) for p in exclude):
-                t.excluded = True
-                ignore.add(module)
         if t.kind == "linear":
             t.group = _group_of(t.module, fused_groups)
+    if decide is not None:
+        _follow_decisions(tensors, decide)
+    ignore = _exclude(tensors, exclude)
     _check_groups(tensors)
     for t in tensors:
         if t.quantized:
@@ -535,6 +665,145 @@ def _plan_modules(tensors, exclude, fused_groups, block_2d) -> list[str]:
                     f"ignore list {sorted(ignore)} would take it for excluded"
                 )
     return sorted(ignore)
+
+
+def _exclude(tensors, exclude) -> set[str]:
+    """Marks the linears and embeddings `exclude` matches; returns every module excluded."""
+    ignore = set()
+    for t in tensors:
+        if t.kind in ("linear", "embedding"):
+            module = t.hf.removesuffix(".weight")
+            if any(module == p or fnmatch.fnmatchcase(module, p) for p in exclude):
+                t.excluded = True
+            if t.excluded:
+                ignore.add(module)
+    return ignore
+
+
+# --- export: the model's own decisions ---------------------------------------------------
+
+
+def _decider(rules, leaves: _Leaves) -> tuple[str, Callable | None]:
+    """(where the linears' precisions come from, `decide(t)`), or ("", None): quantize all.
+
+    `rules` (a `QuantizeReport`, or `Rule`s, duck-typed: hf may not import rules) decides;
+    else the state itself: where it holds `nvfp4_jax.nnx.Linear` layers, the linears it holds
+    otherwise (plain `nnx.Linear`) computed in high precision.
+    """
+
+    def held(t: _Tensor) -> bool:
+        return t.flax_module in leaves.nvfp4
+
+    if rules is None:
+        return ("model", held) if leaves.nvfp4 else ("", None)
+    decisions = getattr(rules, "layers", None)
+    if isinstance(decisions, Mapping):  # a QuantizeReport: path -> LayerDecision
+        return "rules", _report_decider(decisions, held)
+    if isinstance(rules, (str, bytes, Mapping)) or not isinstance(rules, Iterable):
+        rules = None
+    else:
+        rules = tuple(rules)
+    if rules is None or not all(hasattr(r, "pattern") and hasattr(r, "recipe") for r in rules):
+        raise TypeError(
+            "export_hf_checkpoint: rules must be the QuantizeReport nvfp4_jax.quantize_model "
+            "returned or a sequence of Rule (the ones it was given)"
+        )
+
+    def from_rules(t: _Tensor) -> bool:
+        for rule in rules:  # first match wins, re.search on the module path (Rule.matches)
+            if re.search(rule.pattern, t.flax_module):
+                # quantize_model leaves a kernel it cannot quantize in high precision.
+                return rule.recipe is not None and _quantizable(t.value)
+        return held(t)  # no rule: the layer was left as it was
+
+    return "rules", from_rules
+
+
+def _report_decider(decisions: Mapping, held: Callable) -> Callable:
+    def from_report(t: _Tensor) -> bool | None:
+        if t.flax_module not in decisions:
+            return None
+        action = getattr(decisions[t.flax_module], "action", None)
+        # "unmatched": the layer was left as it was; "skipped": it stayed high precision.
+        return True if action == "nvfp4" else held(t) if action == "unmatched" else False
+
+    return from_report
+
+
+def _quantizable(value) -> bool:
+    """Whether `quantize_model` turns a kernel into NVFP4: 2-D, both sizes multiples of 16."""
+    if is_nvfp4_array(value):
+        return True
+    shape = tuple(np.shape(value))
+    return len(shape) == 2 and not any(n % formats.BLOCK_SIZE for n in shape)
+
+
+def _follow_decisions(tensors, decide) -> None:
+    """Keeps in high precision the linears the model computed so, and their fused groups."""
+    linears = [t for t in tensors if t.kind == "linear"]
+    unknown = [t.flax_module for t in linears if decide(t) is None]
+    if unknown:
+        raise ValueError(
+            f"export_hf_checkpoint: the QuantizeReport has no decision for {unknown}: pass "
+            "the report quantize_model returned for this very model, or its rules"
+        )
+    for t in linears:
+        if not decide(t):
+            t.excluded, t.why = True, "trained"
+    for members in _groups_of(linears).values():
+        if any(t.why == "trained" for t in members):
+            for t in members:
+                if not t.excluded:
+                    t.excluded, t.why = True, "group"
+
+
+def _compact(modules: Sequence[str]) -> list[str]:
+    """Module names, siblings and blocks folded: `['m.layers.{0-3}.mlp.{gate,up}_proj']`."""
+    by_parent: dict[str, list[str]] = {}
+    for module in modules:
+        parent, _, child = module.rpartition(".")
+        by_parent.setdefault(parent, []).append(child)
+    blocks: dict[tuple[str, str], list[str]] = {}
+    for parent, children in by_parent.items():
+        tail = _braces(children)
+        match = re.search(r"(?:^|\.)(\d+)(?=\.|$)", parent)
+        if match is None:
+            blocks.setdefault((parent, tail), [])
+            continue
+        template = parent[: match.start(1)] + "{#}" + parent[match.end(1) :]
+        blocks.setdefault((template, tail), []).append(match.group(1))
+    out = []
+    for (template, tail), numbers in blocks.items():
+        parent = template.replace("{#}", _numbers(numbers)) if numbers else template
+        out.append(f"{parent}.{tail}" if parent else tail)
+    return out
+
+
+def _braces(items: Sequence[str]) -> str:
+    """`["q_proj", "k_proj"]` -> "{q,k}_proj"; one item as it is."""
+    if len(items) == 1:
+        return items[0]
+    prefix = os.path.commonprefix(list(items))
+    suffix = os.path.commonprefix([i[len(prefix) :][::-1] for i in items])[::-1]
+    middles = [i[len(prefix) : len(i) - len(suffix)] for i in items]
+    if not all(middles):
+        prefix, suffix, middles = "", "", list(items)
+    return f"{prefix}{{{','.join(middles)}}}{suffix}"
+
+
+def _numbers(numbers: Sequence[str]) -> str:
+    """`["0", "1", "2", "5"]` -> "{0-2,5}"; one number as it is."""
+    if len(numbers) == 1:
+        return numbers[0]
+    values = sorted(int(n) for n in numbers)
+    runs: list[list[int]] = []
+    for value in values:
+        if runs and value == runs[-1][-1] + 1:
+            runs[-1].append(value)
+        else:
+            runs.append([value])
+    parts = [f"{r[0]}-{r[-1]}" if len(r) > 2 else ",".join(map(str, r)) for r in runs]
+    return "{" + ",".join(parts) + "}"
 
 
 def _group_of(module: str, fused_groups) -> tuple[str, int] | None:
@@ -620,31 +889,39 @@ def _module_for(by_name: dict, key: str, where: str) -> str:
 
 
 def _to_input_scale(value, kind: str, where) -> np.float32:
-    """`f32(amax) * f32(1/2688)` for an amax; an `input_scale` as it is."""
+    """`f32(amax) * f32(1/2688)` for an amax; an `input_scale` as it is (checked later)."""
     value = np.asarray(value, np.float32)
     if value.size != 1:
         raise ValueError(
             f"export_hf_checkpoint: {kind} of {where} must be a scalar, got {value.shape}"
         )
     scale = value.reshape(()) * formats.RCP2688 if kind == "input_amax" else value.reshape(())
-    if not np.isfinite(scale) or scale <= 0:
-        raise ValueError(
-            f"export_hf_checkpoint: {kind} of {where} is {value.reshape(())}; W4A4 needs a "
-            "positive, finite activation amax (record it in calibration mode first)"
-        )
     return np.float32(scale)
 
 
 def _share_in_groups(tensors, scales: dict) -> dict[str, np.float32]:
-    out = {}
-    for members in _quantized_sets(tensors):
-        missing = [t.module for t in members if t.module not in scales]
-        if missing:
-            raise ValueError(
-                f"export_hf_checkpoint: no input amax for {missing}; W4A4 (quant_algo='NVFP4') "
-                "needs one on every quantized linear (engines produce NaN without it): pass "
-                "input_amax=, or record it, or export quant_algo='W4A16_NVFP4'"
+    """Each set's max scale for all its members; one error naming every module lacking one."""
+    sets = _quantized_sets(tensors)
+    order = [t.module for t in tensors if t.quantized]
+    missing = [m for m in order if m not in scales]
+    bad = [m for m in order if m in scales and not (np.isfinite(scales[m]) and scales[m] > 0)]
+    if missing or bad:
+        problems = [f"no input amax for {_compact(missing)}"] if missing else []
+        if bad:
+            values = sorted({float(scales[m]) * 2688 for m in bad})
+            problems.append(
+                f"an input amax of {values[:3]} (not positive and finite; 0: never calibrated) "
+                f"for {_compact(bad)}"
             )
+        raise ValueError(
+            f"export_hf_checkpoint: {'; and '.join(problems)}. W4A4 (quant_algo='NVFP4') needs "
+            "a positive, finite activation amax on every quantized linear (engines produce "
+            "NaN without it): run nvfp4_jax.nnx.calibrate(model), a few batches through the "
+            "model and nvfp4_jax.nnx.calibrate(model, False) before exporting, or pass "
+            "input_amax={module: amax}, or export quant_algo='W4A16_NVFP4' (weight-only)"
+        )
+    out = {}
+    for members in sets:
         out.update({t.module: max(scales[t.module] for t in members) for t in members})
     return out
 
@@ -832,6 +1109,46 @@ def _check_config_against(config: dict, tensors, dtype) -> dict:
     return config
 
 
+def _check_tokenizer(tokenizer, config: dict) -> None:
+    if tokenizer not in (None, "bytes"):
+        raise ValueError(
+            f"export_hf_checkpoint: tokenizer must be None or 'bytes', got {tokenizer!r} (for "
+            "another tokenizer, save_pretrained it into the folder: the export keeps it)"
+        )
+    vocab = config.get("vocab_size")
+    if tokenizer == "bytes" and not (isinstance(vocab, int) and vocab >= 256):
+        raise ValueError(
+            f"export_hf_checkpoint: tokenizer='bytes' needs vocab_size >= 256 (token i is "
+            f"byte i), the config says {vocab}"
+        )
+
+
+def _byte_tokenizer(config: dict) -> dict[str, dict]:
+    """A byte-level tokenizer (token i is byte i, no merges, no special tokens) as HF files.
+
+    `tokenizer.json` is a `tokenizers` BPE over GPT-2's byte-to-character table with the
+    ByteLevel pre-tokenizer and decoder and no merges, so encoding UTF-8 text gives its bytes
+    and decoding bytes gives the text: what `transformers.AutoTokenizer` (and so vLLM, SGLang)
+    loads for a model trained on raw bytes.
+    """
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    others = [b for b in range(256) if b not in printable]
+    chars = {b: chr(b) for b in printable} | {b: chr(256 + i) for i, b in enumerate(others)}
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False}
+    byte_level["use_regex"] = False
+    model = {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None}
+    model |= {"end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False}
+    model |= {"ignore_merges": False, "vocab": {chars[b]: b for b in range(256)}, "merges": []}
+    tokenizer = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": []}
+    tokenizer |= {"normalizer": None, "pre_tokenizer": byte_level, "post_processor": None}
+    tokenizer |= {"decoder": dict(byte_level), "model": model}
+    settings = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
+    settings |= {"add_bos_token": False, "add_eos_token": False}
+    if isinstance(config.get("max_position_embeddings"), int):
+        settings["model_max_length"] = config["max_position_embeddings"]
+    return {"tokenizer.json": tokenizer, "tokenizer_config.json": settings}
+
+
 # --- export: the directory ----------------------------------------------------------------
 
 
@@ -877,9 +1194,16 @@ def _write_weights(tmp: str, units: list[_Unit], max_size: int) -> tuple[list[st
     return names, total
 
 
-def _read_json(path: str):
-    with open(path, encoding="utf-8") as file:
-        return json.load(file)
+def _read_json(path: str) -> dict:
+    """The JSON object in `path` (strict JSON, as `_loads`); a ValueError naming it otherwise."""
+    size = os.path.getsize(path)
+    if size > _MAX_HEADER:
+        raise ValueError(f"{path}: {size} bytes; a JSON config holds at most {_MAX_HEADER}")
+    with open(path, "rb") as file:
+        value = _loads(path, file.read(), "the file")
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: must hold a JSON object, got {type(value).__name__}")
+    return value
 
 
 def _write_json(path: str, value) -> None:
@@ -891,13 +1215,22 @@ def _write_json(path: str, value) -> None:
 
 
 def _check_target(directory: str, force: bool) -> None:
+    """A folder holding weights needs `force`; one holding configs and a tokenizer does not."""
     if os.path.lexists(directory) and not os.path.isdir(directory):
         raise FileExistsError(f"export_hf_checkpoint: {directory} exists and is not a directory")
-    if os.path.isdir(directory) and os.listdir(directory) and not force:
+    if not os.path.isdir(directory) or force:
+        return
+    weights = sorted(n for n in os.listdir(directory) if _replaced(n))
+    if weights:
         raise FileExistsError(
-            f"export_hf_checkpoint: {directory} is not empty (force=True replaces it; its files "
-            "other than weights and configs, e.g. the tokenizer, are kept)"
+            f"export_hf_checkpoint: {directory} is not empty: it holds weights {weights} "
+            "(force=True replaces them; its other files, e.g. the tokenizer, are kept)"
         )
+
+
+def _replaced(name: str) -> bool:
+    """Whether an export replaces the file `name` as weights (config.json is merged, not)."""
+    return name == QUANT_CONFIG_NAME or name.endswith(_WEIGHT_FILES)
 
 
 def _carry_over(old: str, new: str) -> None:
@@ -905,9 +1238,9 @@ def _carry_over(old: str, new: str) -> None:
     if not os.path.isdir(old):
         return
     for name in os.listdir(old):
-        if name in (CONFIG_NAME, QUANT_CONFIG_NAME) or name.endswith(_WEIGHT_FILES):
-            continue
         source, target = os.path.join(old, name), os.path.join(new, name)
+        if name == CONFIG_NAME or _replaced(name) or os.path.lexists(target):
+            continue  # (what the export wrote itself, e.g. tokenizer="bytes", wins)
         if os.path.isdir(source) and not os.path.islink(source):
             shutil.copytree(source, target, symlinks=True)
         else:
@@ -967,6 +1300,8 @@ def export_hf_checkpoint(
     skip: Sequence[str] = (),
     force: bool = False,
     implementation: str | None = None,
+    rules: Any = None,
+    tokenizer: str | None = None,
 ) -> ExportReport:
     """Writes a Flax model as a ModelOpt NVFP4 Hugging Face checkpoint that engines load.
 
@@ -980,15 +1315,25 @@ def export_hf_checkpoint(
     written as it is, with its decode scale. Everything else is written in `dtype` under its
     HF name; excluded linears as `.weight` (out, in).
 
+    The exporter follows the precision the model was trained in: given the model (or its
+    `nnx.state`) holding `nvfp4_jax.nnx.Linear` layers, every other linear (a plain
+    `nnx.Linear`, e.g. kept in bf16 by `quantize_model`'s rules) is written in high precision
+    and listed in `ignore`; `rules=` (the `QuantizeReport` `quantize_model` returned, or its
+    rules) decides instead. A fused group partly trained in high precision is written whole
+    in high precision (the safe choice; engines need a group all quantized or all not), and
+    reported in `ExportReport.group_high_precision`. A model with no `nvfp4_jax.nnx.Linear`
+    (trained in bf16), and a plain pytree, are quantized whole (post-training).
+
     The directory is written into a temporary sibling and moved into place when complete.
     Tensors are converted, quantized and written one module at a time, so host memory stays
     at about one layer.
 
     Args:
       directory: the checkpoint directory to create (or, with `force`, replace).
-      params: the weights: a pytree of arrays (Flax params, `nnx.to_pure_dict`) or the whole
-        `nnx.state(model)` (only `nnx.Param`s are weights; a variable named `input_amax` on a
-        linear is its recorded activation amax; rng state is skipped).
+      params: the weights: the nnx model itself, the whole `nnx.state(model)` (only
+        `nnx.Param`s are weights; a variable named `input_amax` on a linear is its recorded
+        activation amax; rng state is skipped), or a pytree of arrays (Flax params,
+        `nnx.to_pure_dict`).
       name_map: a `NameMap` or a list of rules; default `llama_name_map()`.
       quant_algo: "NVFP4" (W4A4: weights and activations in NVFP4; needs input amaxes) or
         "W4A16_NVFP4" (weight-only: what Hopper and Ampere serve, through Marlin).
@@ -1006,18 +1351,30 @@ def export_hf_checkpoint(
       max_shard_size: bytes (or "5GB", "500MiB") per safetensors file; above it the weights
         are split into `model-0000N-of-0000M.safetensors` with an index.
       skip: regexes of Flax paths to leave out (fullmatch).
-      force: replace an existing non-empty directory (files besides weights and configs,
-        e.g. a tokenizer, are kept).
+      force: replace the weights of a directory that holds some (`*.safetensors`, an index,
+        `hf_quant_config.json`, `*.bin`). Not needed for a directory holding only a config
+        and tokenizer files (what `save_pretrained` leaves); its files besides weights and
+        configs are kept either way, and its `config.json` is the default `config`.
       implementation: as in `quantize`.
+      rules: which linears were trained in NVFP4: the `QuantizeReport` of
+        `nvfp4_jax.quantize_model` (action "nvfp4": NVFP4; "high_precision", "skipped":
+        high precision; "unmatched": as the model holds it), or the `Rule`s it was given
+        (first match by module path, e.g. `layers/0/mlp/up_proj`; recipe None: high
+        precision; no match: as the model holds it). Default: what `params` holds.
+      tokenizer: None (write none; tokenizer files already in the folder are kept) or
+        "bytes": write `tokenizer.json` and `tokenizer_config.json` of a byte-level tokenizer
+        (token i is byte i, as in examples/lm_model.py), so that engines take text prompts.
 
     Returns:
       An `ExportReport`.
 
     Raises:
-      ValueError: a leaf no rule maps, two leaves on one HF name, a missing input amax for
-        W4A4, a half-excluded fused group, a kernel that cannot be quantized and is not
-        excluded, a model config lacking what engines need.
-      FileExistsError: `directory` is not empty and `force` is False.
+      ValueError: a leaf no rule maps, two leaves on one HF name, missing input amaxes for
+        W4A4 (all named in one message), a fused group half excluded by `exclude=`, a kernel
+        that cannot be quantized and is not excluded, a model config lacking what engines
+        need, a `QuantizeReport` without a decision for a linear.
+      TypeError: `rules` is neither a QuantizeReport nor a sequence of Rules.
+      FileExistsError: `directory` holds weights and `force` is False.
     """
     if quant_algo not in QUANT_ALGOS:
         raise ValueError(
@@ -1029,11 +1386,16 @@ def export_hf_checkpoint(
     max_size = _parse_size(max_shard_size)
     _check_target(directory, force)
     model_config = _model_config(config, directory)
+    _check_tokenizer(tokenizer, model_config)
+    if isinstance(params, nnx.Module):
+        params = nnx.state(params)
     leaves = _collect_leaves(params, tuple(skip))
     tensors = _map_tensors(leaves, _as_name_map(name_map))
     if not tensors:
         raise ValueError("export_hf_checkpoint: params hold no weights")
-    ignore = _plan_modules(tensors, tuple(exclude), tuple(map(tuple, fused_groups)), block_2d)
+    followed, decide = _decider(rules, leaves)
+    groups = tuple(map(tuple, fused_groups))
+    ignore = _plan_modules(tensors, tuple(exclude), groups, block_2d, decide)
     model_config = _check_config_against(model_config, tensors, dtype)
     scales = _input_scales(tensors, leaves, input_amax) if quant_algo == "NVFP4" else {}
     amaxes = _weight_amaxes(tensors, implementation)
@@ -1044,12 +1406,24 @@ def export_hf_checkpoint(
         files, total = _write_weights(tmp, units, max_size)
         _write_json(os.path.join(tmp, CONFIG_NAME), model_config)
         _write_json(os.path.join(tmp, QUANT_CONFIG_NAME), _legacy_quant_config(quant_algo, ignore))
+        if tokenizer == "bytes":
+            for name, content in _byte_tokenizer(model_config).items():
+                _write_json(os.path.join(tmp, name), content)
         return files, total
 
     files, total = _write_directory(directory, write)
     quantized = tuple(t.module for t in tensors if t.quantized)
     return ExportReport(
-        directory, quant_algo, quantized, tuple(ignore), tuple(files), total, tuple(leaves.skipped)
+        directory,
+        quant_algo,
+        quantized,
+        tuple(ignore),
+        tuple(files),
+        total,
+        tuple(leaves.skipped),
+        followed,
+        tuple(t.module for t in tensors if t.why == "trained"),
+        tuple(t.module for t in tensors if t.why == "group"),
     )
 
 
@@ -1071,42 +1445,83 @@ class _Quant:
 
 
 def _read_quant_config(directory: str, config: dict) -> _Quant | None:
-    """The checkpoint's quantization, from config.json or hf_quant_config.json; None if none."""
+    """The checkpoint's quantization, from config.json or hf_quant_config.json; None if none.
+
+    Every field read is checked for its JSON type; errors name the file and the field.
+    """
     raw = config.get("quantization_config")
+    source, prefix = os.path.join(directory, CONFIG_NAME), "quantization_config"
     legacy_path = os.path.join(directory, QUANT_CONFIG_NAME)
     if raw is None and os.path.isfile(legacy_path):
         raw = {"quant_method": "modelopt", **_read_json(legacy_path)}
+        source, prefix = legacy_path, ""
     if raw is None:
         return None
-    method = str(raw.get("quant_method", ""))
+    _field(raw, dict, source, prefix or "the file")
+    method = _field(raw.get("quant_method", ""), str, source, _join(prefix, "quant_method"))
     if not method.lower().startswith("modelopt"):
         raise ValueError(
-            f"load_hf_checkpoint: {directory} has quant_method {method!r}; only NVIDIA "
+            f"load_hf_checkpoint: {source} has quant_method {method!r}; only NVIDIA "
             "ModelOpt NVFP4 checkpoints (quant_method 'modelopt') are read"
         )
-    inner = raw.get("quantization", raw)
-    algo = str(inner.get("quant_algo", "")).upper()
+    if "quantization" in raw:
+        prefix = _join(prefix, "quantization")
+        inner = _field(raw["quantization"], dict, source, prefix)
+    else:
+        inner = raw
+    name = inner.get("quant_algo", "")
+    algo = _field(name, str, source, _join(prefix, "quant_algo")).upper()
     if algo not in QUANT_ALGOS:
         raise ValueError(
-            f"load_hf_checkpoint: {directory} has quant_algo {inner.get('quant_algo')!r}; "
-            f"only {QUANT_ALGOS} are read"
+            f"load_hf_checkpoint: {source} has quant_algo {name!r}; only {QUANT_ALGOS} are read"
         )
-    _check_group_size(directory, inner)
-    groups = inner.get("config_groups") or {}
+    groups = _field(inner.get("config_groups") or {}, dict, source, _join(prefix, "config_groups"))
+    for key, group in groups.items():
+        where = _join(prefix, f"config_groups.{key}")
+        _field(group, dict, source, where)
+        for part in ("weights", "input_activations"):
+            _field(group.get(part) or {}, dict, source, f"{where}.{part}")
+    _check_group_size(source, prefix, inner)
     no_inputs = bool(groups) and all(g.get("input_activations") is None for g in groups.values())
-    ignore = inner.get("ignore", inner.get("exclude_modules")) or []
+    key = "ignore" if "ignore" in inner else "exclude_modules"
+    ignore = inner.get(key) or []
+    if not isinstance(ignore, list) or not all(isinstance(p, str) for p in ignore):
+        raise ValueError(
+            f"load_hf_checkpoint: {source}: {_join(prefix, key)} must be a list of module "
+            f"names (strings), got {_short(ignore)}"
+        )
     return _Quant(algo, algo == "W4A16_NVFP4" or no_inputs, tuple(ignore))
 
 
-def _check_group_size(directory: str, inner: dict) -> None:
-    sizes = [inner.get("group_size")]
-    for group in (inner.get("config_groups") or {}).values():
-        sizes += [
-            (group.get(part) or {}).get("group_size") for part in ("weights", "input_activations")
-        ]
-    bad = [s for s in sizes if s is not None and s != formats.BLOCK_SIZE]
-    if bad:
-        raise ValueError(f"load_hf_checkpoint: {directory} has group_size {bad[0]}; NVFP4 needs 16")
+_JSON_KINDS = {dict: "a JSON object", list: "a JSON list", str: "a string"}
+
+
+def _field(value, kind: type, source: str, field: str):
+    """`value` if it is of JSON type `kind`; else a ValueError naming the file and field."""
+    if not isinstance(value, kind):
+        raise ValueError(
+            f"load_hf_checkpoint: {source}: {field} must be {_JSON_KINDS[kind]}, got "
+            f"{_short(value)}"
+        )
+    return value
+
+
+def _join(prefix: str, field: str) -> str:
+    return f"{prefix}.{field}" if prefix else field
+
+
+def _check_group_size(source: str, prefix: str, inner: dict) -> None:
+    sizes = [("group_size", inner.get("group_size"))]
+    for key, group in (inner.get("config_groups") or {}).items():
+        for part in ("weights", "input_activations"):
+            field = f"config_groups.{key}.{part}.group_size"
+            sizes.append((field, (group.get(part) or {}).get("group_size")))
+    for field, size in sizes:
+        if size is not None and (type(size) is not int or size != formats.BLOCK_SIZE):
+            raise ValueError(
+                f"load_hf_checkpoint: {source}: {_join(prefix, field)} is {_short(size)}; "
+                f"NVFP4 needs {formats.BLOCK_SIZE}"
+            )
 
 
 def _open_checkpoint(directory: str) -> dict[str, _SafetensorsFile]:
@@ -1131,7 +1546,14 @@ def _check_index(directory: str, owner: dict[str, _SafetensorsFile]) -> None:
     path = os.path.join(directory, INDEX_NAME)
     if not os.path.isfile(path):
         return
-    weight_map = _read_json(path).get("weight_map", {})
+    weight_map = _field(_read_json(path).get("weight_map"), dict, path, "weight_map")
+    for name, file in weight_map.items():
+        _field(file, str, path, f"weight_map[{name!r}]")
+        if file in ("", ".", "..") or os.path.basename(file) != file or re.search(r"[/\\]", file):
+            raise ValueError(
+                f"load_hf_checkpoint: {path}: weight_map[{name!r}] is {_short(file)}, not a "
+                "file name in the checkpoint's directory (no path separators, no '..')"
+            )
     found = {name: os.path.basename(file.path) for name, file in owner.items()}
     if weight_map != found:
         diff = sorted(set(weight_map.items()) ^ set(found.items()))[:3]
@@ -1200,45 +1622,108 @@ def _check_quantized(module: str, parts: dict, owner: dict, quant: _Quant) -> No
             f"load_hf_checkpoint: {module}: weight {weight} and weight_scale {scales} disagree "
             "(need (out, in/2) and (out, in/16))"
         )
+    # The exporter's rules: weight_scale_2 = amax / 2688 (0 for an all-zero kernel), and a
+    # positive input_scale (engines divide by it).
+    _checked_scalar(owner, parts["weight_scale_2"], zero_ok=True)
+    if "input_scale" in parts:
+        _checked_scalar(owner, parts["input_scale"], zero_ok=False)
 
 
-# A function that places one array: (flax path, shape, dtype, read(index) -> numpy) -> Array.
-_Place = Callable[[str, tuple, np.dtype, Callable[[tuple | None], np.ndarray]], jax.Array]
+class _BadTensor(ValueError):
+    """A tensor whose values a checkpoint must not hold (raised while reading it)."""
+
+
+def _checked_scalar(owner, name, *, zero_ok: bool) -> np.ndarray:
+    """The float scalar `name` (one element), finite and > 0 (>= 0 with `zero_ok`)."""
+    entry, path = _spec(owner, name), owner[name].path
+    if not _is_float(entry.dtype) or math.prod(entry.shape) != 1:
+        raise ValueError(
+            f"load_hf_checkpoint: {name} ({path}) is {_ST_NAMES[entry.dtype]} {entry.shape}; "
+            "expected a float scalar with one element"
+        )
+    value = _read_scalar(owner, name)
+    if not np.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
+        raise ValueError(
+            f"load_hf_checkpoint: {name} ({path}) is {value}; it must be finite and "
+            f"{'>= 0' if zero_ok else '> 0'}"
+        )
+    return value
+
+
+def _check_block_scales(name: str, path: str) -> Callable[[np.ndarray], None]:
+    """A check of E4M3 block scales as read: no NaN (0x7F, 0xFF), no sign bit.
+
+    ModelOpt's scales are amaxes (>= +0); one comparison per byte, on the bytes read anyway.
+    """
+
+    def check(array: np.ndarray) -> None:
+        if array.size and np.ascontiguousarray(array).view(np.uint8).max() >= 0x7F:
+            raise _BadTensor(
+                f"load_hf_checkpoint: {name} ({path}) holds NaN or negative block scales "
+                "(E4M3 bytes 0x7F and above); ModelOpt writes none"
+            )
+
+    return check
+
+
+# Places one array: (flax path, shape, dtype, read(index) -> numpy, transposed) -> Array;
+# `transposed`: the stored (out, in) parts of an NVFP4 kernel (in, out).
+_Place = Callable[..., jax.Array]
 
 
 def _placer(sharding) -> _Place:
     if sharding is None:
-        return lambda path, shape, dtype, read: jnp.asarray(read(None))
+        return lambda path, shape, dtype, read, transposed=False: jnp.asarray(read(None))
 
-    def place(path, shape, dtype, read):
+    def place(path, shape, dtype, read, transposed=False):
         if isinstance(sharding, jax.sharding.Sharding):
-            target = _fit(sharding, shape)
+            target = _fit(sharding, shape, transposed)
         else:
             target = sharding(path, tuple(shape), np.dtype(dtype))
         try:
             return jax.make_array_from_callback(tuple(shape), target, read)
-        except (ValueError, TypeError) as error:
+        except _BadTensor:
+            raise
+        except (ValueError, TypeError, IndexError) as error:
             raise ValueError(
-                f"load_hf_checkpoint: cannot place {path} {shape} on {target}: {error}"
+                f"load_hf_checkpoint: cannot place {path} {tuple(shape)} on {target}: {error} "
+                "(pass sharding= a function (flax path, shape, dtype) -> Sharding to choose "
+                "each array's)"
             ) from error
 
     return place
 
 
-def _fit(sharding: jax.sharding.Sharding, shape) -> jax.sharding.Sharding:
-    """A single sharding for every array: scalars are replicated over its mesh."""
-    if not shape and isinstance(sharding, jax.sharding.NamedSharding):
-        return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
-    return sharding
+def _fit(sharding: jax.sharding.Sharding, shape, transposed: bool = False):
+    """The sharding of one array when one sharding is given for every array.
+
+    A `NamedSharding`'s spec applies to the arrays of rank >= len(spec), as the Flax model
+    sees them (the stored (out, in) codes and scales of an NVFP4 kernel (in, out) take its
+    first two entries swapped); arrays of lower rank, scalars included, are replicated over
+    its mesh. Other shardings are used as they are.
+    """
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        return sharding
+    spec = tuple(sharding.spec)
+    if len(spec) > len(shape):
+        spec = ()
+    elif transposed:
+        spec = (*spec, None, None)[:2][::-1]
+    return sharding.update(spec=jax.sharding.PartitionSpec(*spec))
 
 
-def _reader(owner, name, transpose=False, dtype=None, shape=None):
-    """`read(index)` of tensor `name`: the (transposed, cast) array or its slice."""
+def _reader(owner, name, transpose=False, dtype=None, shape=None, check=None):
+    """`read(index)` of tensor `name`: the (transposed, cast) array or its slice.
+
+    `check` sees every slice, as stored, before it is returned.
+    """
     file = owner[name]
 
     def read(index):
         source = None if index is None else (tuple(index)[::-1] if transpose else tuple(index))
         array = file.read(name, source)
+        if check is not None:
+            check(array)
         array = array.T if transpose else array
         array = array.reshape(shape) if shape is not None else array
         return array if dtype is None else array.astype(dtype, copy=False)
@@ -1258,10 +1743,13 @@ def _load_quantized(module, parts, owner, name_map, dtype, place) -> dict[str, A
     parent = kernel.rpartition("/")[0]
     weight, scales = (_spec(owner, parts[k]) for k in ("weight", "weight_scale"))
     f32 = np.dtype(np.float32)
-    codes = place(f"{kernel}/codes", weight.shape, weight.dtype, _reader(owner, parts["weight"]))
-    block = place(
-        f"{kernel}/scales", scales.shape, scales.dtype, _reader(owner, parts["weight_scale"])
-    )
+    # The codes and scales are stored (out, in/2), (out, in/16): one sharding for the whole
+    # checkpoint applies to them as to the (in, out) kernel they hold (see `_fit`).
+    read_codes = _reader(owner, parts["weight"])
+    codes = place(f"{kernel}/codes", weight.shape, weight.dtype, read_codes, transposed=True)
+    check = _check_block_scales(parts["weight_scale"], owner[parts["weight_scale"]].path)
+    read_scales = _reader(owner, parts["weight_scale"], check=check)
+    block = place(f"{kernel}/scales", scales.shape, scales.dtype, read_scales, transposed=True)
     d = place(f"{kernel}/decode_scale", (), f32, _reader(owner, parts["weight_scale_2"], shape=()))
     amax = place(
         f"{kernel}/amax",
@@ -1305,7 +1793,8 @@ def _load_kv_scale(name, owner, name_map, place) -> tuple[str, jax.Array]:
     module, _, suffix = name.rpartition(".")
     parent = _linear_path(name_map, module, "the KV-cache scale of").rpartition("/")[0]
     path = f"{parent}/{suffix}"
-    return path, place(path, (), np.dtype(np.float32), lambda _: _read_scalar(owner, name))
+    value = _checked_scalar(owner, name, zero_ok=False)
+    return path, place(path, (), np.dtype(np.float32), lambda _: value)
 
 
 def _nest(flat: dict[str, Any]) -> dict:
@@ -1361,11 +1850,17 @@ def load_hf_checkpoint(
       dtype: cast float tensors not quantized to it, and the `dtype` an NVFP4Array records
         (default: the file's dtypes, and the config's `dtype`/`torch_dtype` or bfloat16).
       sharding: None (arrays on the default device), one `jax.sharding.Sharding` for every
-        array (scalars replicated over its mesh), or a function `(flax path, shape, dtype)
-        -> Sharding` (called for every array; an NVFP4Array's parts have the paths
-        `<kernel>/codes`, `/scales`, `/amax` and `/decode_scale` and their stored shapes).
-        Arrays are built with `jax.make_array_from_callback`, so each process reads only
-        the slices its devices hold.
+        array, or a function `(flax path, shape, dtype) -> Sharding` (called for every
+        array; an NVFP4Array's parts have the paths `<kernel>/codes`, `/scales`, `/amax`
+        and `/decode_scale` and their stored shapes). One `NamedSharding` applies its
+        `PartitionSpec` to every array of rank >= len(spec), as the Flax tree holds it (an
+        (in, out) kernel, NVFP4 or not: the codes (out, in/2) and scales (out, in/16) of an
+        NVFP4 kernel take the spec's two entries swapped, so both split at the same block
+        boundaries); arrays of lower rank (norms under a 2-D spec, scalars) are replicated
+        over its mesh. An array the spec cannot split (a dimension not divisible by its mesh
+        axes) is a `ValueError` naming it: pass a function then. Arrays are built with
+        `jax.make_array_from_callback`, so each process reads only the slices its devices
+        hold.
 
     Returns:
       A nested dict (all-digit path components as int keys, like an nnx list's) for
@@ -1374,7 +1869,15 @@ def load_hf_checkpoint(
     Raises:
       ValueError: another quantization method or algorithm, a group size other than 16,
         missing or mis-shaped scales, an `input_scale` missing in a W4A4 checkpoint, a
-        tensor no rule maps, an index that disagrees with the files.
+        tensor no rule maps, an index that disagrees with the files; a malformed file,
+        named with the tensor or field at fault: a safetensors header that is not strict
+        JSON (UTF-8, no duplicate keys, nesting at most 64 deep) or whose entries do not
+        fit (dtype, a shape of non-negative ints, offsets that match it, lie in the file
+        and overlap no other tensor), a JSON config, index or field of the wrong type (an
+        `ignore` that is not a list of strings, a `weight_map` file name with a path),
+        scales that are NaN, infinite or negative (`weight_scale_2` may be 0, `input_scale`
+        and KV-cache scales may not), block scales with E4M3 NaN or negative bytes. Nothing
+        is allocated from a header's numbers before they are checked.
     """
     directory = os.path.abspath(os.fspath(directory))
     config_path = os.path.join(directory, CONFIG_NAME)

@@ -16,7 +16,13 @@ The test trains the example model for a few steps in NVFP4, calibrates it, expor
   `LOGPROB_TOLERANCE`);
 * the weight-only export holds the same weight tensors as the W4A4 one, no `input_scale`, and
   its configs say "W4A16_NVFP4" (vLLM's CPU build cannot run W4A16: it forces the Marlin GPU
-  kernel).
+  kernel);
+* the same model with its last block and output head back in bf16 by rules (the example's
+  default policy) exports with those layers in bf16, which vLLM loads as such and runs with
+  the same log-probabilities as JAX;
+* `examples/serve_vllm.py generate` (the README's serve command) runs that export with its
+  byte-level tokenizer (`tokenizer="bytes"`) from a text prompt, and continues it with the
+  tokens vLLM generates from the prompt's bytes as token ids.
 """
 
 from __future__ import annotations
@@ -102,12 +108,16 @@ def served(trained, tmp_path_factory):
             exports[algo], nnx.state(model), quant_algo=algo, config=CFG.hf_config()
         )
     prompts = [val[i : i + PROMPT].astype(int).tolist() for i in (0, 5000)]
-    out = folder / "vllm.json"
+    return (exports, prompts, *run_vllm(exports["NVFP4"], prompts, folder / "vllm.json"))
+
+
+def run_vllm(export: pathlib.Path, prompts, out: pathlib.Path) -> tuple[dict, dict, dict]:
+    """(tests/vllm_client.py's JSON, its weights, its log-probabilities) for one export."""
     run = subprocess.run(
         [
             str(VLLM_PYTHON),
             str(ROOT / "tests" / "vllm_client.py"),
-            str(exports["NVFP4"]),
+            str(export),
             str(out),
             "--prompts",
             json.dumps(prompts),
@@ -121,9 +131,10 @@ def served(trained, tmp_path_factory):
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
     doc = json.loads(out.read_text())
-    weights = dict(np.load(folder / "vllm.weights.npz"))
-    logprobs = dict(np.load(folder / "vllm.logprobs.npz"))
-    return exports, prompts, doc, weights, logprobs
+    stem = str(out.with_suffix(""))
+    weights = dict(np.load(stem + ".weights.npz"))
+    logprobs = dict(np.load(stem + ".logprobs.npz"))
+    return doc, weights, logprobs
 
 
 def same_but_zero_sign(a: np.ndarray, b: np.ndarray) -> int:
@@ -158,7 +169,7 @@ def test_vllm_holds_our_weights_bit_for_bit(served):
 
 def jax_logprobs(exports, prompts, dtype) -> list[np.ndarray]:
     """log_softmax of the JAX W4A4 model's logits at every position, per prompt."""
-    tree = nvfp4_jax.load_hf_checkpoint(exports["NVFP4"])
+    tree = nvfp4_jax.load_hf_checkpoint(exports["NVFP4"] if isinstance(exports, dict) else exports)
     model = lm_model.from_params(CFG, tree, activations="nvfp4", dtype=dtype)
     out = []
     for prompt in prompts:
@@ -169,6 +180,10 @@ def jax_logprobs(exports, prompts, dtype) -> list[np.ndarray]:
 
 def test_vllm_logprobs_match_the_jax_w4a4_model(served, record_property):
     exports, prompts, _, _, logprobs = served
+    check_logprobs(exports, prompts, logprobs, record_property)
+
+
+def check_logprobs(exports, prompts, logprobs, record_property, what="") -> None:
     bf16 = jax_logprobs(exports, prompts, jnp.bfloat16)
     f32 = jax_logprobs(exports, prompts, jnp.float32)
     rows = []
@@ -192,9 +207,9 @@ def test_vllm_logprobs_match_the_jax_w4a4_model(served, record_property):
         kl_vllm_jax=kl,
         next_token_abs_diff=actual,
     )
-    print("vLLM vs JAX W4A4 next-token log-probabilities:", figures)
+    print(f"vLLM vs JAX W4A4 next-token log-probabilities{what}:", figures)
     for name, value in figures.items():
-        record_property(name, float(value))
+        record_property(name + what.replace(" ", "_"), float(value))
     factor, floor = LOGPROB_TOLERANCE
     assert to_vllm <= factor * noise + floor, figures
     assert agree >= 0.9, figures
@@ -213,3 +228,72 @@ def test_weight_only_export_has_the_same_weights_and_no_input_scale(served):
     config = json.loads((exports["W4A16_NVFP4"] / "config.json").read_text())
     assert config["quantization_config"]["quant_algo"] == "W4A16_NVFP4"
     assert "input_activations" not in config["quantization_config"]["config_groups"]["group_0"]
+
+
+@pytest.fixture(scope="module")
+def served_with_rules(trained, tmp_path_factory):
+    """The trained model with its last block and head back in bf16 by rules, exported W4A4
+    with a byte-level tokenizer; vLLM's view of it (tests/vllm_client.py)."""
+    model, val = trained
+    mixed = nnx.clone(model)
+    report = nvfp4_jax.quantize_model(mixed, nvfp4_jax.keep_bf16("^layers/1/", "^lm_head$"))
+    assert len(report.paths("high_precision")) == 8
+    folder = tmp_path_factory.mktemp("vllm_rules")
+    export = folder / "NVFP4"
+    result = nvfp4_jax.export_hf_checkpoint(
+        export, mixed, config=CFG.hf_config(), tokenizer="bytes"
+    )
+    assert result.quantized == tuple(
+        f"model.layers.0.{m}"
+        for m in (
+            "mlp.down_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+            "self_attn.k_proj",
+            "self_attn.o_proj",
+            "self_attn.q_proj",
+            "self_attn.v_proj",
+        )
+    )
+    prompts = [val[i : i + PROMPT].astype(int).tolist() for i in (0, 5000)]
+    return export, prompts, *run_vllm(export, prompts, folder / "vllm.json")
+
+
+def test_vllm_runs_a_model_partly_kept_in_bf16_by_rules(served_with_rules, record_property):
+    export, prompts, doc, _, logprobs = served_with_rules
+    assert sorted(doc["nvfp4_modules"]) == [
+        "model.layers.0.mlp.down_proj",
+        "model.layers.0.mlp.gate_up_proj",
+        "model.layers.0.self_attn.o_proj",
+        "model.layers.0.self_attn.qkv_proj",
+    ]
+    bf16 = {o["name"] for o in doc["other_linear_modules"]}
+    assert {"model.layers.1.self_attn.qkv_proj", "model.layers.1.mlp.down_proj"} <= bf16
+    check_logprobs(export, prompts, logprobs, record_property, " (bf16 by rules)")
+
+
+def test_serve_script_generates_from_text(served_with_rules):
+    """examples/serve_vllm.py, as the README runs it: text in, text out, the CPU build."""
+    export, prompts, doc, _, _ = served_with_rules
+    text = bytes(prompts[0]).decode("utf-8")  # the documentation text: ASCII
+    run = subprocess.run(
+        [
+            str(VLLM_PYTHON),
+            str(ROOT / "examples" / "serve_vllm.py"),
+            "generate",
+            str(export),
+            "--prompt",
+            text,
+            "--max-tokens",
+            "4",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    assert "Using EmulationNvFp4LinearKernel" in run.stderr + run.stdout
+    generated = bytes(doc["prompts"][0]["generated_token_ids"]).decode("utf-8", "replace")
+    print("serve_vllm.py generate:", repr(run.stdout.split("--- prompt")[-1]))
+    assert f"{text}{generated}\n" in run.stdout, (run.stdout[-2000:], generated)
