@@ -98,7 +98,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nvfp4_jax._storage import fsync_fd, fsync_path, fsync_tree, is_key_array, key_name
+from nvfp4_jax._storage import (
+    collective,
+    fsync_fd,
+    fsync_path,
+    fsync_tree,
+    is_key_array,
+    key_name,
+)
 from nvfp4_jax.array import NVFP4Array, is_nvfp4_array, validate_nvfp4_array
 
 FORMAT = "nvfp4_jax.checkpoint/3"
@@ -172,13 +179,14 @@ def _save_multiprocess(path: str, arrays: dict, meta: dict, force: bool) -> None
     orbax writes the snapshot, each process its own shards. Every step ends in a collective
     that also carries a failure of any process to all of them, so all raise it.
     """
-    name = _collective("preparing the save", lambda: _begin_save(path, force), primary=True)
+    op = "save_checkpoint"
+    name = collective(op, "preparing the save", lambda: _begin_save(path, force), primary=True)
     snapshot = os.path.join(path, name)
     _write_snapshot(snapshot, arrays, meta)
     # Each process flushes the snapshot (on a shared file system, what it wrote is flushed
     # only by itself); `CURRENT` names it only once all have.
-    _collective("flushing the snapshot", lambda: fsync_tree(snapshot), primary=False)
-    _collective("committing the save", lambda: _commit(path, name), primary=True)
+    collective(op, "flushing the snapshot", lambda: fsync_tree(snapshot), primary=False)
+    collective(op, "committing the save", lambda: _commit(path, name), primary=True)
 
 
 def _begin_save(path: str, force: bool) -> str:
@@ -192,68 +200,6 @@ def _commit(path: str, name: str) -> None:
     fsync_path(path)
     _write_pointer(path, name)
     _remove_leftovers(path, keep=name)
-
-
-# A step's outcome as every process shares it: JSON, in a fixed number of bytes.
-_SHARED_BYTES = 8192
-_SHARED_ERRORS = {
-    e.__name__: e
-    for e in (
-        FileExistsError,
-        FileNotFoundError,
-        NotADirectoryError,
-        IsADirectoryError,
-        PermissionError,
-        OSError,
-        ValueError,
-        TypeError,
-    )
-}
-
-
-def _collective(what: str, step, *, primary: bool):
-    """Runs `step` on process 0 (`primary`) or on every process, then waits for all.
-
-    Returns process 0's result (JSON: a string or None) on every process. If `step` raised
-    on some process, every process raises: that one its own exception, the others one of the
-    same type (`RuntimeError` for an unusual one) naming the process and the step.
-    """
-    outcome, error = {"result": None, "error": None}, None
-    if not primary or jax.process_index() == 0:
-        try:
-            outcome["result"] = step()
-        except Exception as e:  # noqa: BLE001  (shared with every process, then raised)
-            error = e
-            outcome["error"] = [type(e).__name__, str(e)]
-    from jax.experimental import multihost_utils  # noqa: PLC0415
-
-    rows = multihost_utils.process_allgather(_encode(outcome))
-    outcomes = [_decode(row) for row in np.asarray(rows).reshape(jax.process_count(), -1)]
-    if error is not None:
-        raise error
-    for index, other in enumerate(outcomes):
-        if other["error"] is not None:
-            kind, message = other["error"]
-            raise _SHARED_ERRORS.get(kind, RuntimeError)(
-                f"{message} (a {kind} of process {index} while {what})"
-            )
-    return outcomes[0]["result"]
-
-
-def _encode(outcome: dict) -> np.ndarray:
-    """`outcome` as `_SHARED_BYTES` bytes of ASCII JSON (a long error message shortened)."""
-    data = json.dumps(outcome).encode()
-    if len(data) > _SHARED_BYTES and outcome["error"] is not None:
-        kind, message = outcome["error"]  # an escaped character takes at most 12 bytes
-        outcome = {**outcome, "error": [kind[:100], message[: _SHARED_BYTES // 16] + "..."]}
-        data = json.dumps(outcome).encode()
-    if len(data) > _SHARED_BYTES:  # not a name save_checkpoint makes
-        raise ValueError(f"save_checkpoint: a result of {len(data)} bytes is too long to share")
-    return np.frombuffer(data.ljust(_SHARED_BYTES, b"\0"), np.uint8)
-
-
-def _decode(row: np.ndarray) -> dict:
-    return json.loads(bytes(np.asarray(row, np.uint8)).rstrip(b"\0").decode())
 
 
 def _metadata(entries: list) -> dict:

@@ -54,7 +54,7 @@ from flax import nnx
 
 from nvfp4_jax import formats
 from nvfp4_jax import nnx as nvfp4_nnx
-from nvfp4_jax._storage import fsync_fd, fsync_path, is_key_array, key_name
+from nvfp4_jax._storage import collective, fsync_fd, fsync_path, is_key_array, key_name, to_host
 from nvfp4_jax._version import __version__
 from nvfp4_jax.array import NVFP4Array, is_nvfp4_array, validate_nvfp4_array
 from nvfp4_jax.ops import dequantize, quantize, tensor_amax
@@ -890,7 +890,7 @@ def _module_for(by_name: dict, key: str, where: str) -> str:
 
 def _to_input_scale(value, kind: str, where) -> np.float32:
     """`f32(amax) * f32(1/2688)` for an amax; an `input_scale` as it is (checked later)."""
-    value = np.asarray(value, np.float32)
+    value = to_host(value).astype(np.float32)
     if value.size != 1:
         raise ValueError(
             f"export_hf_checkpoint: {kind} of {where} must be a scalar, got {value.shape}"
@@ -953,14 +953,14 @@ def _weight_amaxes(tensors, implementation) -> dict[str, np.float32 | None]:
 
 
 def _kernel_amax(t: _Tensor, implementation) -> np.float32:
-    amax = np.float32(tensor_amax(t.value, axis=0, implementation=implementation))
+    amax = np.float32(to_host(tensor_amax(t.value, axis=0, implementation=implementation)))
     if not np.isfinite(amax):
         raise ValueError(f"export_hf_checkpoint: the kernel of {t.module} holds NaN or inf")
     return amax
 
 
 def _check_equal_scales(members) -> None:
-    scales = {np.float32(t.value.global_scale).tobytes() for t in members}
+    scales = {np.float32(to_host(t.value.global_scale)).tobytes() for t in members}
     if len(scales) > 1:
         raise ValueError(
             f"export_hf_checkpoint: the fused group {[t.module for t in members]} holds "
@@ -988,8 +988,8 @@ def _quantized_unit(t: _Tensor, amax, input_scale, block_2d, implementation) -> 
             q = quantize(
                 q, axis=0, block_2d=block_2d, amax=jnp.float32(amax), implementation=implementation
             )
-        arrays = [q.codes, q.scales, np.float32(q.global_scale), input_scale]
-        return {name: np.asarray(a) for (name, _, _), a in zip(specs, arrays, strict=False)}
+        arrays = [q.codes, q.scales, np.float32(to_host(q.global_scale)), input_scale]
+        return {name: to_host(a) for (name, _, _), a in zip(specs, arrays, strict=False)}
 
     return _Unit(tuple(specs), produce)
 
@@ -1011,7 +1011,7 @@ def _dense_unit(t: _Tensor, dtype) -> _Unit:
 
     def produce() -> dict[str, np.ndarray]:
         value = dequantize(t.value, jnp.float32) if is_nvfp4_array(t.value) else t.value
-        array = np.asarray(value).astype(target, copy=False)
+        array = to_host(value).astype(target, copy=False)
         return {t.hf: array.T if t.kind == "linear" else array}
 
     return _Unit(((t.hf, _ST_NAMES[target], shape),), produce)
@@ -1281,6 +1281,48 @@ def _write_directory(directory: str, write: Callable[[str], Any]):
     return result
 
 
+def _write_once(directory: str, write: Callable[[str], Any], units: list[_Unit]):
+    """`_write_directory(directory, write)`, once, in a program of one or several processes.
+
+    With several processes (all calling `export_hf_checkpoint` alike), process 0 writes; the
+    others produce every unit in the same order, which takes part in the gathers of sharded
+    arrays (collectives). If process 0 fails, it still produces the units it did not reach,
+    so the gathers stay in step, and then every process raises its error.
+    """
+    if jax.process_count() == 1:
+        return _write_directory(directory, write)
+    produced = [0]
+    counted = [_Unit(u.specs, _counting(u.produce, produced)) for u in units]
+    done = None
+    if jax.process_index() == 0:
+        try:
+            done = _write_directory(directory, lambda tmp: write(tmp, counted))
+        except Exception as error:  # noqa: BLE001  (raised on every process below)
+            done = error
+    for unit in counted[produced[0] :]:
+        unit.produce()
+    if isinstance(done, Exception):
+        failed = done
+
+        def fail():
+            raise failed
+
+        collective(_EXPORT, "writing the checkpoint", fail, primary=True)
+    files = collective(_EXPORT, "writing the checkpoint", lambda: done, primary=True)
+    return files
+
+
+def _counting(produce: Callable, produced: list) -> Callable:
+    def counted():
+        produced[0] += 1
+        return produce()
+
+    return counted
+
+
+_EXPORT = "export_hf_checkpoint"
+
+
 # --- export -------------------------------------------------------------------------------
 
 
@@ -1384,7 +1426,9 @@ def export_hf_checkpoint(
         raise ValueError("export_hf_checkpoint: input_amax is for quant_algo='NVFP4' (W4A4) only")
     directory = os.path.abspath(os.fspath(directory))
     max_size = _parse_size(max_shard_size)
-    _check_target(directory, force)
+    collective(
+        _EXPORT, "checking the directory", lambda: _check_target(directory, force), primary=True
+    )
     model_config = _model_config(config, directory)
     _check_tokenizer(tokenizer, model_config)
     if isinstance(params, nnx.Module):
@@ -1402,7 +1446,7 @@ def export_hf_checkpoint(
     units = _units(tensors, amaxes, scales, block_2d, dtype, implementation)
     model_config["quantization_config"] = _quantization_config(quant_algo, ignore)
 
-    def write(tmp: str):
+    def write(tmp: str, units: list[_Unit] = units):
         files, total = _write_weights(tmp, units, max_size)
         _write_json(os.path.join(tmp, CONFIG_NAME), model_config)
         _write_json(os.path.join(tmp, QUANT_CONFIG_NAME), _legacy_quant_config(quant_algo, ignore))
@@ -1411,7 +1455,7 @@ def export_hf_checkpoint(
                 _write_json(os.path.join(tmp, name), content)
         return files, total
 
-    files, total = _write_directory(directory, write)
+    files, total = _write_once(directory, write, units)
     quantized = tuple(t.module for t in tensors if t.quantized)
     return ExportReport(
         directory,

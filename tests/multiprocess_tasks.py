@@ -140,8 +140,40 @@ def hf_load_task(workdir: str) -> dict[str, np.ndarray]:
     return out
 
 
+# --- export_hf_checkpoint of a sharded model: written once -------------------------------------
+
+
+def hf_export_task(workdir: str) -> dict[str, np.ndarray]:
+    """The fixture loaded sharded, layer 1's MLP turned into float kernels (so the exporter
+    quantizes those, the rest it writes as loaded), exported: every file's bytes."""
+    import json  # noqa: PLC0415
+
+    sharding = NamedSharding(mesh(), P(None, AXIS))
+    tree = nvfp4_jax.load_hf_checkpoint(MODELOPT_FIXTURE, sharding=sharding)
+    mlp = tree["layers"][1]["mlp"]
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        mlp[name]["kernel"] = jax.jit(nvfp4_jax.dequantize)(mlp[name]["kernel"])
+    with open(os.path.join(MODELOPT_FIXTURE, "config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    directory = os.path.join(workdir, "export")
+    report = nvfp4_jax.export_hf_checkpoint(directory, tree, config=config)
+    assert "model.layers.1.mlp.down_proj" in report.quantized
+    try:  # process 0 alone looks at the folder: every process raises what it found
+        nvfp4_jax.export_hf_checkpoint(directory, tree, config=config)
+    except FileExistsError as error:
+        assert "holds weights" in str(error), error
+    else:
+        raise AssertionError("an export over weights without force=True did not raise")
+    out = {}
+    for name in sorted(os.listdir(directory)):
+        with open(os.path.join(directory, name), "rb") as f:
+            out[name] = np.frombuffer(f.read(), np.uint8)
+    return out
+
+
 TASKS = {
     "quantize": quantize_task,
     "train": train_task,
     "hf_load": hf_load_task,
+    "hf_export": hf_export_task,
 }

@@ -132,3 +132,16 @@ def test_load_hf_checkpoint_reads_each_process_slices(two_processes, one_process
     assert len(per_process) == NUM_PROCESSES
     for count in per_process:
         assert everything / NUM_PROCESSES <= count < 0.55 * everything, (per_process, everything)
+
+
+def test_export_hf_checkpoint_of_a_sharded_model_is_written_once(two_processes, one_process):
+    """Two processes export one model sharded over their 8 devices (float kernels quantized
+    by the exporter, NVFP4 ones written as loaded): one folder, the same bytes as one
+    process's export of the same model."""
+    got, want = _load(two_processes, "hf_export"), one_process("hf_export")
+    assert sorted(got) == sorted(want)
+    assert "model.safetensors" in want
+    for name in want:
+        assert_same_bits(got[name], want[name], name)
+    leftovers = [n for n in os.listdir(two_processes) if n.startswith(".export")]
+    assert leftovers == [], leftovers  # no temporary folder of a second writer
