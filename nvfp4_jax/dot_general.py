@@ -12,6 +12,9 @@ factors. This is what Blackwell's block-scaled tensor cores compute, up to summa
 
 The forward saves only quantized residuals: W as used by dgrad and x quantized along the
 tokens (with the RHT), both as packed `NVFP4Array`s; never the high-precision inputs.
+
+Batch dimensions (B, e.g. MoE experts) run as `jax.vmap` of this custom_vjp: B independent
+GEMMs, each operand of each element its own tensor (amax, padding, SR key `fold_in(key, b)`).
 """
 
 from __future__ import annotations
@@ -140,24 +143,29 @@ def _nvfp4_matmul_bwd(recipe, out_dtype, residuals, dy):
 _nvfp4_matmul.defvjp(_nvfp4_matmul_fwd, _nvfp4_matmul_bwd)
 
 
-def _contracting(dims, operand, name: str) -> tuple[int, ...]:
-    """The contracting dims of one side, checked as `jax.lax.dot_general` checks them."""
+def _dims(dims, operand, name: str, kind: str) -> tuple[int, ...]:
+    """The contracting or batch dims of one side, checked as `jax.lax.dot_general` checks them."""
     dims = tuple(dims)
     if any(
         isinstance(d, bool) or not isinstance(d, (int, np.integer)) or not 0 <= d < operand.ndim
         for d in dims
     ):
         raise TypeError(
-            f"dot_general: {name} contracting dimensions must be non-negative ints below the "
+            f"dot_general: {name} {kind} dimensions must be non-negative ints below the "
             f"rank of {name} {operand.shape}, got {dims}"
         )
     if len(set(dims)) != len(dims):
-        raise TypeError(f"dot_general: {name} contracting dimensions must be distinct, got {dims}")
+        raise TypeError(f"dot_general: {name} {kind} dimensions must be distinct, got {dims}")
     return tuple(int(d) for d in dims)
 
 
+def _contracting(dims, operand, name: str) -> tuple[int, ...]:
+    """The contracting dims of one side, checked as `jax.lax.dot_general` checks them."""
+    return _dims(dims, operand, name, "contracting")
+
+
 def _normalize_dims(dimension_numbers, lhs, rhs):
-    """Checks the dimension numbers; returns (lhs contracting, rhs contracting)."""
+    """Checks the dimension numbers; returns (lhs, rhs contracting, lhs, rhs batch) dims."""
     try:
         (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
         lhs_contract, rhs_contract = tuple(lhs_contract), tuple(rhs_contract)
@@ -167,21 +175,32 @@ def _normalize_dims(dimension_numbers, lhs, rhs):
             "dot_general: dimension_numbers must be ((lhs_contracting, rhs_contracting), "
             f"(lhs_batch, rhs_batch)), got {dimension_numbers!r}"
         ) from None
-    if lhs_batch or rhs_batch:
-        raise ValueError(
-            "dot_general: batch dimensions are not supported by the NVFP4 dot_general (it "
-            f"quantizes one weight matrix), got lhs_batch={lhs_batch}, rhs_batch={rhs_batch} "
-            f"for lhs {lhs.shape} and rhs {rhs.shape}"
-        )
     lhs_contract = _contracting(lhs_contract, lhs, "lhs")
     rhs_contract = _contracting(rhs_contract, rhs, "rhs")
+    lhs_batch = _dims(lhs_batch, lhs, "lhs", "batch")
+    rhs_batch = _dims(rhs_batch, rhs, "rhs", "batch")
+    for name, batch, contract, operand in (
+        ("lhs", lhs_batch, lhs_contract, lhs),
+        ("rhs", rhs_batch, rhs_contract, rhs),
+    ):
+        if set(batch) & set(contract):
+            raise TypeError(
+                f"dot_general: {name} batch dimensions {batch} and contracting dimensions "
+                f"{contract} of {name} {operand.shape} must be disjoint"
+            )
+    batch_sizes = ([lhs.shape[d] for d in lhs_batch], [rhs.shape[d] for d in rhs_batch])
+    if batch_sizes[0] != batch_sizes[1]:
+        raise TypeError(
+            f"dot_general: batch dimensions {lhs_batch} of lhs {lhs.shape} and {rhs_batch} of "
+            f"rhs {rhs.shape} must be as many and of equal sizes"
+        )
     sizes = ([lhs.shape[d] for d in lhs_contract], [rhs.shape[d] for d in rhs_contract])
     if not lhs_contract or sizes[0] != sizes[1]:
         raise TypeError(
             f"dot_general: contracting dimensions {lhs_contract} of lhs {lhs.shape} and "
             f"{rhs_contract} of rhs {rhs.shape} must be non-empty and of equal sizes"
         )
-    return lhs_contract, rhs_contract
+    return lhs_contract, rhs_contract, lhs_batch, rhs_batch
 
 
 def _check_operands(lhs, rhs, k, n):
@@ -205,31 +224,44 @@ def dot_general(
 ) -> jax.Array:
     """`jax.lax.dot_general` with NVFP4 forward, data-gradient and weight-gradient GEMMs.
 
-    `lhs` is the activation and `rhs` the weight. Any contraction without batch dimensions
-    is supported (Flax `Dense`, `DenseGeneral`, `nnx.Linear`, `nnx.Einsum`-style weights):
-    the contracting axes of both sides are flattened to K, the free axes of lhs to M (tokens)
-    and of rhs to N. K and N must be multiples of 16; M is padded for the wgrad GEMM.
+    `lhs` is the activation and `rhs` the weight. Any contraction is supported (Flax `Dense`,
+    `DenseGeneral`, `nnx.Linear`, `nnx.Einsum`-style weights): the contracting axes of both
+    sides are flattened to K, the free axes of lhs to M (tokens) and of rhs to N. K and N
+    must be multiples of 16; M is padded for the wgrad GEMM.
+
+    Batch dimensions (any number, at any positions, as in `jax.lax.dot_general`; e.g. the
+    experts of a dropping MoE, `(E, C, K) x (E, K, N)` with `(((2,), (1,)), ((0,), (0,)))`)
+    are flattened into one batch axis of size B, in row-major order of the lhs batch dims,
+    and every batch element is its own GEMM: its own tensor amax for every operand of the
+    fprop, dgrad and wgrad GEMMs (an expert's weight is its own tensor), its own token
+    padding: `jax.vmap` of the unbatched call, so each element's quantized operands are
+    bit for bit those of the unbatched call on it (the f32 sums of the GEMMs may run in
+    another order where XLA picks another kernel for a batched GEMM).
 
     Args:
       lhs: activations, bf16/f16/f32.
       rhs: weights, bf16/f16/f32.
-      dimension_numbers: as in `jax.lax.dot_general`; batch dimensions must be empty.
+      dimension_numbers: as in `jax.lax.dot_general`.
       precision: accepted for signature compatibility and ignored: the GEMM runs on the
         quantized operands in `recipe.gemm_dtype` with f32 accumulation.
       preferred_element_type: the result dtype (default: the promoted input dtype).
       recipe: the `NVFP4Recipe`.
       key: PRNG key for stochastic rounding of the gradients. If None, the key is derived
-        from the bits of the incoming gradient, which changes from step to step.
+        from the bits of the incoming gradient, which changes from step to step. With batch
+        dimensions, batch element b (the flat index over the batch dims, row-major) rounds
+        with `jax.random.fold_in(key, b)`, so that no two elements share SR noise; with
+        None, each element's key is derived from its own slice of the gradient.
 
     Returns:
-      `lhs`'s free dims followed by `rhs`'s free dims, as `jax.lax.dot_general` orders them.
+      The batch dims, then `lhs`'s free dims, then `rhs`'s free dims, as
+      `jax.lax.dot_general` orders them.
     """
     del precision
     lhs = formats.as_float_array(lhs, "dot_general", "lhs")
     rhs = formats.as_float_array(rhs, "dot_general", "rhs")
-    lhs_contract, rhs_contract = _normalize_dims(dimension_numbers, lhs, rhs)
-    lhs_free = [d for d in range(lhs.ndim) if d not in lhs_contract]
-    rhs_free = [d for d in range(rhs.ndim) if d not in rhs_contract]
+    lhs_contract, rhs_contract, lhs_batch, rhs_batch = _normalize_dims(dimension_numbers, lhs, rhs)
+    lhs_free = [d for d in range(lhs.ndim) if d not in lhs_contract and d not in lhs_batch]
+    rhs_free = [d for d in range(rhs.ndim) if d not in rhs_contract and d not in rhs_batch]
     k = math.prod(lhs.shape[d] for d in lhs_contract)
     n = math.prod(rhs.shape[d] for d in rhs_free)
     _check_operands(lhs, rhs, k, n)
@@ -243,11 +275,38 @@ def dot_general(
     backend = gemm.resolve_gemm_backend(recipe.gemm_backend, "dot_general")
     recipe = dataclasses.replace(recipe, gemm_backend=backend)
     m = math.prod(lhs.shape[d] for d in lhs_free)
-    x = jnp.transpose(lhs, lhs_free + list(lhs_contract)).reshape(m, k)
-    w = jnp.transpose(rhs, list(rhs_contract) + rhs_free).reshape(k, n)
-    y = _nvfp4_matmul(x, w, key, recipe, out_dtype)
     out_shape = [lhs.shape[d] for d in lhs_free] + [rhs.shape[d] for d in rhs_free]
-    return y.reshape(out_shape)
+    if not lhs_batch:
+        x = jnp.transpose(lhs, lhs_free + list(lhs_contract)).reshape(m, k)
+        w = jnp.transpose(rhs, list(rhs_contract) + rhs_free).reshape(k, n)
+        return _nvfp4_matmul(x, w, key, recipe, out_dtype).reshape(out_shape)
+    batch_shape = [lhs.shape[d] for d in lhs_batch]
+    b = math.prod(batch_shape)
+    x = jnp.transpose(lhs, [*lhs_batch, *lhs_free, *lhs_contract]).reshape(b, m, k)
+    w = jnp.transpose(rhs, [*rhs_batch, *rhs_contract, *rhs_free]).reshape(b, k, n)
+    y = batched_matmul(x, w, key, recipe, out_dtype)
+    return y.reshape(batch_shape + out_shape)
+
+
+def batched_matmul(x, w, key, recipe: NVFP4Recipe, out_dtype) -> jax.Array:
+    """`x (B, M, K) @ w (B, K, N)`: B independent NVFP4 matmuls (differentiable), `(B, M, N)`.
+
+    `jax.vmap` of the unbatched custom_vjp: every element has its own tensor amaxes, token
+    padding and SR key (`fold_in(key, b)` for element b, or derived from its own dy when
+    `key` is None). `recipe.gemm_backend` must be resolved ("emulated" or "scaled_matmul").
+    """
+    keys = (
+        None
+        if key is None
+        else jax.vmap(lambda i: jax.random.fold_in(key, i))(
+            jnp.arange(x.shape[0], dtype=jnp.uint32)
+        )
+    )
+
+    def one(x_b, w_b, key_b):
+        return _nvfp4_matmul(x_b, w_b, key_b, recipe, out_dtype)
+
+    return jax.vmap(one, in_axes=(0, 0, None if keys is None else 0))(x, w, keys)
 
 
 def nvfp4_dot_general(recipe: NVFP4Recipe = NVFP4Recipe(), key: jax.Array | None = None):
@@ -258,6 +317,12 @@ def nvfp4_dot_general(recipe: NVFP4Recipe = NVFP4Recipe(), key: jax.Array | None
     bits from `key` if given (then the same every call: give a fresh key per step), else from
     a key derived from the gradient's bits, which differ from step to step. The NVFP4 layers
     (`nvfp4_jax.nnx.Linear`, `nvfp4_jax.linen.Dense`) draw a fresh key from a Flax rng stream.
+
+    Batch dimensions pass through (see `dot_general`): for experts as a leading axis,
+    `nnx.Einsum("eck,ekn->ecn", (E, K, N), einsum_op=functools.partial(jnp.einsum,
+    _dot_general=nvfp4_dot_general()), ...)` (`nnx.Einsum` takes an `einsum_op`, and
+    `jnp.einsum` hands its batch dims to `_dot_general`; check that the einsum keeps the
+    activation as lhs: `jnp.einsum` may swap the operands).
 
     Example:
       >>> import flax.nnx as nnx

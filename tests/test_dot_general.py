@@ -476,11 +476,11 @@ def test_forward_saves_quantized_residuals_not_inputs():
     [
         (
             (2, 32, 64),
-            (2, 64, 32),
+            (3, 64, 32),
             (((2,), (1,)), ((0,), (0,))),
             "float32",
-            ValueError,
-            "batch dimensions are not supported",
+            TypeError,
+            r"batch dimensions \(0,\) of lhs \(2, 32, 64\) .* equal sizes",
         ),
         ((32, 40), (40, 32), DENSE, "float32", ValueError, r"contracting \(K\) size .* got 40"),
         ((32, 64), (64, 40), DENSE, "float32", ValueError, r"rhs free \(N\) size .* got 40"),
@@ -499,7 +499,7 @@ def test_forward_saves_quantized_residuals_not_inputs():
         ((32, 64), (64, 32), (((1, 1), (0, 0)), ((), ())), "float32", TypeError, "distinct"),
     ],
     ids=[
-        "batch_dims",
+        "batch_sizes_differ",
         "k_not_16",
         "n_not_16",
         "int_dtype",
