@@ -1,4 +1,4 @@
-"""The checkpoint loader against hostile and malformed input (nvfp4_jax/hf.py, reading side).
+"""The checkpoint loader against hostile and malformed input (nvfp4_jax/hf/load.py, reading side).
 
 Every safetensors header, JSON file and scale that a checkpoint can get wrong gives a
 `ValueError` naming the file (and the tensor or field), raised before the loader allocates
