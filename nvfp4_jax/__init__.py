@@ -43,6 +43,7 @@ from nvfp4_jax.layout import (
     unswizzle_scales,
 )
 from nvfp4_jax.ops import apply_rht, dequantize, fake_quantize, quantize, tensor_amax
+from nvfp4_jax.ragged import ragged_dot
 from nvfp4_jax.recipe import NVFP4Recipe
 from nvfp4_jax.reference import (
     get_hadamard_matrix,
@@ -109,6 +110,7 @@ __all__ = [
     "quantize_model",
     "quantized",
     "QuantizeReport",
+    "ragged_dot",
     "reference",
     "restore_checkpoint",
     "Rule",

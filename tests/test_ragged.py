@@ -1,0 +1,433 @@
+"""The NVFP4 `ragged_dot` (grouped GEMM of a dropless MoE): every group is its own dense layer.
+
+Shape letters: x (M, K) tokens sorted by group, W (G, K, N) experts, dy (M, N), group
+sizes (G,).
+
+The oracle is a Python loop over the groups calling the dense `nvfp4_jax.dot_general`
+(eagerly) on group g's rows alone, x[start_g:end_g] @ W[g], with the key
+`jax.random.fold_in(key, g)` (or key=None, which derives each group's key from its own rows
+of dy). `ragged_dot`, under `jit` with traced group sizes, must give the same bits: the
+forward rows, the dx rows and dW[g] of every group (docs/NUMERICS.md section 12). Rows after
+the last group are zero in y and dx.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import DENSE, assert_same_bits
+
+import nvfp4_jax
+from nvfp4_jax import NVFP4Recipe, dot_general, kernels, ragged_dot
+from nvfp4_jax import ragged as ragged_module
+
+IMPLEMENTATIONS = ["reference"] + (["ffi"] if kernels.is_available("cpu") else [])
+RECIPES = {
+    "default": NVFP4Recipe(),  # 16x16 weights, RHT, stochastic rounding
+    "all_off": NVFP4Recipe(weight_2d=False, wgrad_rht=False, stochastic_rounding=False),
+    "w1d": NVFP4Recipe(weight_2d=False),
+    "no_rht": NVFP4Recipe(wgrad_rht=False),
+}
+
+
+def recipe_of(name: str, implementation: str) -> NVFP4Recipe:
+    r = RECIPES[name]
+    return NVFP4Recipe(
+        weight_2d=r.weight_2d,
+        wgrad_rht=r.wgrad_rht,
+        stochastic_rounding=r.stochastic_rounding,
+        implementation=implementation,
+    )
+
+
+def data(m, k, n, g, seed, dtype=jnp.float32):
+    """Normal data; expert weights of different magnitudes (so their amaxes differ), and
+    token rows of group-dependent magnitude (so the groups' amaxes differ)."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((m, k)) * rng.lognormal(0.0, 1.0, (m, 1))
+    w = rng.standard_normal((g, k, n)) * (10.0 ** np.arange(g))[:, None, None]
+    dy = rng.standard_normal((m, n)) * rng.lognormal(0.0, 1.0, (m, 1))
+    return tuple(jnp.asarray(a, jnp.float32).astype(dtype) for a in (x, w, dy))
+
+
+@functools.partial(jax.jit, static_argnames=("recipe",))
+def ragged_vjp(x, w, group_sizes, dy, key, recipe):
+    """(y, dx, dW) of `ragged_dot`, group sizes traced."""
+    y, pullback = jax.vjp(lambda a, b: ragged_dot(a, b, group_sizes, recipe=recipe, key=key), x, w)
+    return (y, *pullback(dy))
+
+
+def group_loop(x, w, sizes, dy, key, recipe):
+    """The oracle: per group, (start, end, y_g, dx_g, dW_g) of the dense `dot_general`."""
+    out, start = [], 0
+    for g, size in enumerate(sizes):
+        end = min(start + size, x.shape[0])
+        key_g = None if key is None else jax.random.fold_in(key, g)
+        y_g, pullback = jax.vjp(
+            lambda a, b, key_g=key_g: dot_general(a, b, DENSE, recipe=recipe, key=key_g),
+            x[start:end],
+            w[g],
+        )
+        out.append((start, end, y_g, *pullback(dy[start:end])))
+        start = end
+    return out
+
+
+def assert_same_up_to_summation_order(actual, expected, k, what):
+    """Equal but for the f32 summation order of a GEMM contracting k terms (the operands are
+    bit for bit equal: `test_operands_are_bit_for_bit_the_dense_ones`)."""
+    expected = np.asarray(expected, np.float32)
+    atol = (k + 2) * 2.0**-24 * (np.abs(expected).max() if expected.size else 0.0)
+    np.testing.assert_allclose(
+        np.asarray(actual, np.float32), expected, rtol=0, atol=atol, err_msg=what
+    )
+
+
+def assert_equals_group_loop(x, w, sizes, dy, key, recipe, *, exact=True):
+    """`ragged_dot`'s (y, dx, dW) against the loop: bit for bit, or (exact=False) up to the
+    GEMMs' f32 summation order, which XLA may choose differently for the grouped GEMM."""
+    y, dx, dw = ragged_vjp(x, w, jnp.asarray(sizes, jnp.int32), dy, key, recipe)
+    assert y.shape == (x.shape[0], w.shape[2]) and dx.shape == x.shape and dw.shape == w.shape
+    end = 0
+    for g, (start, end, y_g, dx_g, dw_g) in enumerate(group_loop(x, w, sizes, dy, key, recipe)):
+        if exact:
+            assert_same_bits(y[start:end], y_g, f"y of group {g}")
+            assert_same_bits(dx[start:end], dx_g, f"dx of group {g}")
+            assert_same_bits(dw[g], dw_g, f"dW of group {g}")
+        else:
+            k, n, tokens = x.shape[1], w.shape[2], -(-(end - start) // 16) * 16
+            assert_same_up_to_summation_order(y[start:end], y_g, k, f"y of group {g}")
+            assert_same_up_to_summation_order(dx[start:end], dx_g, n, f"dx of group {g}")
+            assert_same_up_to_summation_order(dw[g], dw_g, tokens, f"dW of group {g}")
+        if start == end:
+            assert not np.any(np.asarray(dw[g], np.float32)), f"dW of empty group {g}"
+    # Rows after the last group: zero output, zero gradient.
+    assert not np.any(np.asarray(y[end:], np.float32)), "y after the groups"
+    assert not np.any(np.asarray(dx[end:], np.float32)), "dx after the groups"
+    return y, dx, dw
+
+
+# --- bit for bit the per-group dot_general -------------------------------------------------
+
+# name -> (M, group sizes): sizes not multiples of 16, an empty group, all in one, a sum
+# below M (rows after the groups), every group a multiple of 16.
+SIZES = {
+    "ragged_5_0_37_22_of_80": (80, [5, 0, 37, 22]),
+    "all_in_one_64_0_0_0": (64, [64, 0, 0, 0]),
+    "aligned_16_32_0_8_of_56": (56, [16, 32, 0, 8]),
+}
+# The reference once (slow eagerly: the loop runs op by op); the rest on the native kernels.
+NATIVE = "ffi" if "ffi" in IMPLEMENTATIONS else "reference"
+CASES = [
+    ("ragged_5_0_37_22_of_80", "default", "reference", "key"),
+    ("ragged_5_0_37_22_of_80", "default", NATIVE, "none"),
+    ("all_in_one_64_0_0_0", "default", NATIVE, "key"),
+    ("aligned_16_32_0_8_of_56", "no_rht", NATIVE, "key"),
+    ("ragged_5_0_37_22_of_80", "all_off", NATIVE, "key"),
+    ("ragged_5_0_37_22_of_80", "w1d", NATIVE, "none"),
+]
+
+
+@pytest.mark.parametrize(
+    "sizes_name, recipe_name, implementation, key_kind",
+    CASES,
+    ids=["-".join(c) for c in CASES],
+)
+def test_equals_per_group_dot_general(sizes_name, recipe_name, implementation, key_kind):
+    m, sizes = SIZES[sizes_name]
+    x, w, dy = data(m, 64, 32, len(sizes), 1)
+    key = jax.random.key(7) if key_kind == "key" else None
+    assert_equals_group_loop(x, w, sizes, dy, key, recipe_of(recipe_name, implementation))
+
+
+def test_bf16_inputs_equal_per_group_dot_general():
+    x, w, dy = data(48, 32, 48, 3, 2, jnp.bfloat16)
+    recipe = NVFP4Recipe(implementation=NATIVE)
+    y, dx, dw = assert_equals_group_loop(x, w, [7, 19, 17], dy, jax.random.key(1), recipe)
+    assert y.dtype == dx.dtype == dw.dtype == jnp.bfloat16
+
+
+def test_group_sizes_are_traced_one_compilation_serves_all():
+    x, w, dy = data(64, 32, 32, 4, 3)
+    key, recipe = jax.random.key(2), NVFP4Recipe(implementation=NATIVE)
+    before = ragged_vjp._cache_size()
+    for sizes in ([1, 2, 3, 4], [0, 0, 64, 0], [30, 0, 0, 17]):
+        # [1, 2, 3, 4]: XLA's CPU GEMM sums dW[3] (at padded offset 48) in another order.
+        assert_equals_group_loop(x, w, sizes, dy, key, recipe, exact=False)
+    assert ragged_vjp._cache_size() - before <= 1
+
+
+def test_grad_under_jit_equals_the_vjp():
+    x, w, dy = data(80, 64, 32, 4, 4)
+    sizes, key = jnp.array([5, 0, 37, 22], jnp.int32), jax.random.key(3)
+
+    def loss(a, b, gs):
+        return jnp.sum(ragged_dot(a, b, gs, key=key) * dy)
+
+    gx, gw = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w, sizes)
+    _, dx, dw = ragged_vjp(x, w, sizes, dy, key, NVFP4Recipe())
+    assert_same_bits(gx, dx, "dx")
+    assert_same_bits(gw, dw, "dW")
+
+
+def test_group_sizes_summing_past_m_stop_at_row_m():
+    # As in jax.lax.ragged_dot, the groups end at row M: [40, 40, 40] of 64 is [40, 24, 0].
+    x, w, dy = data(64, 32, 32, 3, 5)
+    key, recipe = jax.random.key(4), NVFP4Recipe(implementation=NATIVE)
+    over = ragged_vjp(x, w, jnp.array([40, 40, 40], jnp.int32), dy, key, recipe)
+    clipped = ragged_vjp(x, w, jnp.array([40, 24, 0], jnp.int32), dy, key, recipe)
+    for a, b in zip(over, clipped, strict=True):
+        assert_same_bits(a, b)
+
+
+def test_all_groups_empty_gives_zeros_without_nan():
+    x, w, dy = data(32, 32, 16, 3, 6)
+    for key in (jax.random.key(0), None):
+        y, dx, dw = ragged_vjp(x, w, jnp.zeros((3,), jnp.int32), dy, key, NVFP4Recipe())
+        for name, a in (("y", y), ("dx", dx), ("dW", dw)):
+            np.testing.assert_array_equal(np.asarray(a), 0.0, err_msg=name)
+
+
+# --- each group its own tensor: NaN stays in its group --------------------------------------
+
+
+def test_nan_in_one_group_poisons_only_that_group():
+    m, sizes = 80, [5, 0, 37, 22]
+    x, w, dy = data(m, 64, 32, 4, 7)
+    gs, key, recipe = jnp.array(sizes, jnp.int32), jax.random.key(5), NVFP4Recipe()
+    clean = ragged_vjp(x, w, gs, dy, key, recipe)
+    bounds = [(0, 5), (5, 5), (5, 42), (42, 64)]
+
+    # A NaN in group 2's rows of x: y of group 2 and dW[2] are NaN, the rest unchanged.
+    y, dx, dw = ragged_vjp(x.at[10, 3].set(jnp.nan), w, gs, dy, key, recipe)
+    assert np.all(np.isnan(np.asarray(y[5:42]))) and np.all(np.isnan(np.asarray(dw[2])))
+    for g, (start, end) in enumerate(bounds):
+        if g != 2:
+            assert_same_bits(y[start:end], clean[0][start:end], f"y of group {g}")
+            assert_same_bits(dw[g], clean[2][g], f"dW of group {g}")
+    assert_same_bits(y[64:], clean[0][64:], "y after the groups")
+    assert_same_bits(dx, clean[1], "dx (does not read x)")
+
+    # A NaN in group 3's rows of dy: dx rows of group 3 and dW[3] are NaN, the rest unchanged;
+    # also with key=None, where each group's key is derived from its own rows of dy only.
+    for k in (key, None):
+        clean_k = clean if k is key else ragged_vjp(x, w, gs, dy, None, recipe)
+        _, dx, dw = ragged_vjp(x, w, gs, dy.at[50, 0].set(jnp.nan), k, recipe)
+        assert np.all(np.isnan(np.asarray(dx[42:64]))) and np.all(np.isnan(np.asarray(dw[3])))
+        assert_same_bits(dx[:42], clean_k[1][:42], "dx of groups 0-2")
+        assert_same_bits(dx[64:], clean_k[1][64:], "dx after the groups")
+        assert_same_bits(dw[:3], clean_k[2][:3], "dW of groups 0-2")
+
+    # A NaN in the rows after the groups reaches nothing.
+    y, dx, dw = ragged_vjp(x.at[70, 0].set(jnp.nan), w, gs, dy.at[75, 0].set(jnp.nan), key, recipe)
+    for a, b, name in zip((y, dx, dw), clean, ("y", "dx", "dW"), strict=True):
+        assert_same_bits(a, b, name)
+
+
+# --- the operands: bit for bit the dense ones (the contract of NUMERICS section 12) ---------
+
+
+@functools.partial(jax.jit, static_argnames=("recipe",))
+def ragged_operands(x, dy, group_sizes, key, recipe):
+    """The four activation/gradient operands `ragged_dot` builds, as f32 block values (the
+    stored layouts: rows (M, C), padded tokens (C, Mp)) and per-group decode factors D."""
+    r, g = ragged_module, 4
+    groups = r._groups(group_sizes, x.shape[0])
+    keys = jax.vmap(jax.random.split)(r._group_keys(key, dy, groups, g))
+    dgrad_random = r._row_random(r._key_words(keys[:, 0]), groups, dy.shape[1])
+    wgrad_random = r._padded_random(r._key_words(keys[:, 1]), groups, dy.shape[1])
+    out = {}
+    for name, (q, amax) in {
+        "x": r._quantize_rows(x, groups, g),
+        "dy": r._quantize_rows(dy, groups, g, dgrad_random),
+        "x_tokens": r._quantize_tokens(x, groups, g, recipe),
+        "dy_tokens": r._quantize_tokens(dy, groups, g, recipe, wgrad_random),
+    }.items():
+        out[name] = (r._block_values(q, jnp.float32), r.decode_scale(amax))
+    return out
+
+
+@pytest.mark.parametrize("key_kind", ["key", "none"])
+def test_operands_are_bit_for_bit_the_dense_ones(key_kind):
+    """Every quantized operand of every group, against `dot_general`'s own construction on
+    that group's rows alone (reference implementation): values, scales and positions of the
+    SR bits, and the tensor decode factor; the padded positions outside the groups are 0."""
+    from nvfp4_jax import gemm, ops  # noqa: PLC0415
+    from nvfp4_jax.dot_general import _gradient_key, pad_tokens  # noqa: PLC0415
+
+    m, sizes = 80, [5, 0, 37, 22]
+    x, _, dy = data(m, 64, 32, 4, 10)
+    key = jax.random.key(9) if key_kind == "key" else None
+    recipe = NVFP4Recipe(implementation="reference")
+    got = ragged_operands(x, dy, jnp.array(sizes, jnp.int32), key, recipe)
+    ref = functools.partial(
+        gemm.quantize_operand, backend="emulated", dtype=jnp.float32, implementation="reference"
+    )
+    start, offset = 0, 0
+    used = np.zeros(ragged_module.padded_rows(m, 4), bool)
+    for g, size in enumerate(sizes):
+        end, padded = start + size, -(-size // 16) * 16
+        x_g, dy_g = x[start:end], dy[start:end]
+        key_g = _gradient_key(dy_g) if key is None else jax.random.fold_in(key, g)
+        dgrad_key, wgrad_key = jax.random.split(key_g)
+        q_x_tokens = ops.quantize(pad_tokens(x_g), axis=0, rht=True, implementation="reference")
+        expected = {
+            "x": (lambda o: (o.data, o.decode))(ref(x_g, axis=-1)),
+            "dy": (lambda o: (o.data, o.decode))(
+                ref(dy_g, axis=-1, stochastic_rounding=True, key=dgrad_key)
+            ),
+            "x_tokens": (ops.block_values(q_x_tokens, jnp.float32), q_x_tokens.global_scale),
+            "dy_tokens": (lambda o: (o.data, o.decode))(
+                ref(pad_tokens(dy_g), axis=0, rht=True, stochastic_rounding=True, key=wgrad_key)
+            ),
+        }
+        for name, (values, decode) in expected.items():
+            actual, d = got[name]
+            if name.endswith("tokens"):
+                actual = actual[:, offset : offset + padded]
+            else:
+                actual = actual[start:end]
+            assert_same_bits(actual, values, f"{name} values of group {g}")
+            assert_same_bits(d[g], decode, f"{name} decode factor of group {g}")
+        used[offset : offset + padded] = True
+        start, offset = end, offset + padded
+    for name in ("x_tokens", "dy_tokens"):
+        assert not np.any(np.asarray(got[name][0])[:, ~used]), f"{name} outside the groups"
+    for name in ("x", "dy"):
+        assert not np.any(np.asarray(got[name][0])[start:]), f"{name} after the groups"
+
+
+# --- the grouped padded layout ---------------------------------------------------------------
+
+
+def test_grouped_padded_layout_is_the_documented_one():
+    # docs/NUMERICS.md section 12: Mp = ceil16(M + 15 G); group g at P_g = sum of the
+    # earlier groups' sizes rounded up to 16; position P_g + t holds row start_g + t.
+    m, sizes = 80, [5, 0, 37, 22]
+    assert ragged_module.padded_rows(m, 4) == 144
+    layout = ragged_module._groups(jnp.array(sizes, jnp.int32), m)
+    assert np.asarray(layout.padded_sizes).tolist() == [16, 0, 48, 32]
+    rows = np.full(144, m)
+    rows[0:5] = np.arange(0, 5)
+    rows[16:53] = np.arange(5, 42)
+    rows[64:86] = np.arange(42, 64)
+    np.testing.assert_array_equal(np.asarray(layout.pad_row), rows)
+    groups = np.full(144, 4)
+    groups[0:16], groups[16:64], groups[64:96] = 0, 2, 3
+    np.testing.assert_array_equal(np.asarray(layout.pad_group), groups)
+    np.testing.assert_array_equal(
+        np.asarray(layout.row_group), [0] * 5 + [2] * 37 + [3] * 22 + [4] * 16
+    )
+
+
+def test_forward_saves_quantized_residuals_not_inputs():
+    m, k, n, g = 64, 128, 32, 4
+    x, w, _ = data(m, k, n, g, 8)
+    gs = jnp.array([10, 20, 0, 30], jnp.int32)
+    _, pullback = jax.vjp(lambda a, b: ragged_dot(a, b, gs, key=jax.random.key(0)), x, w)
+    leaves = [leaf for leaf in jax.tree_util.tree_leaves(pullback) if hasattr(leaf, "dtype")]
+    arrays = [leaf for leaf in leaves if not jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key)]
+    big_float = [
+        (a.dtype, a.shape)
+        for a in arrays
+        if jnp.issubdtype(a.dtype, jnp.floating) and a.dtype.itemsize > 1 and a.size >= 256
+    ]
+    assert not big_float, f"high-precision residuals were saved: {big_float}"
+    assert sum(a.nbytes for a in arrays) < (x.nbytes + w.nbytes) / 5
+
+
+# --- against the unquantized ragged_dot ----------------------------------------------------
+
+
+def test_within_nvfp4_error_of_jax_ragged_dot():
+    m, k, n = 256, 128, 64
+    x, w, dy = (
+        jax.random.normal(jax.random.key(i), s) for i, s in enumerate([(m, k), (4, k, n), (m, n)])
+    )
+    gs = jnp.array([100, 0, 90, 50], jnp.int32)  # 16 rows after the groups
+    y, dx, dw = ragged_vjp(x, w, gs, dy, jax.random.key(6), NVFP4Recipe())
+    y_ref, pullback = jax.vjp(
+        lambda a, b: jax.lax.ragged_dot(a, b, gs, precision=jax.lax.Precision.HIGHEST), x, w
+    )
+    dx_ref, dw_ref = pullback(dy)
+    for what, actual, exact in (("y", y, y_ref), ("dx", dx, dx_ref), ("dW", dw, dw_ref)):
+        a, e = np.asarray(actual, np.float64), np.asarray(exact, np.float64)
+        if what != "dW":  # the 16 rows after the groups: zero in both
+            assert not np.any(a[240:]) and not np.any(e[240:]), f"{what}: rows after the groups"
+        for g in range(4) if what == "dW" else [None]:
+            ag, eg = (a, e) if g is None else (a[g], e[g])
+            if not np.any(eg):
+                assert not np.any(ag), f"{what}[{g}] should be zero"
+                continue
+            rel = np.linalg.norm(ag - eg) / np.linalg.norm(eg)
+            # The dense recipe's budget (tests/test_dot_general.py): about 0.15-0.18.
+            assert rel < 0.23, f"{what}[{g}]: relative error {rel:.4f}"
+
+
+# --- arguments ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "lhs_shape, rhs_shape, gs, lhs_dtype, error, message",
+    [
+        ((2, 32, 64), (2, 64, 32), [1, 1], "float32", ValueError, r"lhs must be 2-D"),
+        ((32, 64), (64, 32), [32], "float32", ValueError, r"rhs must be 3-D"),
+        ((32, 64), (2, 64, 32), [16, 16, 0], "float32", ValueError, r"group_sizes must have shape"),
+        ((32, 64), (2, 64, 32), [[16, 16]], "float32", ValueError, r"group_sizes must have shape"),
+        ((32, 64), (2, 64, 32), [16.0, 16.0], "float32", TypeError, r"group_sizes must be an int"),
+        ((32, 64), (2, 48, 32), [16, 16], "float32", ValueError, r"contracting sizes of lhs"),
+        ((32, 40), (2, 40, 32), [16, 16], "float32", ValueError, r"contracting \(K\).* got 40"),
+        ((32, 64), (2, 64, 40), [16, 16], "float32", ValueError, r"rhs free \(N\).* got 40"),
+        ((32, 64), (2, 64, 32), [16, 16], "int32", TypeError, r"lhs must be bfloat16"),
+    ],
+    ids=[
+        "lhs_3d",
+        "rhs_2d",
+        "group_sizes_length",
+        "group_sizes_2d",
+        "group_sizes_float",
+        "k_mismatch",
+        "k_not_16",
+        "n_not_16",
+        "int_lhs",
+    ],
+)
+def test_bad_arguments_raise_clear_errors(lhs_shape, rhs_shape, gs, lhs_dtype, error, message):
+    lhs = jnp.ones(lhs_shape, lhs_dtype)
+    rhs = jnp.ones(rhs_shape, jnp.float32)
+    with pytest.raises(error, match=message):
+        ragged_dot(lhs, rhs, jnp.asarray(gs))
+
+
+def test_bad_options_raise_clear_errors():
+    lhs, rhs, gs = jnp.ones((32, 32)), jnp.ones((2, 32, 16)), jnp.array([16, 16])
+    with pytest.raises(TypeError, match="rhs must be bfloat16"):
+        ragged_dot(lhs, rhs.astype(jnp.int8), gs)
+    with pytest.raises(TypeError, match="preferred_element_type must be a float"):
+        ragged_dot(lhs, rhs, gs, preferred_element_type=jnp.int32)
+    with pytest.raises(TypeError, match="recipe must be an NVFP4Recipe"):
+        ragged_dot(lhs, rhs, gs, recipe="default")
+    with pytest.raises(TypeError, match="group_sizes must be an integer array"):
+        ragged_dot(lhs, rhs, None)
+
+
+def test_signature_and_dtypes_follow_jax_ragged_dot():
+    assert nvfp4_jax.ragged_dot is ragged_dot
+    lhs, rhs = jnp.ones((48, 32), jnp.bfloat16), jnp.ones((3, 32, 16), jnp.bfloat16)
+    gs = jnp.array([8, 0, 24], jnp.int32)
+    for preferred in (None, jnp.float32):
+        y = ragged_dot(lhs, rhs, gs, None, preferred)
+        assert y.dtype == jax.lax.ragged_dot(lhs, rhs, gs, None, preferred).dtype
+        assert y.shape == (48, 16)
+    # All-ones data is exact in NVFP4: the products are exact.
+    np.testing.assert_array_equal(np.asarray(y[:32], np.float32), 32.0)
+    np.testing.assert_array_equal(np.asarray(y[32:], np.float32), 0.0)
+    # No groups at all: a zero result, as jax.lax.ragged_dot.
+    empty = ragged_dot(jnp.ones((16, 32)), jnp.ones((0, 32, 16)), jnp.zeros((0,), jnp.int32))
+    assert empty.shape == (16, 16) and not np.any(np.asarray(empty))
+    assert math.prod(empty.shape) == 256
