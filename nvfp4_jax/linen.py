@@ -8,11 +8,15 @@ frozen weight instead: weight-only, or W4A4 with `activations="nvfp4"` and the s
 `input_scale` parameter beside the kernel, as vLLM's emulation does (both operands
 dequantized, one matmul in the activations' dtype). Exclude the `NVFP4Array` leaves from the
 optimizer (e.g. `optax.set_to_zero` through `optax.multi_transform`) to fine-tune the rest.
+
+`Experts` is the linen twin of `nvfp4_jax.nnx.Experts`: the (G, in, out) kernel of a
+mixture-of-experts layer, each expert's GEMMs in NVFP4 (`recipe=None`: high precision).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Callable
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +25,7 @@ from flax import linen as nn
 from nvfp4_jax import ops
 from nvfp4_jax.array import NVFP4Array
 from nvfp4_jax.dot_general import dot_general
+from nvfp4_jax.ragged import group_amax, ragged_dot
 from nvfp4_jax.recipe import NVFP4Recipe
 
 
@@ -111,3 +116,79 @@ class Dense(nn.Dense):
         if bias is not None:
             y += jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,)).astype(y.dtype)
         return y
+
+
+class Experts(nn.Module):
+    """The linear maps of `num_experts` experts, a (G, in, out) `kernel` param, for MoE layers.
+
+    The twin of `nvfp4_jax.nnx.Experts`: `apply(params, x, group_sizes)` with tokens (M, in)
+    sorted by expert computes `nvfp4_jax.ragged_dot` (dropless); `apply(params, x)` with x of
+    shape (G, capacity, in) the batched `nvfp4_jax.dot_general` (dropping). Each expert's
+    GEMMs run in NVFP4 with its own tensor amaxes; with `recipe=None`, in high precision.
+
+    Attributes:
+      num_experts: G.
+      features: the output size.
+      recipe: the `NVFP4Recipe`, or None for high precision.
+      dtype: the computation dtype (default: the inputs').
+      param_dtype: the kernel's dtype.
+      kernel_init: initializes the (G, in, out) kernel.
+      precision: passed to the high-precision GEMMs.
+      rng_collection: the rng collection stochastic rounding draws its key from (without it,
+        the key derives from the incoming gradient's bits).
+      calibrate: record each expert's max |inputs| as `calibration/input_amax` (G,) (when that
+        collection is mutable).
+
+    Example:
+      >>> layer = Experts(num_experts=4, features=32)
+      >>> x, sizes = jnp.ones((10, 64)), jnp.array([3, 0, 5, 2])
+      >>> params = layer.init(jax.random.key(0), x, sizes)
+      >>> layer.apply(params, x, sizes).shape
+      (10, 32)
+    """
+
+    num_experts: int
+    features: int
+    recipe: NVFP4Recipe | None = NVFP4Recipe()
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+    kernel_init: Callable = nn.initializers.variance_scaling(
+        1.0, "fan_in", "truncated_normal", in_axis=-2, out_axis=-1, batch_axis=(0,)
+    )
+    precision: Any = None
+    rng_collection: str = "quantize"
+    calibrate: bool = False
+
+    @nn.compact
+    def __call__(self, inputs: jax.Array, group_sizes: jax.Array | None = None) -> jax.Array:
+        """Each expert's tokens times its matrix: (M, in) with `group_sizes`, or (G, C, in)."""
+        g, k = self.num_experts, jnp.shape(inputs)[-1]
+        if group_sizes is None and (inputs.ndim != 3 or inputs.shape[0] != g):
+            raise ValueError(
+                f"nvfp4_jax.linen.Experts: without group_sizes, inputs must be ({g}, capacity, "
+                f"in) (tokens dispatched per expert), got {inputs.shape}"
+            )
+        if group_sizes is not None and inputs.ndim != 2:
+            raise ValueError(
+                "nvfp4_jax.linen.Experts: with group_sizes, inputs must be (tokens, in) sorted "
+                f"by expert, got {inputs.shape}"
+            )
+        kernel = self.param("kernel", self.kernel_init, (g, k, self.features), self.param_dtype)
+        if self.calibrate:
+            amax = self.variable("calibration", "input_amax", jnp.zeros, (g,), jnp.float32)
+            if self.is_mutable_collection("calibration"):
+                seen = jax.lax.stop_gradient(group_amax(inputs, group_sizes, g))
+                amax.value = jnp.maximum(amax.value, seen)
+        dtype = self.dtype or jnp.result_type(inputs, kernel)
+        inputs, kernel = inputs.astype(dtype), kernel.astype(dtype)
+        if self.recipe is None:
+            if group_sizes is None:
+                return jnp.einsum("gck,gkn->gcn", inputs, kernel, precision=self.precision)
+            return jax.lax.ragged_dot(inputs, kernel, group_sizes, precision=self.precision)
+        key = None
+        if self.recipe.stochastic_rounding and self.has_rng(self.rng_collection):
+            key = self.make_rng(self.rng_collection)
+        if group_sizes is None:
+            dims = (((2,), (1,)), ((0,), (0,)))
+            return dot_general(inputs, kernel, dims, recipe=self.recipe, key=key)
+        return ragged_dot(inputs, kernel, group_sizes, recipe=self.recipe, key=key)

@@ -10,6 +10,12 @@
   serve as "W4A16_NVFP4") or W4A4 (activations quantized with the static input scale, what
   engines serve as "NVFP4"), computed as vLLM's emulation does: both operands dequantized,
   then one matmul in the activations' dtype.
+
+`Experts` holds the G weight matrices of a mixture-of-experts layer as one (G, in, out)
+kernel and multiplies each expert's tokens with its own matrix, in NVFP4 (each expert's weight
+and each expert's tokens their own tensors) or in high precision (`recipe=None`): dropless,
+with tokens sorted by expert and `group_sizes` (`nvfp4_jax.ragged_dot`), or dropping, with
+tokens dispatched into a (G, capacity, in) tensor (the batched `nvfp4_jax.dot_general`).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from flax import nnx
 from nvfp4_jax import formats, ops
 from nvfp4_jax.array import NVFP4Array, validate_nvfp4_array
 from nvfp4_jax.dot_general import constrain_output, dot_general
+from nvfp4_jax.ragged import group_amax, ragged_dot
 from nvfp4_jax.recipe import NVFP4Recipe
 
 Activations = Literal["high_precision", "nvfp4"]
@@ -199,8 +206,132 @@ class Linear(nnx.Linear):
         return y
 
 
+class Experts(nnx.Module):
+    """The linear maps of G experts, `(G, in, out)`, for mixture-of-experts layers.
+
+    Called with tokens sorted by expert and their `group_sizes` (dropless MoE), it computes
+    `nvfp4_jax.ragged_dot(inputs, kernel, group_sizes)`: the rows of group g times expert g's
+    matrix; rows past `sum(group_sizes)` give zeros. Called with `inputs` of shape
+    (G, capacity, in) (dropping MoE: tokens dispatched per expert), it computes the batched
+    `nvfp4_jax.dot_general`. Either way, with a recipe, each expert's GEMMs (forward, data
+    gradient, weight gradient) run in NVFP4 with its own tensor amaxes, as a `Linear` per
+    expert would; with `recipe=None` they run in high precision (`jax.lax.ragged_dot`,
+    `jnp.einsum`), which is what a rule keeping the experts in bf16 gives.
+
+    Args:
+      num_experts: G.
+      in_features: the input size (a multiple of 16 for NVFP4).
+      out_features: the output size (a multiple of 16 for NVFP4).
+      recipe: the `NVFP4Recipe`, or None for high precision.
+      dtype: the computation dtype (default: the inputs').
+      param_dtype: the kernel's dtype.
+      kernel_init: initializes the (G, in, out) kernel (default: each expert's matrix as
+        `nnx.Linear`'s default initializer would).
+      rng_collection: the rng stream stochastic rounding draws a fresh key from per call.
+      rngs: the `nnx.Rngs`.
+
+    Attributes:
+      input_amax: `InputAmax` of shape (G,): the running max of each expert's |inputs| while
+        calibrating (see `calibrate`).
+
+    Example:
+      >>> experts = Experts(4, 64, 32, rngs=nnx.Rngs(0))
+      >>> x = jnp.ones((10, 64))
+      >>> experts(x, jnp.array([3, 0, 5, 2])).shape
+      (10, 32)
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        in_features: int,
+        out_features: int,
+        *,
+        recipe: NVFP4Recipe | None = NVFP4Recipe(),
+        dtype=None,
+        param_dtype=jnp.float32,
+        kernel_init=None,
+        precision=None,
+        rng_collection: str = "quantize",
+        rngs: nnx.Rngs,
+    ):
+        for name, value in (
+            ("num_experts", num_experts),
+            ("in_features", in_features),
+            ("out_features", out_features),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(
+                    f"nvfp4_jax.nnx.Experts: {name} must be a positive int, got {value!r}"
+                )
+        if recipe is not None and not isinstance(recipe, NVFP4Recipe):
+            raise TypeError(
+                f"nvfp4_jax.nnx.Experts: recipe must be an NVFP4Recipe or None, got {recipe!r}"
+            )
+        shape = (num_experts, in_features, out_features)
+        if kernel_init is None:
+            kernel_init = nnx.initializers.variance_scaling(
+                1.0, "fan_in", "truncated_normal", in_axis=-2, out_axis=-1, batch_axis=(0,)
+            )
+        self.kernel = nnx.Param(kernel_init(rngs.params(), shape, param_dtype))
+        self.num_experts, self.in_features, self.out_features = shape
+        self.dtype, self.precision = dtype, precision
+        self.rng_collection = rng_collection
+        self.recipe = recipe
+        self.quantize_rngs = nnx.data(None)
+        self.set_recipe(recipe, rngs)
+        self.input_amax = InputAmax(jnp.zeros((num_experts,), jnp.float32))
+        self.calibrating = False
+
+    def set_recipe(self, recipe: NVFP4Recipe | None, rngs: nnx.Rngs | None = None) -> None:
+        """Computes with `recipe` from now on (None: high precision); the kernel stays.
+
+        A recipe with stochastic rounding needs an rng stream: forked from `rngs` (its
+        `rng_collection` stream, else its default), or the layer's own if it has one.
+        """
+        if recipe is not None and recipe.stochastic_rounding and self.quantize_rngs is None:
+            if rngs is None:
+                raise ValueError(
+                    "nvfp4_jax.nnx.Experts: a stochastic-rounding recipe needs rngs to draw "
+                    "its keys from"
+                )
+            self.quantize_rngs = rngs[self.rng_collection].fork()
+        self.recipe = recipe
+
+    def _record(self, inputs: jax.Array, group_sizes: jax.Array | None) -> None:
+        seen = group_amax(inputs, group_sizes, self.num_experts)
+        self.input_amax[...] = jnp.maximum(self.input_amax[...], jax.lax.stop_gradient(seen))
+
+    def __call__(self, inputs: jax.Array, group_sizes: jax.Array | None = None) -> jax.Array:
+        """Each expert's tokens times its matrix: (M, in) with `group_sizes`, or (G, C, in)."""
+        g, k = self.num_experts, self.in_features
+        if group_sizes is None and (inputs.ndim != 3 or inputs.shape[::2] != (g, k)):
+            raise ValueError(
+                f"nvfp4_jax.nnx.Experts: without group_sizes, inputs must be ({g}, capacity, "
+                f"{k}) (tokens dispatched per expert), got {inputs.shape}"
+            )
+        if group_sizes is not None and (inputs.ndim != 2 or inputs.shape[1] != k):
+            raise ValueError(
+                f"nvfp4_jax.nnx.Experts: with group_sizes, inputs must be (tokens, {k}) sorted "
+                f"by expert, got {inputs.shape}"
+            )
+        if self.calibrating:
+            self._record(inputs, group_sizes)
+        dtype = self.dtype or jnp.result_type(inputs, self.kernel[...])
+        inputs, kernel = inputs.astype(dtype), self.kernel[...].astype(dtype)
+        if self.recipe is None:
+            if group_sizes is None:
+                return jnp.einsum("gck,gkn->gcn", inputs, kernel, precision=self.precision)
+            return jax.lax.ragged_dot(inputs, kernel, group_sizes, precision=self.precision)
+        key = self.quantize_rngs() if self.quantize_rngs is not None else None
+        if group_sizes is None:
+            dims = (((2,), (1,)), ((0,), (0,)))
+            return dot_general(inputs, kernel, dims, recipe=self.recipe, key=key)
+        return ragged_dot(inputs, kernel, group_sizes, recipe=self.recipe, key=key)
+
+
 def calibrate(model: nnx.Module, enabled: bool = True) -> int:
-    """Turns recording of `input_amax` on (or off) in every `Linear` of `model`.
+    """Turns recording of `input_amax` on (or off) in every `Linear` and `Experts` of `model`.
 
     Run a few representative batches through the model with it on, then turn it off; the
     recorded amaxes are what a W4A4 export writes as `input_scale`.
@@ -211,7 +342,7 @@ def calibrate(model: nnx.Module, enabled: bool = True) -> int:
     enabled = formats.check_flag(enabled, "calibrate", "enabled")
     count = 0
     for _, module in nnx.iter_graph(model):
-        if isinstance(module, Linear):
+        if isinstance(module, (Linear, Experts)):
             module.calibrating = enabled
             count += 1
     return count

@@ -136,6 +136,21 @@ def _group_amax(xs: jax.Array, ids: jax.Array, groups: int, axis: int) -> jax.Ar
     return jnp.where(bad | (amax == jnp.inf), _F32(jnp.nan), amax)
 
 
+def group_amax(x: jax.Array, group_sizes: jax.Array | None, num_groups: int) -> jax.Array:
+    """Each group's tensor amax (G,) f32: `max |x|` over its rows, 0 if empty, NaN if not finite.
+
+    `x` is (M, K) with rows sorted by group and `group_sizes` (G,) (rows past the groups belong
+    to none), or (G, C, K) with `group_sizes` None (a dropping MoE's dispatched tokens). What an
+    MoE layer records while calibrating (`Experts.input_amax`), per expert.
+    """
+    if group_sizes is None:
+        flat = x.reshape(num_groups, -1).astype(_F32)
+        ids = jnp.arange(num_groups, dtype=_I32)
+        return _group_amax(flat, ids, num_groups, axis=0)
+    rows = _groups(jnp.asarray(group_sizes), x.shape[0]).row_group
+    return _group_amax(x.astype(_F32), rows, num_groups, axis=0)
+
+
 # --- the block math with a per-row or per-block tensor amax ----------------------------------
 
 
@@ -511,4 +526,4 @@ def ragged_dot(
     return _ragged_matmul(lhs, rhs, group_sizes, key, recipe, out_dtype)
 
 
-__all__ = ["padded_rows", "ragged_dot"]
+__all__ = ["group_amax", "padded_rows", "ragged_dot"]
