@@ -52,15 +52,17 @@ from rich.console import Console
 from rich.table import Table
 
 from nvfp4_jax import formats, ops, reference
+from nvfp4_jax import nnx as nvfp4_nnx
 from nvfp4_jax.dot_general import dot_general, pad_tokens
 from nvfp4_jax.recipe import NVFP4Recipe
 from nvfp4_jax.rules import (
     Rule,
     check_rules,
+    experts_problem,
     layer_paths,
     layer_recipe,
+    layer_stack,
     linear_problem,
-    linear_stack,
     match_layer,
     named_layers,
     recipe_from_dict,
@@ -367,6 +369,8 @@ def _classify(paths: tuple[str, ...], layer: nnx.Module, rules, targets: _Target
         return
     if isinstance(layer, nnx.Linear):
         problem = linear_problem(layer)
+    elif isinstance(layer, nvfp4_nnx.Experts):
+        problem = experts_problem(layer)
     else:  # an nnx.Einsum: quantize_model applies the rules to it, this pass cannot analyze it
         problem = "an nnx.Einsum layer: only nnx.Linear layers are analyzed"
     if problem:
@@ -406,12 +410,15 @@ class _Tap(nnx.Module):
     appends its x rows (flattened to (M, K)) at `rows`, and adds the matching rows of the
     zero probe to the layer's output, whose gradient is dy. A stacked layer (kernel
     `(*stack, K, N)`, see `linear_stack`) gets stacked records: each step of a scan over its
-    layer axis writes its own slice. Without buffers (the first pass), the tap only counts
-    the rows.
+    layer axis writes its own slice. An `Experts` layer gets one record per expert (an
+    extra last stack axis G): each expert's tokens go to its own rows. Without buffers (the
+    first pass), the tap only counts the rows.
     """
 
-    def __init__(self, layer: nnx.Linear, path: str, dtypes: _Dtypes, rows: int | None):
-        stack = linear_stack(layer)
+    def __init__(self, layer, path: str, dtypes: _Dtypes, rows: int | None):
+        stack = layer_stack(layer)
+        if isinstance(layer, nvfp4_nnx.Experts):
+            stack = (*stack, layer.num_experts)
         k, n = layer.in_features, layer.out_features
         self.layer, self.path, self.dtypes = layer, path, dtypes
         self.rows = _Seen(jnp.zeros(stack, jnp.int32))
@@ -423,6 +430,8 @@ class _Tap(nnx.Module):
             self.probe = _Probe(jnp.zeros((*stack, rows, n), _F32))
 
     def __call__(self, inputs, *args, **kwargs):
+        if isinstance(self.layer, nvfp4_nnx.Experts):
+            return self._experts(inputs, *args, **kwargs)
         layer = self.layer
         y = layer(inputs, *args, **kwargs)
         x, w, _ = layer.promote_dtype((inputs, layer.kernel[...], None), dtype=layer.dtype)
@@ -436,6 +445,34 @@ class _Tap(nnx.Module):
         self.x[...] = jax.lax.dynamic_update_slice(self.x[...], x.astype(_F32), corner)
         self.w[...] = w.astype(_F32)
         probe = jax.lax.dynamic_slice(self.probe[...], corner, (x.shape[0], y.shape[-1]))
+        return y + probe.reshape(y.shape).astype(y.dtype)
+
+    def _experts(self, inputs, group_sizes=None):
+        """The tap of an `Experts` layer: each row to its expert's records, at its rows."""
+        layer, g = self.layer, self.layer.num_experts
+        y = layer(inputs, group_sizes)
+        dtype = layer.dtype or jnp.result_type(inputs, layer.kernel[...])
+        x, w = inputs.astype(dtype), layer.kernel[...].astype(dtype)
+        self.dtypes.of[self.path] = (x.dtype, y.dtype)
+        if group_sizes is None:  # dispatched: (G, C, K), expert e's rows are x[e]
+            c = x.shape[1]
+            expert, position = jnp.repeat(jnp.arange(g), c), jnp.tile(jnp.arange(c), g)
+            sizes = jnp.full((g,), c, jnp.int32)
+        else:  # sorted by expert; rows past sum(group_sizes) belong to none (expert g)
+            sizes = jnp.asarray(group_sizes, jnp.int32)
+            ends = jnp.cumsum(sizes)
+            rows = jnp.arange(x.shape[0], dtype=jnp.int32)
+            expert = jnp.searchsorted(ends, rows, side="right")
+            position = rows - (ends - sizes)[jnp.minimum(expert, g - 1)]
+        x = x.reshape(-1, layer.in_features)
+        start = self.rows[...]
+        self.rows[...] = start + sizes
+        if self.probe is None:
+            return y
+        row = start[jnp.minimum(expert, g - 1)] + position
+        self.x[...] = self.x[...].at[expert, row].set(x.astype(_F32), mode="drop")
+        self.w[...] = w.astype(_F32)
+        probe = self.probe[...].at[expert, row].get(mode="fill", fill_value=0)
         return y + probe.reshape(y.shape).astype(y.dtype)
 
 
@@ -767,7 +804,9 @@ def inspect_model(
     skipped. A layer held at several paths is analyzed once, at its first path (its paths'
     rules must agree, see `match_layer`). A stacked layer (kernel `(L, K, N)` run under
     `nnx.scan`) is reported per slice, `path[i]` with `module_path` the layer's path: each
-    slice is its own GEMM with its own amax.
+    slice is its own GEMM with its own amax. An `nvfp4_jax.nnx.Experts` layer (an MoE
+    block's (G, K, N) experts) is reported per expert the same way, `path[e]` (`path[i,e]`
+    when stacked): expert e's tokens, weight and output gradient, its own GEMMs.
     Memory: the pass keeps x, W and dy of every analyzed layer at once (one batch).
 
     Args:

@@ -12,9 +12,14 @@ wins and a layer no rule matches stays as it is.
 * linen: `quantize_linen(rules)` (a context manager) or `quantized(fn, rules)` intercept
   every `nn.Dense`, `nn.DenseGeneral` and `nn.Einsum` call whose path matches a rule and
   compute it with `nvfp4_dot_general(recipe)`; the parameters are Flax's own.
+* Mixture-of-experts layers (`nvfp4_jax.nnx.Experts`, `nvfp4_jax.linen.Experts`: a
+  (G, K, N) kernel) are matched by their path like a linear and take the rule's recipe (None:
+  high precision), each expert's GEMMs with its own tensor amaxes.
 * `default_rules(num_layers)` is the NVIDIA NVFP4 paper's policy scaled to a model: the
   embeddings, the output head and the first and last blocks in high precision (the paper
-  keeps the first 2 and last 8 of 62 blocks of its 12B model), everything else in NVFP4.
+  keeps the first 2 and last 8 of 62 blocks of its 12B model), everything else in NVFP4;
+  an MoE router (a module named `gate` or `router`) stays in high precision, as engines
+  serve it.
 
 Example:
   >>> from flax import nnx
@@ -62,6 +67,9 @@ DEFAULT_RNG_COLLECTION = "quantize"
 LAYER_PATTERN = r"(?:^|/)layers[/_](\d+)(?:/|$)"
 # The layers the paper keeps in high precision besides blocks: embeddings and output head.
 EMBED_AND_HEAD = r"(?:^|/)(?:\w*embed\w*|lm_head|head)(?:/|$)"
+# A mixture-of-experts router (Mixtral's and Qwen3-MoE's `gate`, gpt-oss' `router`): a whole
+# path component, so `gate_proj` is not one. Engines compute it in high precision.
+ROUTER = r"(?:^|/)(?:gate|router)(?:/|$)"
 
 
 # --- rules --------------------------------------------------------------------------------------
@@ -210,7 +218,7 @@ def default_rules(
     last: int = 1,
     recipe: NVFP4Recipe = NVFP4Recipe(),
     layer_pattern: str = LAYER_PATTERN,
-    keep: Sequence[str] = (EMBED_AND_HEAD,),
+    keep: Sequence[str] = (EMBED_AND_HEAD, ROUTER),
 ) -> list[Rule]:
     r"""The NVFP4 paper's policy: embeddings, head, first and last blocks high precision.
 
@@ -226,7 +234,8 @@ def default_rules(
       layer_pattern: a regular expression with one group `(\d+)` capturing the block index
         (nnx `layers/3/`, linen `layers_3/` by default).
       keep: more patterns kept in high precision (default: embeddings and output head,
-        `*embed*`, `lm_head` or `head` as a whole path component).
+        `*embed*`, `lm_head` or `head` as a whole path component, and a mixture-of-experts
+        router, `gate` or `router` as a whole path component; `ROUTER`).
 
     Returns:
       `keep` rules, a rule for the first and last blocks, then a catch-all NVFP4 rule.
@@ -533,6 +542,10 @@ def _is_nvfp4_linear(layer) -> bool:
     return isinstance(layer, nvfp4_nnx.Linear)
 
 
+# The nnx layers rules decide: linears, einsums and mixture-of-experts layers.
+NNX_LAYERS = (nnx.Linear, nnx.Einsum, nvfp4_nnx.Experts)
+
+
 def _dot_general_recipe(fn) -> NVFP4Recipe | None:
     """The recipe of a `nvfp4_dot_general(recipe)` function, None for any other function."""
     recipe = getattr(fn, "nvfp4_recipe", None)
@@ -544,7 +557,8 @@ def layer_recipe(layer) -> NVFP4Recipe | None:
 
     An `nvfp4_jax.nnx.Linear` computes with its `recipe`, an `nnx.Linear` built with
     `dot_general=nvfp4_dot_general(recipe)` with that recipe, an `nnx.Einsum` with
-    `einsum_op=NVFP4Einsum(recipe)` with that one; any other layer in high precision.
+    `einsum_op=NVFP4Einsum(recipe)` with that one, an `nvfp4_jax.nnx.Experts` with its
+    `recipe`; any other layer in high precision.
 
     Example:
       >>> layer = nnx.Linear(32, 16, dot_general=nvfp4_dot_general(), rngs=nnx.Rngs(0))
@@ -557,6 +571,8 @@ def layer_recipe(layer) -> NVFP4Recipe | None:
         return _dot_general_recipe(layer.dot_general)
     if isinstance(layer, nnx.Einsum) and isinstance(layer.einsum_op, NVFP4Einsum):
         return layer.einsum_op.recipe
+    if isinstance(layer, nvfp4_nnx.Experts):
+        return layer.recipe
     return None
 
 
@@ -602,6 +618,45 @@ def linear_stack(layer: nnx.Linear) -> tuple[int, ...] | None:
     if len(shape) < 2 or shape[-2:] != (layer.in_features, layer.out_features):
         return None
     return shape[:-2]
+
+
+def experts_stack(layer: nvfp4_nnx.Experts) -> tuple[int, ...] | None:
+    """The leading layer axes of an `Experts` kernel `(*stack, G, K, N)`: `()` for (G, K, N).
+
+    None when the kernel's last three axes are not `(num_experts, in_features, out_features)`.
+    """
+    shape = tuple(layer.kernel.shape)
+    if len(shape) < 3 or shape[-3:] != (layer.num_experts, layer.in_features, layer.out_features):
+        return None
+    return shape[:-3]
+
+
+def experts_problem(layer: nvfp4_nnx.Experts) -> str:
+    """Why an `nvfp4_jax.nnx.Experts` layer cannot compute in NVFP4 ("" if it can).
+
+    Each expert's (K, N) matrix is one GEMM's weight: K and N must be multiples of 16.
+
+    Example:
+      >>> experts_problem(nvfp4_nnx.Experts(4, 24, 16, recipe=None, rngs=nnx.Rngs(0)))
+      'in_features=24 and out_features=16 must be multiples of 16'
+    """
+    if type(layer) is not nvfp4_nnx.Experts:
+        return f"a subclass of Experts ({type(layer).__name__}) computes its own way"
+    if experts_stack(layer) is None:
+        return (
+            f"its kernel {tuple(layer.kernel.shape)} is not a stack of ({layer.num_experts}, "
+            f"{layer.in_features}, {layer.out_features}) expert matrices"
+        )
+    return weight_problem(tuple(layer.kernel.shape)[-2:])
+
+
+def layer_stack(layer) -> tuple[int, ...]:
+    """The leading layer axes of a stacked layer's kernel (`()` for a plain one)."""
+    if isinstance(layer, nnx.Linear):
+        return linear_stack(layer) or ()
+    if isinstance(layer, nvfp4_nnx.Experts):
+        return experts_stack(layer) or ()
+    return ()
 
 
 def _linear_shape_problem(layer: nnx.Linear) -> str:
@@ -687,6 +742,18 @@ def _to_high_precision(layer: nnx.Linear) -> nnx.Linear:
     return _adopt(new, layer)
 
 
+def _set_experts_recipe(
+    layer: nvfp4_nnx.Experts, recipe: NVFP4Recipe | None, rngs: nnx.Rngs, stream: str
+) -> None:
+    """Points an `Experts` layer (in place) at `recipe`, with a stacked SR stream if stacked."""
+    if layer.recipe == recipe:
+        return
+    if recipe is not None and recipe.stochastic_rounding and layer.quantize_rngs is None:
+        stack = experts_stack(layer) or ()
+        layer.quantize_rngs = rngs[stream].split(stack) if stack else rngs[stream].fork()
+    layer.set_recipe(recipe)
+
+
 def _einsum_problem(layer: nnx.Einsum) -> str:
     if type(layer) is not nnx.Einsum:
         return f"a subclass of nnx.Einsum ({type(layer).__name__}) computes its own way"
@@ -704,7 +771,7 @@ def _path_str(path: tuple) -> str:
 
 
 def layer_paths(model: nnx.Module) -> dict[str, tuple[nnx.Module, tuple[str, ...]]]:
-    """Maps first path -> (layer, all its paths) for every `nnx.Linear` and `nnx.Einsum`.
+    """Maps first path -> (layer, all its paths) for every linear, einsum and `Experts` layer.
 
     A layer held at several paths (a head tied to another projection: `model.head =
     model.embed_proj`) is listed once, under the first of its paths in path order; the
@@ -721,7 +788,7 @@ def layer_paths(model: nnx.Module) -> dict[str, tuple[nnx.Module, tuple[str, ...
     found: dict[int, tuple[Any, list[str]]] = {}
 
     def visit(node, path: tuple, ancestors: frozenset) -> None:
-        if isinstance(node, (nnx.Linear, nnx.Einsum)):
+        if isinstance(node, NNX_LAYERS):
             found.setdefault(id(node), (node, []))[1].append(_path_str(path))
         impl = nnx.graphlib.get_node_impl(node)
         if impl is None or id(node) in ancestors:  # a leaf, or a reference back up
@@ -740,7 +807,7 @@ def layer_paths(model: nnx.Module) -> dict[str, tuple[nnx.Module, tuple[str, ...
 
 
 def named_layers(model: nnx.Module) -> dict[str, nnx.Module]:
-    """Maps path -> layer for every `nnx.Linear` and `nnx.Einsum` of `model`, in path order.
+    """Maps path -> layer for every `nnx.Linear`, `nnx.Einsum` and `Experts`, in path order.
 
     Paths are "/"-joined (`layers/3/mlp/down_proj`) and sorted with block indices in number
     order; a layer held at several paths is listed once, at its first (`layer_paths` gives
@@ -758,7 +825,7 @@ def _holders(model: nnx.Module, targets: dict[int, Any]) -> dict[int, list[tuple
     holders: dict[int, list] = {ident: [] for ident in targets}
     for _, node in nnx.iter_graph(model):
         impl = nnx.graphlib.get_node_impl(node)
-        if impl is None or isinstance(node, (nnx.Linear, nnx.Einsum)):
+        if impl is None or isinstance(node, NNX_LAYERS):
             continue
         for key, child in impl.node_dict(node).items():
             if id(child) in holders and child is targets[id(child)]:
@@ -813,6 +880,12 @@ def _check_rngs(rngs, stream: str) -> nnx.Rngs:
 
 def _convert(layer, rule: Rule, rngs: nnx.Rngs, stream: str):
     """(new layer, action, reason) for a layer a rule matched."""
+    if isinstance(layer, nvfp4_nnx.Experts):
+        problem = experts_problem(layer) if rule.recipe is not None else ""
+        if problem:
+            return layer, "skipped", problem
+        _set_experts_recipe(layer, rule.recipe, rngs, stream)
+        return layer, "nvfp4" if rule.recipe is not None else "high_precision", ""
     if isinstance(layer, nnx.Einsum):
         if rule.recipe is None:
             if isinstance(layer.einsum_op, NVFP4Einsum):
@@ -852,7 +925,9 @@ def quantize_model(
     plain dense one (`einsum_plan`) gets `einsum_op=NVFP4Einsum(recipe)`. A layer whose sizes
     are not multiples of 16, an einsum with batch dimensions or sums, and a frozen quantized
     layer (`Linear.from_quantized`) stay as they are, reported "skipped" with the reason. A
-    layer no rule matches is left alone.
+    layer no rule matches is left alone. An `nvfp4_jax.nnx.Experts` layer (the (G, K, N)
+    experts of an MoE block) stays the same object and takes the rule's recipe
+    (`Experts.set_recipe`; None: high precision); its sizes K and N must be multiples of 16.
 
     A layer held at several paths (a tied head) is decided by the rules its paths match
     (`match_layer`: they must agree, else ValueError), replaced at all of them, and reported
@@ -897,7 +972,7 @@ def quantize_model(
     pending = []
     for path, (layer, paths) in layers.items():
         kind = type(layer).__name__
-        stack = (linear_stack(layer) or ()) if isinstance(layer, nnx.Linear) else ()
+        stack = layer_stack(layer)
         notes = dict(aliases=paths[1:], stack=stack)
         if found[path] is None:
             report._record(path, kind, "unmatched", None, **notes)
@@ -924,7 +999,7 @@ def quantize_model(
 
 # --- linen -------------------------------------------------------------------------------------
 
-_LINEN_LAYERS = (nn.Dense, nn.DenseGeneral, nn.Einsum)
+_LINEN_LAYERS = (nn.Dense, nn.DenseGeneral, nn.Einsum, nvfp4_linen.Experts)
 _LINEN_KNOWN = (*_LINEN_LAYERS, nvfp4_linen.Dense)
 
 
@@ -937,9 +1012,11 @@ def _first_arg(args: tuple, kwargs: dict, name: str):
 
 
 def _linen_problem(module: nn.Module, args: tuple, kwargs: dict) -> str:
-    """Why a Dense/DenseGeneral call cannot run in NVFP4 ("" if it can)."""
+    """Why a Dense/DenseGeneral/Experts call cannot run in NVFP4 ("" if it can)."""
     inputs = _first_arg(args, kwargs, "inputs")
-    if isinstance(module, nn.DenseGeneral):
+    if isinstance(module, nvfp4_linen.Experts):
+        k, n = jnp.shape(inputs)[-1], module.features
+    elif isinstance(module, nn.DenseGeneral):
         if _as_tuple(module.batch_dims):
             return f"batch_dims={module.batch_dims} (a batched contraction)"
         k = math.prod(jnp.shape(inputs)[a] for a in _as_tuple(module.axis))
@@ -1014,6 +1091,9 @@ class _Interceptor:
         found = match_rule(self.rules, path)
         action, reason = _linen_decision(module, found, args, kwargs)
         self.report._record(path, type(module).__name__, action, found, reason)
+        if action == "high_precision" and isinstance(module, nvfp4_linen.Experts):
+            with _fields(module, recipe=None):
+                return next_fun(*args, **kwargs)
         if action == "high_precision" and _dot_general_recipe(getattr(module, "dot_general", None)):
             # A layer built with `dot_general=nvfp4_dot_general()`: back to `lax.dot_general`.
             with _fields(module, dot_general=None):
@@ -1023,7 +1103,7 @@ class _Interceptor:
         return self._nvfp4(module, found[1].recipe, args, kwargs, next_fun)
 
     def _nvfp4(self, module, recipe: NVFP4Recipe, args, kwargs, next_fun) -> Any:
-        if isinstance(module, nvfp4_linen.Dense):
+        if isinstance(module, (nvfp4_linen.Dense, nvfp4_linen.Experts)):
             with _fields(module, recipe=recipe, rng_collection=self.stream):
                 return next_fun(*args, **kwargs)
         key = _linen_key(module, recipe, self.stream)
@@ -1064,7 +1144,8 @@ def quantize_linen(
     so `init` and `apply` see the same tree as without the rules. Stochastic rounding draws
     from the `rng_collection` rngs when `apply` is given them (`rngs={"quantize": key}`),
     else from a key derived from the incoming gradient. An `nvfp4_jax.linen.Dense` a rule
-    matches takes the rule's recipe. A layer built with `dot_general=nvfp4_dot_general()`
+    matches takes the rule's recipe, and so does an `nvfp4_jax.linen.Experts` (None: high
+    precision). A layer built with `dot_general=nvfp4_dot_general()`
     that a rule with recipe None matches computes with `jax.lax.dot_general` (high
     precision, as reported); one a rule with a recipe matches, with that recipe.
 
