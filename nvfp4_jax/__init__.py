@@ -32,7 +32,12 @@ from nvfp4_jax.distributed import quantize_master_weights
 from nvfp4_jax.dot_general import dot_general, nvfp4_dot_general
 from nvfp4_jax.formats import BLOCK_SIZE, E4M3_MAX, FP4_MAX
 from nvfp4_jax.gemm import from_scaled_matmul_operands, scaled_matmul, to_scaled_matmul_operands
-from nvfp4_jax.hf import export_hf_checkpoint, load_hf_checkpoint
+from nvfp4_jax.hf import (
+    export_hf_checkpoint,
+    load_hf_checkpoint,
+    mixtral_name_map,
+    qwen3_moe_name_map,
+)
 from nvfp4_jax.layout import (
     GEMM_ALIGNMENT,
     packed_shape,
@@ -96,6 +101,7 @@ __all__ = [
     "layout",
     "linen",
     "load_hf_checkpoint",
+    "mixtral_name_map",
     "ModelReport",
     "nnx",
     "nvfp4_dot_general",
@@ -110,6 +116,7 @@ __all__ = [
     "quantize_model",
     "quantized",
     "QuantizeReport",
+    "qwen3_moe_name_map",
     "ragged_dot",
     "reference",
     "restore_checkpoint",

@@ -18,7 +18,9 @@ and decodes as `e2m1[code] * (f32(weight_scale) * weight_scale_2)`. Every other 
 its HF name and is stored in the model dtype; excluded linears (`lm_head` by default) as a
 float `<m>.weight` (out, in).
 
-Flax names differ from HF's (a `NameMap` translates both ways, see `names`). Flax's (in, out)
+Flax names differ from HF's (a `NameMap` translates both ways, see `names`). A
+mixture-of-experts layer's E experts, one stacked (E, in, out) kernel in Flax, are E linears
+`...experts.{e}.<proj>` in the checkpoint (docs/SERVING_FORMATS.md section 5). Flax's (in, out)
 kernel quantized along `in` (`quantize(w, axis=0)`) is stored as (out, in): its `codes` and
 `scales` are the HF `.weight` and `.weight_scale` bytes, and `q.global_scale` is
 `.weight_scale_2`. An imported weight is that array back, carrying the file's
@@ -28,8 +30,9 @@ kernel quantized along `in` (`quantize(w, axis=0)`) is stored as (out, in): its 
 The package, each module importing only the ones listed above it:
 
 * `common`: the format's file names and constants; strict JSON reading, durable writing.
-* `names`: `NameRule`, `NameMap`, `llama_name_map` (Flax paths <-> HF tensor names), the
-  default excluded modules and fused groups.
+* `names`: `NameRule`, `NameMap`, `llama_name_map`, `qwen3_moe_name_map`,
+  `mixtral_name_map` (Flax paths <-> HF tensor names), the default excluded modules and
+  fused groups.
 * `st_io`: safetensors files, read with every header number checked and written tensor by
   tensor (`read_safetensors`).
 * `export`: `export_hf_checkpoint` and its `ExportReport`.
@@ -55,6 +58,8 @@ from nvfp4_jax.hf.names import (
     NameMap,
     NameRule,
     llama_name_map,
+    mixtral_name_map,
+    qwen3_moe_name_map,
 )
 from nvfp4_jax.hf.names import KINDS as KINDS
 from nvfp4_jax.hf.st_io import read_safetensors
@@ -69,5 +74,7 @@ __all__ = [
     "export_hf_checkpoint",
     "llama_name_map",
     "load_hf_checkpoint",
+    "mixtral_name_map",
+    "qwen3_moe_name_map",
     "read_safetensors",
 ]

@@ -1,9 +1,10 @@
 """Export: a Flax model as a ModelOpt NVFP4 Hugging Face checkpoint (`export_hf_checkpoint`).
 
-The leaves are sorted and mapped to HF names, each linear's precision decided (`exclude=`, the
-layers the model computed in NVFP4, `rules=`) and checked with its fused group, the scales
-computed, and the tensors converted, quantized and written one module at a time into a
-temporary directory, moved into place when complete.
+The leaves are sorted and mapped to HF names (a stacked (E, in, out) experts kernel to E
+linears, one per expert), each linear's precision decided (`exclude=`, the layers the model
+computed in NVFP4, `rules=`) and checked with its fused group and its mixture-of-experts
+block, the scales computed, and the tensors converted, quantized and written one module (one
+expert) at a time into a temporary directory, moved into place when complete.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from nvfp4_jax.hf.names import (
     NameMap,
     _as_name_map,
     _engine_ignores,
+    _expert_block,
     _group_of,
 )
 from nvfp4_jax.hf.st_io import _ST_NAMES, _is_float, _Unit, _write_safetensors
@@ -71,13 +73,16 @@ class ExportReport:
       total_size: bytes of tensor data in them.
       skipped: Flax paths of leaves that are not weights (rng state, `skip=` matches).
       followed: where the precision of each linear came from: "rules" (`rules=`), "model"
-        (the layers of an nnx model or state: `nvfp4_jax.nnx.Linear`s in NVFP4, others in
-        high precision) or "" (none: every linear not excluded is quantized).
+        (the layers of an nnx model or state: `nvfp4_jax.nnx.Linear`s and
+        `nvfp4_jax.nnx.Experts` with a recipe in NVFP4, others in high precision) or ""
+        (none: every linear not excluded is quantized).
       trained_high_precision: HF names of the linears kept in high precision because the
-        model computed them so (a plain `nnx.Linear`, a rule with recipe None).
+        model computed them so (a plain `nnx.Linear`, an `Experts` with recipe None, a rule
+        with recipe None); for experts, one name per expert.
       group_high_precision: HF names of linears the model computed in NVFP4 but written in
-        high precision because another member of their fused group (q/k/v, gate/up) was
-        trained in high precision: engines load a fused group all quantized or all not.
+        high precision because another member of their fused group (q/k/v, gate/up) or of
+        their mixture-of-experts block (gate, up, down of all experts) was trained in high
+        precision: engines load a fused group, and an MoE block, all quantized or all not.
     """
 
     directory: str
@@ -157,7 +162,13 @@ def _sort_leaf(leaves: _Leaves, path, where, value, is_weight, skip) -> None:
 
 @dataclasses.dataclass
 class _Tensor:
-    """A weight leaf and where it goes: Flax path, HF name, kind, and for linears the module."""
+    """A weight leaf and where it goes: Flax path, HF name, kind, and for linears the module.
+
+    A stacked experts kernel (E, in, out) becomes E `_Tensor`s of kind "experts", one per
+    expert: the same `path` and `value` (the whole stack, sliced when used: `kernel`), its
+    own `hf` name and `expert` index, and `block`, the HF module of the MoE layer's experts
+    (e.g. "model.layers.0.mlp.experts").
+    """
 
     path: str
     where: str
@@ -167,8 +178,10 @@ class _Tensor:
     excluded: bool = False
     group: tuple[str, int] | None = None
     # Why a linear is kept in high precision besides `exclude=`: "trained" (the model computed
-    # it so) or "group" (a member of its fused group was trained in high precision).
+    # it so) or "group" (a member of its fused group or MoE block was trained so).
     why: str = ""
+    expert: int | None = None
+    block: str = ""
 
     @property
     def module(self) -> str:
@@ -179,8 +192,28 @@ class _Tensor:
         return self.path.rpartition("/")[0]
 
     @property
+    def linear(self) -> bool:
+        """A linear engines may quantize: a "linear", or one expert of an "experts" stack."""
+        return self.kind in ("linear", "experts")
+
+    @property
     def quantized(self) -> bool:
-        return self.kind == "linear" and not self.excluded
+        return self.linear and not self.excluded
+
+    @property
+    def kernel(self):
+        """The (in, out) kernel: the leaf, or this expert's slice of the stack."""
+        if self.expert is None:
+            return self.value
+        if is_nvfp4_array(self.value):
+            return jax.tree.map(lambda leaf: leaf[self.expert], self.value)
+        return self.value[self.expert]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape of `kernel` (of one expert's), without slicing."""
+        shape = tuple(self.value.shape)
+        return shape if self.expert is None else shape[1:]
 
 
 def _map_tensors(leaves: _Leaves, name_map: NameMap) -> list[_Tensor]:
@@ -193,13 +226,30 @@ def _map_tensors(leaves: _Leaves, name_map: NameMap) -> list[_Tensor]:
                 "rule of the name map; pass name_map= with a rule for it, or skip= to leave it out"
             )
         hf, kind = mapped
-        if hf in owners:
-            raise ValueError(
-                f"export_hf_checkpoint: the leaves at {owners[hf]} and {where} both map to "
-                f"the HF tensor {hf!r}"
-            )
-        owners[hf] = where
-        tensors.append(_Tensor(path, where, hf, kind, value))
+        if kind == "experts":
+            shape = tuple(np.shape(value)) if not is_nvfp4_array(value) else value.shape
+            if len(shape) != 3 or shape[0] < 1:
+                raise ValueError(
+                    f"export_hf_checkpoint: the experts kernel at {where} (Flax path {path!r}) "
+                    f"has shape {shape}; an experts rule needs a stacked (E, in, out) kernel, "
+                    "expert axis first (nvfp4_jax.nnx.Experts' kernel)"
+                )
+            names = NameMap.expert_names(hf, shape[0])
+            block = _expert_block(hf)
+            found = [
+                _Tensor(path, f"{where}[{e}]", name, kind, value, expert=e, block=block)
+                for e, name in enumerate(names)
+            ]
+        else:
+            found = [_Tensor(path, where, hf, kind, value)]
+        for t in found:
+            if t.hf in owners:
+                raise ValueError(
+                    f"export_hf_checkpoint: the leaves at {owners[t.hf]} and {t.where} both "
+                    f"map to the HF tensor {t.hf!r}"
+                )
+            owners[t.hf] = t.where
+        tensors.extend(found)
     return tensors
 
 
@@ -208,11 +258,19 @@ def _plan_modules(tensors, exclude, fused_groups, block_2d, decide=None) -> list
 
     `decide(t)`, where given, tells whether the model computed the linear `t` in NVFP4 (None:
     it cannot tell); a linear it computed in high precision is kept so, with the whole fused
-    group it belongs to.
+    group (and mixture-of-experts block) it belongs to. Routers are always kept in high
+    precision and listed.
     """
     for t in tensors:
-        if t.kind == "linear":
+        if t.linear:
             t.group = _group_of(t.module, fused_groups)
+        if t.kind == "router" and is_nvfp4_array(t.value):
+            raise ValueError(
+                f"export_hf_checkpoint: the router {t.module} ({t.where}) is an NVFP4Array; "
+                "engines serve an MoE router in high precision only (vLLM reads it as an "
+                "unquantized linear, SGLang builds it without quantization): pass its float "
+                "kernel (e.g. nvfp4_jax.dequantize(q))"
+            )
     if decide is not None:
         _follow_decisions(tensors, decide)
     ignore = _exclude(tensors, exclude)
@@ -220,7 +278,8 @@ def _plan_modules(tensors, exclude, fused_groups, block_2d, decide=None) -> list
     for t in tensors:
         if t.quantized:
             _check_quantizable(t, block_2d)
-            if _engine_ignores(t.module, sorted(ignore)):
+            names = [t.module, t.block] if t.block else [t.module]
+            if any(_engine_ignores(name, sorted(ignore)) for name in names):
                 raise ValueError(
                     f"export_hf_checkpoint: {t.module} is quantized, but an engine reading the "
                     f"ignore list {sorted(ignore)} would take it for excluded"
@@ -229,34 +288,74 @@ def _plan_modules(tensors, exclude, fused_groups, block_2d, decide=None) -> list
 
 
 def _exclude(tensors, exclude) -> set[str]:
-    """Marks the linears and embeddings `exclude` matches; returns every module excluded."""
+    """Marks the linears and embeddings `exclude` matches; returns every module excluded.
+
+    An expert matches by its own module name or its block's (`model.layers.0.mlp.experts`);
+    an excluded MoE block is listed once, by its block name, which is what engines match
+    their fused MoE layer against. Routers are always excluded and listed.
+    """
     ignore = set()
     for t in tensors:
-        if t.kind in ("linear", "embedding"):
-            module = t.hf.removesuffix(".weight")
-            if any(module == p or fnmatch.fnmatchcase(module, p) for p in exclude):
+        if t.kind == "router":
+            t.excluded = True
+            ignore.add(t.module)
+        elif t.kind in ("linear", "embedding", "experts"):
+            names = [t.module, t.block] if t.block else [t.module]
+            if any(n == p or fnmatch.fnmatchcase(n, p) for n in names for p in exclude):
                 t.excluded = True
             if t.excluded:
-                ignore.add(module)
+                ignore.add(t.block or t.module)
     return ignore
 
 
 # --- export: the model's own decisions ---------------------------------------------------
 
 
-def _decider(rules, leaves: _Leaves) -> tuple[str, Callable | None]:
+def _experts_recipes(model: nnx.Module) -> dict[str, bool]:
+    """`{Flax path: computes in NVFP4}` of every `nvfp4_jax.nnx.Experts` layer of `model`.
+
+    An `Experts` layer holds an `input_amax` whether it has a recipe or not, and its recipe
+    is no state: only the model itself tells.
+    """
+    return {
+        "/".join(str(key) for key in path): node.recipe is not None
+        for path, node in nnx.iter_graph(model)
+        if isinstance(node, nvfp4_nnx.Experts)
+    }
+
+
+def _held_by_model(leaves: _Leaves, experts: Mapping[str, bool]) -> Callable[[_Tensor], bool]:
+    """`held(t)`: whether the model computed the linear `t` in NVFP4, as its layers say."""
+
+    def held(t: _Tensor) -> bool:
+        if t.kind != "experts":
+            return t.flax_module in leaves.nvfp4
+        if t.flax_module in experts:
+            return experts[t.flax_module]
+        if t.flax_module in leaves.nvfp4:
+            raise ValueError(
+                f"export_hf_checkpoint: {t.flax_module} holds an input_amax, as an "
+                "nvfp4_jax.nnx.Experts layer does, but a state does not record whether the "
+                "layer computed in NVFP4 or in high precision (recipe None): pass the model "
+                "itself, or rules= (the QuantizeReport of nvfp4_jax.quantize_model, or its rules)"
+            )
+        return False  # a stacked kernel of some other module: computed in high precision
+
+    return held
+
+
+def _decider(rules, leaves: _Leaves, experts: Mapping[str, bool]) -> tuple[str, Callable | None]:
     """(where the linears' precisions come from, `decide(t)`), or ("", None): quantize all.
 
     `rules` (a `QuantizeReport`, or `Rule`s, duck-typed: hf may not import rules) decides;
-    else the state itself: where it holds `nvfp4_jax.nnx.Linear` layers, the linears it holds
-    otherwise (plain `nnx.Linear`) computed in high precision.
+    else the state itself: where it holds `nvfp4_jax.nnx.Linear` layers (or `Experts` with a
+    recipe, `experts` as `_experts_recipes` gives), the linears it holds otherwise (plain
+    `nnx.Linear`, `Experts` with recipe None) computed in high precision.
     """
-
-    def held(t: _Tensor) -> bool:
-        return t.flax_module in leaves.nvfp4
-
+    held = _held_by_model(leaves, experts)
     if rules is None:
-        return ("model", held) if leaves.nvfp4 else ("", None)
+        nvfp4 = any(experts.get(path, True) for path in leaves.nvfp4) or any(experts.values())
+        return ("model", held) if nvfp4 else ("", None)
     decisions = getattr(rules, "layers", None)
     if isinstance(decisions, Mapping):  # a QuantizeReport: path -> LayerDecision
         return "rules", _report_decider(decisions, held)
@@ -274,7 +373,7 @@ def _decider(rules, leaves: _Leaves) -> tuple[str, Callable | None]:
         for rule in rules:  # first match wins, re.search on the module path (Rule.matches)
             if re.search(rule.pattern, t.flax_module):
                 # quantize_model leaves a kernel it cannot quantize in high precision.
-                return rule.recipe is not None and _quantizable(t.value)
+                return rule.recipe is not None and _quantizable(t)
         return held(t)  # no rule: the layer was left as it was
 
     return "rules", from_rules
@@ -291,31 +390,50 @@ def _report_decider(decisions: Mapping, held: Callable) -> Callable:
     return from_report
 
 
-def _quantizable(value) -> bool:
-    """Whether `quantize_model` turns a kernel into NVFP4: 2-D, both sizes multiples of 16."""
-    if is_nvfp4_array(value):
+def _quantizable(t: _Tensor) -> bool:
+    """Whether `quantize_model` turns a kernel into NVFP4: its (in, out) multiples of 16."""
+    if is_nvfp4_array(t.value):
         return True
-    shape = tuple(np.shape(value))
-    return len(shape) == 2 and not any(n % formats.BLOCK_SIZE for n in shape)
+    shape = tuple(np.shape(t.value))
+    rank = 3 if t.kind == "experts" else 2
+    return len(shape) == rank and not any(n % formats.BLOCK_SIZE for n in shape[-2:])
 
 
 def _follow_decisions(tensors, decide) -> None:
-    """Keeps in high precision the linears the model computed so, and their fused groups."""
-    linears = [t for t in tensors if t.kind == "linear"]
-    unknown = [t.flax_module for t in linears if decide(t) is None]
+    """Keeps in high precision the linears the model computed so, and their groups.
+
+    Their fused groups and MoE blocks go with them; a router computed in NVFP4 is refused.
+    """
+    linears = [t for t in tensors if t.linear]
+    unknown = list(dict.fromkeys(t.flax_module for t in linears if decide(t) is None))
     if unknown:
         raise ValueError(
             f"export_hf_checkpoint: the QuantizeReport has no decision for {unknown}: pass "
             "the report quantize_model returned for this very model, or its rules"
         )
+    _check_routers(tensors, decide)
+    decided = {}
     for t in linears:
-        if not decide(t):
+        if t.flax_module not in decided:
+            decided[t.flax_module] = bool(decide(t))
+        if not decided[t.flax_module]:
             t.excluded, t.why = True, "trained"
-    for members in _groups_of(linears).values():
+    for members in [*_groups_of(linears).values(), *_blocks_of(linears).values()]:
         if any(t.why == "trained" for t in members):
             for t in members:
                 if not t.excluded:
                     t.excluded, t.why = True, "group"
+
+
+def _check_routers(tensors, decide) -> None:
+    for t in tensors:
+        if t.kind == "router" and decide(t):
+            raise ValueError(
+                f"export_hf_checkpoint: the router {t.module} ({t.flax_module}) computed in "
+                "NVFP4 (so say rules= or the model's layer), but engines serve an MoE router "
+                "in high precision only: keep it in high precision, with a rule with "
+                "recipe=None for it (nvfp4_jax.default_rules keeps 'gate' and 'router' so)"
+            )
 
 
 def _compact(modules: Sequence[str]) -> list[str]:
@@ -375,6 +493,15 @@ def _groups_of(tensors) -> dict[tuple[str, int], list[_Tensor]]:
     return groups
 
 
+def _blocks_of(tensors) -> dict[str, list[_Tensor]]:
+    """The experts of every MoE block (all projections, all experts), by block name."""
+    blocks: dict[str, list[_Tensor]] = {}
+    for t in tensors:
+        if t.block:
+            blocks.setdefault(t.block, []).append(t)
+    return blocks
+
+
 def _check_groups(tensors) -> None:
     for members in _groups_of(tensors).values():
         excluded = [t.module for t in members if t.excluded]
@@ -385,24 +512,45 @@ def _check_groups(tensors) -> None:
                 f"excluded ({excluded} excluded, {kept} not); engines fuse it into one "
                 "layer, so exclude it whole or not at all"
             )
+    for block, members in _blocks_of(tensors).items():
+        excluded = [t.module for t in members if t.excluded]
+        if excluded and len(excluded) != len(members):
+            kept = [t.module for t in members if not t.excluded]
+            raise ValueError(
+                f"export_hf_checkpoint: the experts of {block} are half excluded "
+                f"({_compact(excluded)} excluded, {_compact(kept)} not); engines build one "
+                f"fused MoE layer of them, so exclude the block whole (exclude=[{block!r}]) "
+                "or not at all"
+            )
 
 
 def _check_quantizable(t: _Tensor, block_2d: bool) -> None:
     value = t.value
+    stacked = t.expert is not None
     if is_nvfp4_array(value):
-        if len(value.shape) != 2 or value.axis != -2 or value.rht:
+        rank = 3 if stacked else 2
+        amax_ok = tuple(value.amax.shape) == (tuple(value.shape[:1]) if stacked else ())
+        if len(value.shape) != rank or value.axis != -2 or value.rht or not amax_ok:
+            what = "an (E, in, out) stack of" if stacked else "a 2-D"
             raise ValueError(
                 f"export_hf_checkpoint: {t.where} is an NVFP4Array {value!r}; engines need "
-                "a 2-D kernel quantized along its first axis (axis=0) without the RHT"
+                f"{what} kernel quantized along in (axis=0{', under vmap' if stacked else ''}) "
+                "without the RHT" + (", one amax per expert" if stacked else "")
             )
         return
-    shape, dtype = tuple(np.shape(value)), jnp.dtype(getattr(value, "dtype", np.float32))
+    shape, dtype = t.shape, jnp.dtype(getattr(value, "dtype", np.float32))
     rows_ok = not block_2d or (len(shape) == 2 and shape[1] % formats.BLOCK_SIZE == 0)
     if len(shape) != 2 or shape[0] % formats.BLOCK_SIZE or not rows_ok:
+        hint = ""
+        if len(shape) == 3:
+            hint = (
+                " (a stacked (E, in, out) experts kernel needs a name map with an experts "
+                "rule: nvfp4_jax.hf.qwen3_moe_name_map() or mixtral_name_map())"
+            )
         raise ValueError(
             f"export_hf_checkpoint: the linear {t.module} ({t.where}) has kernel shape {shape}; "
             "NVFP4 needs a 2-D (in, out) kernel with in a multiple of 16 (and out too with "
-            "block_2d); add it to exclude= to keep it in high precision"
+            f"block_2d); add it to exclude= to keep it in high precision{hint}"
         )
     if dtype not in formats.SUPPORTED_DTYPES:
         raise TypeError(f"export_hf_checkpoint: the kernel of {t.module} has dtype {dtype}")
@@ -412,33 +560,64 @@ def _check_quantizable(t: _Tensor, block_2d: bool) -> None:
 
 
 def _input_scales(tensors, leaves: _Leaves, input_amax) -> dict[str, np.float32]:
-    """The `input_scale` of every quantized linear (W4A4); members of a group share the max.
+    """The `input_scale` of every quantized linear (W4A4); members of a set share the max.
 
     Sources: `input_scale` leaves (written as they are: a layer built from a checkpoint keeps
     its scale bit for bit), else `input_amax` leaves (times f32(1/2688)); the `input_amax`
-    argument wins over both. Excluded linears' are ignored.
+    argument wins over both. Excluded linears' are ignored. A stacked experts layer's source
+    is a scalar or one value per expert, (E,) (`nvfp4_jax.nnx.Experts.input_amax`, the
+    `input_scale` `load_hf_checkpoint` gives); `input_amax=` may also name one expert by its
+    HF module name. The sets (`_scale_sets`): each fused group; each projection kind of an
+    MoE block over all its experts (gate and up together, M4); each other linear alone.
     """
-    linears = [t for t in tensors if t.kind == "linear"]
-    by_name = {t.module: t.module for t in linears} | {t.flax_module: t.module for t in linears}
-    quantized = {t.module for t in linears if t.quantized}
+    plain = [t for t in tensors if t.kind in ("linear", "router")]
+    by_name = {t.module: t.module for t in plain} | {t.flax_module: t.module for t in plain}
+    stacks: dict[str, list[_Tensor]] = {}
+    for t in tensors:
+        if t.kind == "experts":
+            stacks.setdefault(t.flax_module, []).append(t)
+            by_name[t.module] = t.module
+    quantized = {t.module for t in tensors if t.quantized}
     found: dict[str, tuple[str, Any, str]] = {}
     for kind, values in (("input_scale", leaves.input_scale), ("input_amax", leaves.input_amax)):
         for path, (where, value) in values.items():
-            module = _module_for(by_name, path, where)
+            module = path if path in stacks else _module_for(by_name, path, where)
             found.setdefault(module, (kind, value, where))  # an input_scale leaf comes first
     for key, amax in (input_amax or {}).items():
-        found[_module_for(by_name, key, f"input_amax[{key!r}]")] = ("input_amax", amax, key)
-    scales = {m: _to_input_scale(v, kind, w) for m, (kind, v, w) in found.items() if m in quantized}
-    return _share_in_groups(tensors, scales)
+        module = key if key in stacks else _module_for(by_name, key, f"input_amax[{key!r}]")
+        found[module] = ("input_amax", amax, f"input_amax[{key!r}]")
+    scales = {}
+    for path, members in stacks.items():
+        if path in found:
+            per_expert = _to_expert_scales(*found[path], len(members))
+            scales.update({t.module: per_expert[t.expert] for t in members})
+    for module, (kind, value, where) in found.items():
+        if module in quantized:
+            scales[module] = _to_input_scale(value, kind, where)
+    return _share_in_groups(tensors, {m: v for m, v in scales.items() if m in quantized})
 
 
 def _module_for(by_name: dict, key: str, where: str) -> str:
     if key not in by_name:
         raise ValueError(
             f"export_hf_checkpoint: {where} names {key!r}, which is no linear of the model "
-            "(give a Flax module path such as 'layers/0/self_attn/q_proj' or an HF module name)"
+            "(give a Flax module path such as 'layers/0/self_attn/q_proj' or "
+            "'layers/0/mlp/experts/up_proj', or an HF module name)"
         )
     return by_name[key]
+
+
+def _to_expert_scales(kind: str, value, where, experts: int) -> np.ndarray:
+    """(E,) f32 input scales of a stacked layer from a scalar or (E,) amax or scale."""
+    value = to_host(value).astype(np.float32)
+    if value.size == 1:
+        value = np.full((experts,), value.reshape(()), np.float32)
+    if value.shape != (experts,):
+        raise ValueError(
+            f"export_hf_checkpoint: {kind} of {where} must be a scalar or one value per "
+            f"expert, shape ({experts},), got {value.shape}"
+        )
+    return value * formats.RCP2688 if kind == "input_amax" else value
 
 
 def _to_input_scale(value, kind: str, where) -> np.float32:
@@ -453,11 +632,27 @@ def _to_input_scale(value, kind: str, where) -> np.float32:
 
 
 def _share_in_groups(tensors, scales: dict) -> dict[str, np.float32]:
-    """Each set's max scale for all its members; one error naming every module lacking one."""
-    sets = _quantized_sets(tensors)
+    """Each set's max scale for all its members; one error naming every module lacking one.
+
+    A scale must be positive and finite; an expert's may be 0 (an expert calibration sent no
+    token to) as long as its set's maximum is positive, since that maximum is what engines
+    quantize every expert's activations with.
+    """
+    sets = _scale_sets(tensors)
     order = [t.module for t in tensors if t.quantized]
     missing = [m for m in order if m not in scales]
-    bad = [m for m in order if m in scales and not (np.isfinite(scales[m]) and scales[m] > 0)]
+    experts = {t.module for t in tensors if t.quantized and t.expert is not None}
+    bad = [
+        m
+        for m in order
+        if m in scales
+        and not (np.isfinite(scales[m]) and (scales[m] >= 0 if m in experts else scales[m] > 0))
+    ]
+    for members in sets:  # experts: the set's maximum must be positive
+        values = [scales.get(t.module) for t in members]
+        if members[0].expert is not None and None not in values and np.all(np.isfinite(values)):
+            if max(values) == 0:
+                bad.extend(t.module for t in members)
     if missing or bad:
         problems = [f"no input amax for {_compact(missing)}"] if missing else []
         if bad:
@@ -477,6 +672,26 @@ def _share_in_groups(tensors, scales: dict) -> dict[str, np.float32]:
     for members in sets:
         out.update({t.module: max(scales[t.module] for t in members) for t in members})
     return out
+
+
+def _scale_sets(tensors) -> list[list[_Tensor]]:
+    """Quantized linears in sets that share their input scale.
+
+    Each fused group; for the experts of an MoE block, one set per fused group (gate and up)
+    or projection (down) over all experts (M4: one input quantizer per projection kind); each
+    other linear alone.
+    """
+    sets: dict[tuple, list[_Tensor]] = {}
+    for t in tensors:
+        if not t.quantized:
+            continue
+        if t.block:
+            kind = t.group[1] if t.group is not None else t.module.rpartition(".")[2]
+            key: tuple = ("experts", t.block, kind)
+        else:
+            key = ("group", t.group) if t.group is not None else ("alone", t.module)
+        sets.setdefault(key, []).append(t)
+    return list(sets.values())
 
 
 def _quantized_sets(tensors) -> list[list[_Tensor]]:
@@ -506,14 +721,22 @@ def _weight_amaxes(tensors, implementation) -> dict[str, np.float32 | None]:
 
 
 def _kernel_amax(t: _Tensor, implementation) -> np.float32:
-    amax = np.float32(to_host(tensor_amax(t.value, axis=0, implementation=implementation)))
+    amax = np.float32(to_host(tensor_amax(t.kernel, axis=0, implementation=implementation)))
     if not np.isfinite(amax):
-        raise ValueError(f"export_hf_checkpoint: the kernel of {t.module} holds NaN or inf")
+        raise ValueError(
+            f"export_hf_checkpoint: the kernel of {t.module} ({t.where}) holds NaN or inf"
+        )
     return amax
 
 
+def _decode_scale(t: _Tensor) -> np.float32:
+    """The decode scale D of an NVFP4 kernel (of one expert's, without slicing the codes)."""
+    scale = t.value.global_scale
+    return np.float32(to_host(scale if t.expert is None else scale[t.expert]))
+
+
 def _check_equal_scales(members) -> None:
-    scales = {np.float32(to_host(t.value.global_scale)).tobytes() for t in members}
+    scales = {_decode_scale(t).tobytes() for t in members}
     if len(scales) > 1:
         raise ValueError(
             f"export_hf_checkpoint: the fused group {[t.module for t in members]} holds "
@@ -526,7 +749,7 @@ def _check_equal_scales(members) -> None:
 
 
 def _quantized_unit(t: _Tensor, amax, input_scale, block_2d, implementation) -> _Unit:
-    rows, cols = tuple(t.value.shape)[::-1]  # the stored (out, in) of an (in, out) kernel
+    rows, cols = t.shape[::-1]  # the stored (out, in) of an (in, out) kernel
     specs = [
         (f"{t.module}.weight", "U8", (rows, cols // 2)),
         (f"{t.module}.weight_scale", "F8_E4M3", (rows, cols // formats.BLOCK_SIZE)),
@@ -536,7 +759,7 @@ def _quantized_unit(t: _Tensor, amax, input_scale, block_2d, implementation) -> 
         specs.append((f"{t.module}.input_scale", "F32", ()))
 
     def produce() -> dict[str, np.ndarray]:
-        q = t.value
+        q = t.kernel
         if amax is not None:
             q = quantize(
                 q, axis=0, block_2d=block_2d, amax=jnp.float32(amax), implementation=implementation
@@ -548,10 +771,11 @@ def _quantized_unit(t: _Tensor, amax, input_scale, block_2d, implementation) -> 
 
 
 def _dense_unit(t: _Tensor, dtype) -> _Unit:
-    if is_nvfp4_array(t.value) and t.kind != "linear":
+    transposed = t.kind in ("linear", "experts", "router")
+    if is_nvfp4_array(t.value) and not t.linear:
         raise TypeError(f"export_hf_checkpoint: {t.where} is an NVFP4Array but no linear kernel")
-    shape = tuple(t.value.shape)
-    if t.kind == "linear":
+    shape = t.shape
+    if transposed:
         if len(shape) != 2:
             raise ValueError(f"export_hf_checkpoint: the kernel at {t.where} is not 2-D: {shape}")
         shape = shape[::-1]
@@ -563,9 +787,10 @@ def _dense_unit(t: _Tensor, dtype) -> _Unit:
         )
 
     def produce() -> dict[str, np.ndarray]:
-        value = dequantize(t.value, jnp.float32) if is_nvfp4_array(t.value) else t.value
+        kernel = t.kernel
+        value = dequantize(kernel, jnp.float32) if is_nvfp4_array(kernel) else kernel
         array = to_host(value).astype(target, copy=False)
-        return {t.hf: array.T if t.kind == "linear" else array}
+        return {t.hf: array.T if transposed else array}
 
     return _Unit(((t.hf, _ST_NAMES[target], shape),), produce)
 
@@ -644,6 +869,7 @@ def _model_config(config, directory: str) -> dict:
 
 
 def _check_config_against(config: dict, tensors, dtype) -> dict:
+    _check_moe_config(config, tensors)
     for t in tensors:
         if t.kind == "embedding":
             vocab, hidden = tuple(t.value.shape)
@@ -656,6 +882,67 @@ def _check_config_against(config: dict, tensors, dtype) -> dict:
     if dtype is not None and "dtype" not in config and "torch_dtype" not in config:
         config = {**config, "torch_dtype": np.dtype(dtype).name}
     return config
+
+
+# The config keys of a mixture of experts (engines read routing from the config, not weights).
+_EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts")
+_MOE_SIZE_KEY_TYPES = ("qwen3_moe", "qwen2_moe")
+
+
+def _check_moe_config(config: dict, tensors) -> None:
+    """The MoE keys of the config, as far as the weights' shapes can be checked against them.
+
+    The expert count (`num_experts`, Qwen3-MoE; `num_local_experts`, Mixtral and
+    transformers 5's alias) must be the experts kernels' E and the routers' output size;
+    `num_experts_per_tok` must lie in 1..E; one expert's MLP size (`moe_intermediate_size`
+    where the config has it or the model is a Qwen-MoE, else Mixtral's `intermediate_size`)
+    must be the experts kernels' other size beside `hidden_size`.
+    """
+    stacks = [t for t in tensors if t.kind == "experts" and t.expert == 0]
+    routers = [t for t in tensors if t.kind == "router"]
+    if not stacks and not routers:
+        return
+    present = [key for key in _EXPERT_COUNT_KEYS if key in config]
+    count = config[present[0]] if present else None
+    per_token = config.get("num_experts_per_tok")
+    problems = []
+    if not _is_count(count):
+        problems.append(f"an expert count ({' or '.join(_EXPERT_COUNT_KEYS)}), got {count!r}")
+    elif not _is_count(per_token) or per_token > count:
+        problems.append(f"num_experts_per_tok from 1 to {count}, got {per_token!r}")
+    moe_size = "moe_intermediate_size" in config or config["model_type"] in _MOE_SIZE_KEY_TYPES
+    size_key = "moe_intermediate_size" if moe_size else "intermediate_size"
+    size = config.get(size_key)
+    if stacks and not _is_count(size):
+        problems.append(f"{size_key} (one expert's MLP size), got {size!r}")
+    if problems:
+        raise ValueError(
+            f"export_hf_checkpoint: the model holds mixture-of-experts layers, and the model "
+            f"config needs {'; '.join(problems)}: engines read the routing from config.json. "
+            "Pass config= the model's Hugging Face config (Qwen3MoeConfig(...).to_dict(), "
+            "MixtralConfig(...).to_dict())"
+        )
+    hidden = config["hidden_size"]
+    for t in stacks:
+        experts, *sizes = (int(n) for n in t.value.shape)
+        if experts != count or sorted(sizes) != sorted((hidden, size)):
+            raise ValueError(
+                f"export_hf_checkpoint: the experts kernel at {t.path} has shape "
+                f"{tuple(t.value.shape)}, but the config says {present[0]}={count}, "
+                f"hidden_size={hidden}, {size_key}={size}: expected ({count}, {hidden}, {size}) "
+                f"or ({count}, {size}, {hidden})"
+            )
+    for t in routers:
+        if tuple(t.value.shape) != (hidden, count):
+            raise ValueError(
+                f"export_hf_checkpoint: the router {t.module} ({t.where}) has kernel shape "
+                f"{tuple(t.value.shape)}; the config says hidden_size={hidden}, "
+                f"{present[0]}={count}: expected (hidden, experts) = ({hidden}, {count})"
+            )
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 def _check_tokenizer(tokenizer, config: dict) -> None:
@@ -886,14 +1173,35 @@ def export_hf_checkpoint(
     written as it is, with its decode scale. Everything else is written in `dtype` under its
     HF name; excluded linears as `.weight` (out, in).
 
+    Mixture-of-experts blocks (a name map with "experts" and "router" rules:
+    `qwen3_moe_name_map()`, `mixtral_name_map()`) are written as ModelOpt writes them
+    (docs/SERVING_FORMATS.md section 5). A stacked kernel (E, in, out) becomes E linears, one
+    per expert (`...experts.{e}.gate_proj`), each quantized as a tensor of its own with its
+    own weight amax (M1, M3); gate and up of one expert (a fused group: `gate_proj`/`up_proj`,
+    Mixtral's `w1`/`w3`) with the larger of their two amaxes (M2). An `NVFP4Array` stack (E,
+    in, out) with one amax per expert (`load_hf_checkpoint`'s) is written as it is. W4A4
+    writes one `input_scale` per layer and projection kind on every expert: the max over all
+    experts of gate and up together, and of down (M4); its source is a scalar or (E,) amax
+    per stacked layer (`nvfp4_jax.nnx.Experts.input_amax`, `input_amax=`), where an expert
+    may have 0 (no calibration token) if the layer's max is positive. The router stays in
+    high precision, `.weight` (E, hidden) in `dtype`, and is listed in `ignore` (M5); an
+    `NVFP4Array` router, or one the model computed in NVFP4, is an error. An MoE block is
+    quantized whole or kept whole in high precision (listed in `ignore` by its block name,
+    e.g. `model.layers.0.mlp.experts`). `config` must hold the expert count
+    (`num_experts` or `num_local_experts`), `num_experts_per_tok` and one expert's MLP size
+    (`moe_intermediate_size`, Qwen3-MoE; `intermediate_size`, Mixtral), checked against
+    the kernels.
+
     The exporter follows the precision the model was trained in: given the model (or its
     `nnx.state`) holding `nvfp4_jax.nnx.Linear` layers, every other linear (a plain
     `nnx.Linear`, e.g. kept in bf16 by `quantize_model`'s rules) is written in high precision
     and listed in `ignore`; `rules=` (the `QuantizeReport` `quantize_model` returned, or its
-    rules) decides instead. A fused group partly trained in high precision is written whole
+    rules) decides instead. An `nvfp4_jax.nnx.Experts` layer follows its recipe (None: high
+    precision), which only the model itself records: give the model, not its state, or
+    `rules=`. A fused group or MoE block partly trained in high precision is written whole
     in high precision (the safe choice; engines need a group all quantized or all not), and
-    reported in `ExportReport.group_high_precision`. A model with no `nvfp4_jax.nnx.Linear`
-    (trained in bf16), and a plain pytree, are quantized whole (post-training).
+    reported in `ExportReport.group_high_precision`. A model with no NVFP4 layer (trained in
+    bf16), and a plain pytree, are quantized whole (post-training).
 
     The directory is written into a temporary sibling and moved into place when complete.
     Tensors are converted, quantized and written one module at a time, so host memory stays
@@ -909,7 +1217,9 @@ def export_hf_checkpoint(
       quant_algo: "NVFP4" (W4A4: weights and activations in NVFP4; needs input amaxes) or
         "W4A16_NVFP4" (weight-only: what Hopper and Ampere serve, through Marlin).
       input_amax: `{Flax module path or HF module name: activation amax}`, overriding what
-        `params` holds (`input_amax` or `input_scale` leaves). W4A4 only.
+        `params` holds (`input_amax` or `input_scale` leaves). A stacked experts layer takes
+        a scalar or one amax per expert, (E,), by its Flax path
+        (`layers/0/mlp/experts/up_proj`), or one expert's by its HF module name. W4A4 only.
       exclude: fnmatch patterns on HF module names kept in high precision and listed in
         `ignore`; a fused group is excluded whole or not at all.
       config: the model's HF config (a dict: architectures, hidden_size, num_attention_heads,
@@ -941,9 +1251,12 @@ def export_hf_checkpoint(
 
     Raises:
       ValueError: a leaf no rule maps, two leaves on one HF name, missing input amaxes for
-        W4A4 (all named in one message), a fused group half excluded by `exclude=`, a kernel
-        that cannot be quantized and is not excluded, a model config lacking what engines
-        need, a `QuantizeReport` without a decision for a linear.
+        W4A4 (all named in one message) or ones that are NaN, infinite or negative, a fused
+        group or MoE block half excluded by `exclude=`, a kernel that cannot be quantized and
+        is not excluded, an experts kernel that is not (E, in, out), a router in NVFP4, a
+        model config lacking what engines need (MoE keys included) or disagreeing with the
+        kernels, a `QuantizeReport` without a decision for a linear, an nnx state holding
+        `Experts` layers without the model or `rules=`.
       TypeError: `rules` is neither a QuantizeReport nor a sequence of Rules.
       FileExistsError: `directory` holds weights and `force` is False.
     """
@@ -960,13 +1273,15 @@ def export_hf_checkpoint(
     )
     model_config = _model_config(config, directory)
     _check_tokenizer(tokenizer, model_config)
+    experts = {}
     if isinstance(params, nnx.Module):
+        experts = _experts_recipes(params)
         params = nnx.state(params)
     leaves = _collect_leaves(params, tuple(skip))
     tensors = _map_tensors(leaves, _as_name_map(name_map))
     if not tensors:
         raise ValueError("export_hf_checkpoint: params hold no weights")
-    followed, decide = _decider(rules, leaves)
+    followed, decide = _decider(rules, leaves, experts)
     groups = tuple(map(tuple, fused_groups))
     ignore = _plan_modules(tensors, tuple(exclude), groups, block_2d, decide)
     model_config = _check_config_against(model_config, tensors, dtype)

@@ -2,8 +2,10 @@
 
 `load_hf_checkpoint` reads the quantization config (every field checked for its JSON type),
 opens every safetensors file and checks them against the index, checks the tensors of each
-NVFP4 linear (dtypes, shapes, scale values), and places every array with
-`jax.make_array_from_callback`, so each process reads only the slices its devices hold.
+NVFP4 linear (dtypes, shapes, scale values), gathers the experts of a mixture-of-experts
+layer into one stacked array (all experts present, their shapes equal), and places every
+array with `jax.make_array_from_callback`, so each process reads only the slices its devices
+hold.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from nvfp4_jax.hf.common import (
     _read_json,
     _short,
 )
-from nvfp4_jax.hf.names import NameMap, _as_name_map, _engine_ignores
+from nvfp4_jax.hf.names import NameMap, _as_name_map, _engine_ignores, _expert_block
 from nvfp4_jax.hf.st_io import _ST_NAMES, _Entry, _is_float, _SafetensorsFile
 
 # --- import: the quantization config ------------------------------------------------------
@@ -311,8 +313,9 @@ def _fit(sharding: jax.sharding.Sharding, shape, transposed: bool = False):
 
     A `NamedSharding`'s spec applies to the arrays of rank >= len(spec), as the Flax model
     sees them (the stored (out, in) codes and scales of an NVFP4 kernel (in, out) take its
-    first two entries swapped); arrays of lower rank, scalars included, are replicated over
-    its mesh. Other shardings are used as they are.
+    entries for the last two axes swapped, (E, out, in) those of a stacked (E, in, out)
+    one); arrays of lower rank, scalars included, are replicated over its mesh. Other
+    shardings are used as they are.
     """
     if not isinstance(sharding, jax.sharding.NamedSharding):
         return sharding
@@ -320,7 +323,8 @@ def _fit(sharding: jax.sharding.Sharding, shape, transposed: bool = False):
     if len(spec) > len(shape):
         spec = ()
     elif transposed:
-        spec = (*spec, None, None)[:2][::-1]
+        spec = (*spec, *(None,) * (len(shape) - len(spec)))
+        spec = (*spec[:-2], spec[-1], spec[-2])
     return sharding.update(spec=jax.sharding.PartitionSpec(*spec))
 
 
@@ -385,23 +389,176 @@ def _read_scalar(owner, name) -> np.ndarray:
     return owner[name].read(name).astype(np.float32).reshape(())
 
 
-def _load_plain(name, owner, name_map, dtype, place) -> tuple[str, jax.Array]:
+def _plain_path(name, owner, name_map) -> tuple[str, str, int | None]:
+    """(Flax path, kind, expert index) of the tensor `name` stored without weight_scale."""
     entry = _spec(owner, name)
-    mapped = name_map.to_flax(name, ndim=len(entry.shape))
+    mapped = name_map._match_hf(name, len(entry.shape))
     if mapped is None:
         raise ValueError(
             f"load_hf_checkpoint: the tensor {name} {entry.shape} matches no rule of the name "
             "map; pass name_map= with a rule for it"
         )
-    path, kind = mapped
-    if not _is_float(entry.dtype) and kind != "plain":
+    if not _is_float(entry.dtype) and mapped[1] != "plain":
         raise ValueError(
             f"load_hf_checkpoint: {name} is {_ST_NAMES[entry.dtype]} without weight_scale"
         )
+    return mapped
+
+
+def _load_plain(name, path, kind, owner, dtype, place) -> tuple[str, jax.Array]:
+    entry = _spec(owner, name)
     target = np.dtype(dtype) if dtype is not None and _is_float(entry.dtype) else entry.dtype
-    shape = entry.shape[::-1] if kind == "linear" else entry.shape
-    read = _reader(owner, name, transpose=kind == "linear", dtype=target)
+    transpose = kind in ("linear", "router")
+    shape = entry.shape[::-1] if transpose else entry.shape
+    read = _reader(owner, name, transpose=transpose, dtype=target)
     return path, place(path, shape, target, read)
+
+
+# --- import: mixture-of-experts layers ----------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Stack:
+    """The experts of one stacked Flax kernel as found: expert -> (HF module, tensors, NVFP4).
+
+    The tensors are a quantized expert's `{suffix: tensor name}`, or `{"weight": name}` for
+    one stored in high precision.
+    """
+
+    path: str
+    block: str
+    experts: dict[int, tuple[str, dict[str, str], bool]] = dataclasses.field(default_factory=dict)
+
+
+def _expert_count(config: dict) -> int | None:
+    """The config's expert count (`num_experts`, or `num_local_experts`), None if it has none."""
+    for key in ("num_experts", "num_local_experts"):
+        if key in config:
+            value = config[key]
+            if type(value) is not int or value < 1:
+                raise ValueError(
+                    f"load_hf_checkpoint: {CONFIG_NAME}: {key} must be a positive integer (the "
+                    f"experts per MoE layer), got {_short(value)}"
+                )
+            return value
+    return None
+
+
+def _first_missing(present: dict, expected: int, limit: int = 10) -> list[int]:
+    """Up to `limit` indices below `expected` not in `present` (a bounded search)."""
+    missing = []
+    for e in range(expected):  # at most len(present) + limit steps
+        if e not in present:
+            missing.append(e)
+            if len(missing) == limit:
+                break
+    return missing
+
+
+def _check_stack(stack: _Stack, owner, count: int | None) -> tuple[int, bool]:
+    """(E, quantized) of a stack: experts 0..E-1 all there, all stored alike, equal shapes."""
+    found = sorted(stack.experts)
+    expected = count if count is not None else found[-1] + 1
+    missing = _first_missing(stack.experts, expected)
+    extra = [e for e in found if e >= expected]
+    example = stack.experts[found[0]][0]
+    if missing or extra:
+        source = "the config says" if count is not None else "the highest index found implies"
+        absent = expected - (len(found) - len(extra))
+        more = f" ({absent} in all)" if absent > len(missing) else ""
+        problems = [f"experts {missing} are missing{more}"] if missing else []
+        problems += [f"experts {extra} lie beyond them"] if extra else []
+        raise ValueError(
+            f"load_hf_checkpoint: the experts of {stack.path} (HF {stack.block}) are "
+            f"incomplete: {source} {expected} experts, and {' and '.join(problems)} (found "
+            f"e.g. {example}); a checkpoint must hold every expert of every MoE layer"
+        )
+    nvfp4 = [e for e in found if stack.experts[e][2]]
+    if nvfp4 and len(nvfp4) != len(found):
+        raise ValueError(
+            f"load_hf_checkpoint: the experts of {stack.path} (HF {stack.block}) are stored "
+            f"partly in NVFP4 (experts {nvfp4}) and partly not; engines load an MoE layer "
+            "all quantized or all not"
+        )
+    first_module, first, _ = stack.experts[0]
+    for e in range(1, expected):
+        module, parts, _ = stack.experts[e]
+        if set(parts) != set(first):
+            raise ValueError(
+                f"load_hf_checkpoint: {first_module} holds {sorted(first)}, {module} holds "
+                f"{sorted(parts)}; every expert of {stack.path} must hold the same tensors"
+            )
+        for suffix in ("weight", "weight_scale"):
+            if suffix not in parts:
+                continue
+            a, b = (_spec(owner, p[suffix]) for p in (first, parts))
+            if a.shape != b.shape or a.dtype != b.dtype:
+                raise ValueError(
+                    f"load_hf_checkpoint: the experts of {stack.path} disagree: "
+                    f"{first[suffix]} is {_ST_NAMES[a.dtype]} {a.shape}, "
+                    f"{parts[suffix]} is {_ST_NAMES[b.dtype]} {b.shape}; one MoE layer's "
+                    "experts must have equal shapes"
+                )
+    return expected, bool(nvfp4)
+
+
+def _stacked_reader(readers: list[Callable], shape: tuple[int, ...], dtype) -> Callable:
+    """`read(index)` of the stack (E, *shape) from one reader per expert."""
+
+    def read(index):
+        if index is None:
+            return np.stack([reader(None) for reader in readers])
+        first, rest = index[0], tuple(index[1:])
+        chosen = [readers[e] for e in range(len(readers))[first]]
+        if not chosen:
+            sizes = (len(range(n)[part]) for n, part in zip(shape, rest, strict=False))
+            return np.empty((0, *sizes), dtype)
+        return np.stack([reader(rest) for reader in chosen])
+
+    return read
+
+
+def _vector(values: np.ndarray) -> Callable:
+    return lambda index: values if index is None else values[tuple(index)]
+
+
+def _load_stack(stack: _Stack, owner, count, quantized, kernel_dtype, dtype, place) -> dict:
+    """One stacked array (E, in, out) from its experts' tensors: an NVFP4Array or floats."""
+    experts = [stack.experts[e][1] for e in range(count)]
+    if not quantized:
+        names = [parts["weight"] for parts in experts]
+        entry = _spec(owner, names[0])
+        target = np.dtype(dtype) if dtype is not None else entry.dtype
+        shape = entry.shape[::-1]
+        readers = [_reader(owner, n, transpose=True, dtype=target) for n in names]
+        read = _stacked_reader(readers, shape, target)
+        return {stack.path: place(stack.path, (count, *shape), target, read)}
+    kernel, parent = stack.path, stack.path.rpartition("/")[0]
+    f32 = np.dtype(np.float32)
+    arrays = {}
+    for suffix, leaf in (("weight", "codes"), ("weight_scale", "scales")):
+        names = [parts[suffix] for parts in experts]
+        entry = _spec(owner, names[0])
+        readers = [
+            _reader(owner, n, check=_check_block_scales(n, owner[n].path))
+            if suffix == "weight_scale"
+            else _reader(owner, n)
+            for n in names
+        ]
+        read = _stacked_reader(readers, entry.shape, entry.dtype)
+        shape = (count, *entry.shape)
+        arrays[leaf] = place(f"{kernel}/{leaf}", shape, entry.dtype, read, transposed=True)
+    ws2 = np.array([_read_scalar(owner, parts["weight_scale_2"]) for parts in experts], f32)
+    d = place(f"{kernel}/decode_scale", (count,), f32, _vector(ws2))
+    amax = place(f"{kernel}/amax", (count,), f32, _vector(ws2 * np.float32(2688)))
+    dtype = jnp.dtype(kernel_dtype)
+    q = NVFP4Array(arrays["codes"], arrays["scales"], amax, dtype, -2, False, False, d)
+    out = {kernel: validate_nvfp4_array(q, f"load_hf_checkpoint: {stack.block} ({kernel})")}
+    if "input_scale" in experts[0]:
+        scales = np.array([_read_scalar(owner, parts["input_scale"]) for parts in experts], f32)
+        path = f"{parent}/input_scale"
+        out[path] = place(path, (count,), f32, _vector(scales))
+    return out
 
 
 def _load_kv_scale(name, owner, name_map, place) -> tuple[str, jax.Array]:
@@ -416,7 +573,7 @@ def _nest(flat: dict[str, Any]) -> dict:
     """Nested dicts from "a/0/b" paths; all-digit components become int keys (nnx lists)."""
     tree: dict = {}
     for path, value in flat.items():
-        keys = [int(k) if k.isdigit() else k for k in path.split("/")]
+        keys = [int(k) if _is_index(k) else k for k in path.split("/")]
         node = tree
         for key in keys[:-1]:
             node = node.setdefault(key, {})
@@ -426,6 +583,11 @@ def _nest(flat: dict[str, Any]) -> dict:
             raise ValueError(f"load_hf_checkpoint: {path} is both a leaf and a parent")
         node[keys[-1]] = value
     return tree
+
+
+def _is_index(key: str) -> bool:
+    """An all-digit path component: an int key (ASCII digits, not too long for `int`)."""
+    return key.isascii() and key.isdigit() and len(key) <= 18
 
 
 def _config_dtype(config: dict):
@@ -457,17 +619,36 @@ def load_hf_checkpoint(
     `dequantize` decodes exactly as ModelOpt does (sign of zero aside). Its `input_scale`
     (f32 scalar) sits beside it as the leaf `input_scale`; FP8 KV-cache scales as `k_scale` /
     `v_scale`. Every other tensor becomes an array at its Flax path, transposed to (in, out)
-    for a linear.
+    for a linear (and for an MoE router, kind "router").
+
+    Mixture-of-experts layers (a name map with "experts" rules: `qwen3_moe_name_map()`,
+    `mixtral_name_map()`): the E linears `...experts.{e}.<proj>` of one projection become
+    one stacked array at the stacked kernel's Flax path (e.g.
+    `layers/0/mlp/experts/gate_proj/kernel`, as `nvfp4_jax.nnx.Experts` holds it): an
+    `NVFP4Array` of logical shape (E, in, out) with codes (E, out, in/2), scales
+    (E, out, in/16), `amax` and `decode_scale` (E,) (expert e's `weight_scale_2`), bit for
+    bit the file's, so each expert dequantizes as ModelOpt decodes it; or, stored in high
+    precision, a float array (E, in, out). Every expert 0..E-1 must be there (E: the
+    config's `num_experts` / `num_local_experts`, else the highest index + 1), all stored
+    alike with equal shapes. The leaf `input_scale` beside it holds each expert's stored
+    value, shape (E,). ModelOpt writes one value on all of them (M4); a foreign checkpoint's
+    may differ, and engines then reduce them differently: vLLM's FlashInfer and emulation
+    backends and SGLang's FlashInfer ones quantize every expert's activations with the
+    maximum over the experts (and over gate and up), other backends per expert. The
+    per-expert values are kept; `export_hf_checkpoint` writes back the maximum (FlashInfer's
+    choice, the one that clips no expert's calibrated range).
 
     Args:
       directory: the checkpoint directory.
-      name_map: a `NameMap` or a list of rules; default `llama_name_map()`.
+      name_map: a `NameMap` or a list of rules; default `llama_name_map()` (for MoE models
+        `qwen3_moe_name_map()` or `mixtral_name_map()`).
       dtype: cast float tensors not quantized to it, and the `dtype` an NVFP4Array records
         (default: the file's dtypes, and the config's `dtype`/`torch_dtype` or bfloat16).
       sharding: None (arrays on the default device), one `jax.sharding.Sharding` for every
         array, or a function `(flax path, shape, dtype) -> Sharding` (called for every
         array; an NVFP4Array's parts have the paths `<kernel>/codes`, `/scales`, `/amax`
-        and `/decode_scale` and their stored shapes). One `NamedSharding` applies its
+        and `/decode_scale` and their stored shapes, (E, out, in/2) etc. for experts). One
+        `NamedSharding` applies its
         `PartitionSpec` to every array of rank >= len(spec), as the Flax tree holds it (an
         (in, out) kernel, NVFP4 or not: the codes (out, in/2) and scales (out, in/16) of an
         NVFP4 kernel take the spec's two entries swapped, so both split at the same block
@@ -491,8 +672,12 @@ def load_hf_checkpoint(
         and overlap no other tensor), a JSON config, index or field of the wrong type (an
         `ignore` that is not a list of strings, a `weight_map` file name with a path),
         scales that are NaN, infinite or negative (`weight_scale_2` may be 0, `input_scale`
-        and KV-cache scales may not), block scales with E4M3 NaN or negative bytes. Nothing
-        is allocated from a header's numbers before they are checked.
+        and KV-cache scales may not), block scales with E4M3 NaN or negative bytes. For
+        mixture-of-experts layers: missing experts (named), experts of one projection
+        stored with different shapes, dtypes or tensors, or partly in NVFP4, an expert
+        count in the config that is not a positive integer, a router (kind "router")
+        stored in NVFP4, NVFP4 experts whose MoE block `ignore` names. Nothing is
+        allocated from a header's numbers before they are checked.
     """
     directory = os.path.abspath(os.fspath(directory))
     config_path = os.path.join(directory, CONFIG_NAME)
@@ -504,12 +689,47 @@ def load_hf_checkpoint(
     place = _placer(sharding)
     kernel_dtype = jnp.dtype(dtype) if dtype is not None else _config_dtype(config)
     flat: dict[str, Any] = {}
+    stacks: dict[str, _Stack] = {}
     for module, parts in modules.items():
         _check_quantized(module, parts, owner, quant)
-        _add(flat, _load_quantized(module, parts, owner, name_map, kernel_dtype, place).items())
+        path, kind, expert = name_map._match_hf(f"{module}.weight", 2) or ("", "", None)
+        if kind == "experts":
+            block = _add_expert(stacks, name_map, path, expert, module, parts, True)
+            if _engine_ignores(block, quant.ignore):
+                raise ValueError(
+                    f"load_hf_checkpoint: {module} is stored in NVFP4 but its MoE block "
+                    f"{block} is listed in ignore (engines would build the block unquantized)"
+                )
+        elif kind == "router":
+            raise ValueError(
+                f"load_hf_checkpoint: the router {module} is stored in NVFP4; engines serve "
+                "an MoE router in high precision only (as a float .weight named in ignore)"
+            )
+        else:
+            loaded = _load_quantized(module, parts, owner, name_map, kernel_dtype, place)
+            _add(flat, loaded.items())
     _add(flat, [_load_kv_scale(name, owner, name_map, place) for name in kv])
-    _add(flat, [_load_plain(name, owner, name_map, dtype, place) for name in plain])
+    for name in plain:
+        path, kind, expert = _plain_path(name, owner, name_map)
+        if kind == "experts":
+            module = name.removesuffix(".weight")
+            _add_expert(stacks, name_map, path, expert, module, {"weight": name}, False)
+        else:
+            _add(flat, [_load_plain(name, path, kind, owner, dtype, place)])
+    count = _expert_count(config) if stacks else None
+    for stack in stacks.values():
+        experts, quantized = _check_stack(stack, owner, count)
+        loaded = _load_stack(stack, owner, experts, quantized, kernel_dtype, dtype, place)
+        _add(flat, loaded.items())
     return _nest(flat)
+
+
+def _add_expert(stacks, name_map, path, expert, module, parts, quantized) -> str:
+    """Files expert `expert` of the stack at `path`; returns the stack's HF block name."""
+    if path not in stacks:
+        stacks[path] = _Stack(path, _expert_block(name_map.to_hf(path)[0]))
+    stacks[path].experts[expert] = (module, parts, quantized)
+    return stacks[path].block
 
 
 def _add(flat: dict, items: Iterable[tuple[str, Any]]) -> None:
