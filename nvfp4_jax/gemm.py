@@ -10,7 +10,11 @@ with f32 accumulation: what Blackwell's block-scaled tensor cores compute. Two b
 
 * `"emulated"`: each operand as `value(code) * s_b` (at most 6 significant bits, exact in
   bf16) in the GEMM dtype, `lax.dot_general` with f32 accumulation, times alpha. Runs on
-  any platform and equals the hardware result up to f32 summation order.
+  any platform and equals the hardware result up to f32 summation order. On the CPU with
+  the native library and the "ffi" implementation (the default there), the operands stay
+  packed (`NativeBlocks`) and the exact native GEMM `kernels.gemm` computes the same
+  numbers with integer block dot products, summed over K in ascending block order
+  (docs/NUMERICS.md section 9); `implementation="reference"` stays pure jnp.
 * `"scaled_matmul"`: `jax.nn.scaled_matmul` (cuDNN) on the packed operands, `float4_e2m1fn`
   data and `float8_e4m3fn` scales in the plain row-major layout (XLA swizzles them for cuDNN
   itself); it knows nothing of the tensor scale, so alpha is applied outside. Needs a CUDA
@@ -29,7 +33,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from nvfp4_jax import formats, kernels, layout, ops, reference
+from nvfp4_jax import backends, formats, kernels, layout, ops, reference
 from nvfp4_jax.array import NVFP4Array
 from nvfp4_jax.backends import Implementation
 from nvfp4_jax.recipe import GEMM_BACKENDS, GemmBackend
@@ -81,19 +85,53 @@ def resolve_gemm_backend(backend: GemmBackend | None, op: str = "scaled_matmul")
     return "scaled_matmul"
 
 
+def uses_native_gemm(backend: GemmBackend, implementation: Implementation | None) -> bool:
+    """True when the emulated GEMM runs as the native CPU kernel (`kernels.gemm`).
+
+    That is the "emulated" backend with the "ffi" implementation (named, or None where the
+    native library runs) on the CPU; never for "reference", which stays pure jnp.
+    """
+    if backend != "emulated" or kernels.current_platform() != "cpu":
+        return False
+    return backends.resolve(implementation, "gemm").name == "ffi"
+
+
 # --- operands ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class NativeBlocks:
+    """An operand of the native CPU GEMM: a packed `NVFP4Array` quantized along its last axis.
+
+    `dtype` is the GEMM dtype its values take where an emulated GEMM needs them. `.T` is the
+    transposed operand of a 2-D tensor with 16x16 blocks (the dgrad's weight): the same
+    tile values contracted over the other axis, `transpose_2d_blocks`.
+    """
+
+    q: NVFP4Array
+    dtype: jnp.dtype = jnp.dtype(jnp.bfloat16)
+
+    @property
+    def T(self) -> NativeBlocks:
+        """The operand transposed: only for 16x16 blocks, whose values transpose exactly."""
+        return NativeBlocks(transpose_2d_blocks(self.q), self.dtype)
+
+    def values(self) -> jax.Array:
+        """`value(code) * s_b` in `dtype`: the emulated GEMM's operand."""
+        return ops.block_values(self.q, self.dtype)
 
 
 class Operand(NamedTuple):
     """One GEMM operand, quantized along K, in the stored layout `(..., rows, K)`.
 
     Attributes:
-      data: for the emulated backend, `value(code) * s_b` in the GEMM dtype; for
-        "scaled_matmul", the packed `NVFP4Array`.
+      data: for the emulated backend, `value(code) * s_b` in the GEMM dtype, or
+        `NativeBlocks` where the native CPU GEMM runs it; for "scaled_matmul", the packed
+        `NVFP4Array`.
       decode: the f32 tensor decode factor `D = amax * RCP2688`.
     """
 
-    data: jax.Array | NVFP4Array
+    data: jax.Array | NVFP4Array | NativeBlocks
     decode: jax.Array
 
 
@@ -120,6 +158,9 @@ def quantize_operand(
         q = ops.quantize(x, axis=axis, implementation=implementation, **flags)
         return Operand(q, q.global_scale)
     amax = ops.tensor_amax(x, axis=axis, rht=rht, implementation=implementation)
+    if uses_native_gemm(backend, implementation):
+        q = ops.quantize_with_data_amax(x, amax, axis=axis, implementation=implementation, **flags)
+        return Operand(NativeBlocks(q, jnp.dtype(dtype)), reference.decode_scale(amax))
     values = ops.fake_quantize_with_data_amax(
         x,
         amax,
@@ -142,6 +183,8 @@ def array_operand(
     """A quantized tensor (quantized along K, its stored layout `(..., rows, K)`) as an operand."""
     if backend == "scaled_matmul":
         return Operand(q, q.global_scale)
+    if uses_native_gemm(backend, implementation):
+        return Operand(NativeBlocks(q, jnp.dtype(dtype)), q.global_scale)
     return Operand(ops.block_values(q, dtype, implementation=implementation), q.global_scale)
 
 
@@ -164,13 +207,18 @@ def transpose_2d_blocks(q: NVFP4Array) -> NVFP4Array:
 
 def matmul(a: Operand, b: Operand) -> jax.Array:
     """`alpha * a @ b^T` in f32: `(..., M, K) x (..., N, K) -> (..., M, N)`."""
+    if isinstance(a.data, NativeBlocks) and isinstance(b.data, NativeBlocks):
+        # The same `product * alpha`, the product summed in the kernel's fixed order.
+        qa, qb = a.data.q, b.data.q
+        return kernels.gemm(qa.codes, qa.scales, qb.codes, qb.scales, a.decode, b.decode)
     alpha = a.decode * b.decode
-    if isinstance(a.data, NVFP4Array):
-        product = _cudnn_product(a.data, b.data)
+    a_data, b_data = (d.values() if isinstance(d, NativeBlocks) else d for d in (a.data, b.data))
+    if isinstance(a_data, NVFP4Array):
+        product = _cudnn_product(a_data, b_data)
     else:
-        batch = tuple(range(a.data.ndim - 2))
-        dims = (((a.data.ndim - 1,), (b.data.ndim - 1,)), (batch, batch))
-        product = jax.lax.dot_general(a.data, b.data, dims, preferred_element_type=_F32)
+        batch = tuple(range(a_data.ndim - 2))
+        dims = (((a_data.ndim - 1,), (b_data.ndim - 1,)), (batch, batch))
+        product = jax.lax.dot_general(a_data, b_data, dims, preferred_element_type=_F32)
     return product * alpha
 
 

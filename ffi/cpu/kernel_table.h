@@ -47,6 +47,40 @@ struct DequantizeJob {
   void* out = nullptr;
 };
 
+// The NVFP4 x NVFP4 GEMM (cpu/gemm_isa.cc; docs/NUMERICS.md section 9) of one batch element:
+// out (m, n) f32 = (0.25 * sum_g d(i, j, g) * f32(sa[i, g]) * f32(sb[j, g])) * alpha, where
+// d is the exact integer dot of block g of the two rows' codes as 2 * E2M1 (in [-12, 12]),
+// every term exact in f32 and the sum taken sequentially over g = 0, 1, ..., K/16 - 1 (the
+// one rounding order, whatever the ISA and the thread count). The operands are first packed
+// (the pack functions, parallel over rows and over panels), then the tiles are computed.
+constexpr int64_t kGemmNr = 32;      // output columns per packed B panel
+constexpr int64_t kGemmMc = 64;      // output rows per tile
+constexpr int32_t kGemmAOffset = 12;  // A's packed values are 2 * E2M1 + 12, in [0, 24]
+
+struct GemmJob {
+  int64_t m = 0, n = 0, k = 0;  // k: elements along K (a multiple of 16)
+  const uint8_t* a_codes = nullptr;   // (m, k/2)
+  const uint8_t* a_scales = nullptr;  // (m, k/16) E4M3 bytes
+  const uint8_t* b_codes = nullptr;   // (n, k/2)
+  const uint8_t* b_scales = nullptr;  // (n, k/16)
+  float alpha = 1.0f;
+  float* out = nullptr;  // (m, n)
+  // Packed operands (scratch owned by the handler):
+  uint8_t* a_pack = nullptr;  // (m, k): 2 * E2M1 + 12 as u8
+  float* a_scale = nullptr;   // (m, k/16): f32 of the E4M3 scales
+  int8_t* b_pack = nullptr;   // (panels, k/16, 4, kGemmNr, 4): 2 * E2M1, zero past n
+  int32_t* b_corr = nullptr;  // (panels, k/16, kGemmNr): -12 * the block's sum of b
+  float* b_scale = nullptr;   // (panels, k/16, kGemmNr): f32 scales, zero past n
+
+  int64_t groups() const { return k / kBlock; }
+  int64_t panels() const { return (n + kGemmNr - 1) / kGemmNr; }
+  int64_t row_tiles() const { return (m + kGemmMc - 1) / kGemmMc; }
+  int64_t tiles() const { return row_tiles() * panels(); }  // row-tile major
+};
+
+// Rows [begin, end) of A, panels [begin, end) of B, tiles [begin, end) of the output.
+using GemmRangeFn = void (*)(const GemmJob& job, int64_t begin, int64_t end);
+
 // Items [begin, end) (rows, or 16-row groups for 2D); returns the max |x| bits seen.
 using QuantizeRangeFn = uint32_t (*)(const QuantizeJob& job, int64_t begin, int64_t end,
                                      uint32_t* scratch);
@@ -64,16 +98,28 @@ struct KernelTable {
   QuantizeRangeFn fake_quantize[kNumFloatTypes][kNumFloatTypes];  // [input][output]
   DequantizeRangeFn dequantize[kNumFloatTypes];                   // [output]
   RhtRangeFn rht[kNumFloatTypes];                                 // [input = output]
+  GemmRangeFn gemm_pack_a;
+  GemmRangeFn gemm_pack_b;
+  GemmRangeFn gemm_tiles;
 };
 
 namespace baseline {
 const KernelTable& Table();
+void GemmPackA(const GemmJob& job, int64_t begin, int64_t end);
+void GemmPackB(const GemmJob& job, int64_t begin, int64_t end);
+void GemmTiles(const GemmJob& job, int64_t begin, int64_t end);
 }
 namespace avx2 {
 const KernelTable& Table();
+void GemmPackA(const GemmJob& job, int64_t begin, int64_t end);
+void GemmPackB(const GemmJob& job, int64_t begin, int64_t end);
+void GemmTiles(const GemmJob& job, int64_t begin, int64_t end);
 }
 namespace avx512 {
 const KernelTable& Table();
+void GemmPackA(const GemmJob& job, int64_t begin, int64_t end);
+void GemmPackB(const GemmJob& job, int64_t begin, int64_t end);
+void GemmTiles(const GemmJob& job, int64_t begin, int64_t end);
 }
 
 // The fastest table this CPU runs, unless ForceTable chose another.

@@ -781,6 +781,9 @@ const KernelTable& Table() {
        {kFake<F32>[0], kFake<F32>[1], kFake<F32>[2]}},
       {DequantizeRange<Bf16>, DequantizeRange<F16>, DequantizeRange<F32>},
       {RhtRange<Bf16>, RhtRange<F16>, RhtRange<F32>},
+      GemmPackA,
+      GemmPackB,
+      GemmTiles,
   };
   return kTable;
 }

@@ -44,11 +44,13 @@ struct ChunkQueue {
 
 }  // namespace internal
 
-// Runs fn over [0, items) in chunks of about `grain` items, on the pool and the caller.
+// Runs fn over [0, items) in chunks of about `grain` items, on the pool and the caller;
+// on at most `max_threads` threads when it is positive.
 inline void ParallelFor(xla::ffi::ThreadPool& pool, int64_t items, int64_t grain,
-                        const ChunkFn& fn) {
+                        const ChunkFn& fn, int64_t max_threads = 0) {
   if (items <= 0) return;
-  const int64_t threads = pool.num_threads();
+  int64_t threads = pool.num_threads();
+  if (max_threads > 0) threads = std::min(threads, max_threads);
   grain = std::max<int64_t>(grain, 1);
   if (threads <= 1 || items <= grain) {
     fn(0, items);

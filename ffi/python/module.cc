@@ -7,6 +7,7 @@
 // The CPU module also has set_isa() (tests), the CUDA module probe() (checked at load).
 #include <Python.h>
 
+#include <cstdint>
 #include <cstring>
 
 #include "xla/ffi/api/c_api.h"
@@ -23,11 +24,15 @@ XLA_FFI_Error* NVFP4_HANDLER(NvFp4Quantize)(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* NVFP4_HANDLER(NvFp4FakeQuantize)(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* NVFP4_HANDLER(NvFp4Dequantize)(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* NVFP4_HANDLER(NvFp4Rht)(XLA_FFI_CallFrame* call_frame);
+#if defined(NVFP4_CPU_VARIANTS)
+XLA_FFI_Error* NvFp4GemmCpu(XLA_FFI_CallFrame* call_frame);  // CPU only
+#endif
 }
 
 #if defined(NVFP4_CPU_VARIANTS)
 namespace nvfp4::cpu {
 bool ForceTable(const char* isa);
+void SetGemmMaxThreads(int64_t n);
 }
 #endif
 
@@ -49,6 +54,9 @@ const Target kTargets[] = {
     {"nvfp4_fake_quantize", reinterpret_cast<void*>(NVFP4_HANDLER(NvFp4FakeQuantize))},
     {"nvfp4_dequantize", reinterpret_cast<void*>(NVFP4_HANDLER(NvFp4Dequantize))},
     {"nvfp4_rht", reinterpret_cast<void*>(NVFP4_HANDLER(NvFp4Rht))},
+#if defined(NVFP4_CPU_VARIANTS)
+    {"nvfp4_gemm", reinterpret_cast<void*>(NvFp4GemmCpu)},
+#endif
 };
 
 // registrations() -> {target name: PyCapsule of the XLA FFI handler}.
@@ -76,6 +84,16 @@ PyObject* SetIsa(PyObject*, PyObject* arg) {
 }
 #endif
 
+#if defined(NVFP4_CPU_VARIANTS)
+// set_gemm_threads(n) -> None: run the GEMM on at most n threads (0: all); for tests.
+PyObject* SetGemmThreads(PyObject*, PyObject* arg) {
+  const long long n = PyLong_AsLongLong(arg);
+  if (n == -1 && PyErr_Occurred()) return nullptr;
+  nvfp4::cpu::SetGemmMaxThreads(n);
+  Py_RETURN_NONE;
+}
+#endif
+
 #if defined(NVFP4_CUDA_PROBE)
 // probe() -> str: "" when this module's kernels can run on the current CUDA device, else why
 // not (no driver or device, driver too old, no kernel image for its compute capability).
@@ -94,6 +112,8 @@ PyMethodDef kMethods[] = {
     {"set_isa", SetIsa, METH_O,
      "Uses the CPU kernels built for an x86 level ('baseline', 'x86-64-v3', 'x86-64-v4'), "
      "or the best one for ''. Returns False if this CPU cannot run it. For tests."},
+    {"set_gemm_threads", SetGemmThreads, METH_O,
+     "Runs nvfp4_gemm on at most n threads (0: all the pool has). For tests."},
 #endif
 #if defined(NVFP4_CUDA_PROBE)
     {"probe", Probe, METH_NOARGS,

@@ -3,12 +3,15 @@
 Every function takes the *stored layout* (the quantized axis last, C a multiple of 16) and
 arguments the public ops (`nvfp4_jax.ops`) have already checked; each raises a ValueError
 saying why when the native library cannot run on the current platform. One module per
-target: `_amax`, `_quantize` (with fake quantize), `_dequantize`, `_rht`.
+target: `_amax`, `_quantize` (with fake quantize), `_dequantize`, `_rht`, `_gemm` (the NVFP4
+GEMM, CPU only).
 """
 
 from nvfp4_jax.kernels._amax import amax
 from nvfp4_jax.kernels._dequantize import dequantize
+from nvfp4_jax.kernels._gemm import gemm
 from nvfp4_jax.kernels._library import (
+    CPU_TARGETS,
     TARGETS,
     current_platform,
     export_safety_checks,
@@ -21,12 +24,14 @@ from nvfp4_jax.kernels._quantize import fake_quantize, quantize
 from nvfp4_jax.kernels._rht import rht
 
 __all__ = [
+    "CPU_TARGETS",
     "TARGETS",
     "amax",
     "current_platform",
     "dequantize",
     "export_safety_checks",
     "fake_quantize",
+    "gemm",
     "is_available",
     "pmax_keep_nan",
     "quantize",

@@ -31,6 +31,8 @@ TARGETS = (
     "nvfp4_dequantize",
     "nvfp4_rht",
 )
+# Targets only the CPU library has (the NVFP4 GEMM).
+CPU_TARGETS = ("nvfp4_gemm",)
 # nvfp4_jax's platform name -> (extension module, XLA platform name).
 MODULES = {"cpu": ("nvfp4_jax._nvfp4_cpu", "cpu"), "cuda": ("nvfp4_jax._nvfp4_cuda", "CUDA")}
 
@@ -58,10 +60,11 @@ def _import(platform: str):
         capsules = module.registrations()
     except Exception as error:  # noqa: BLE001  (any import failure must leave the package usable)
         return f"importing {module_name} failed: {type(error).__name__}: {error}"
-    missing = sorted(set(TARGETS) - set(capsules))
+    names = TARGETS + (CPU_TARGETS if platform == "cpu" else ())
+    missing = sorted(set(names) - set(capsules))
     if missing:
         return f"{module_name} lacks the targets {missing}; rebuild nvfp4_jax"
-    for name in TARGETS:
+    for name in names:
         jax.ffi.register_ffi_target(name, capsules[name], platform=xla_platform)
     return module
 
@@ -152,7 +155,7 @@ def export_safety_checks() -> list:
     process that runs the exported function must `import nvfp4_jax` first (the import
     registers the targets).
     """
-    return [jax.export.DisabledSafetyCheck.custom_call(name) for name in TARGETS]
+    return [jax.export.DisabledSafetyCheck.custom_call(name) for name in TARGETS + CPU_TARGETS]
 
 
 def module(platform: str):

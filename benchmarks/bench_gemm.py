@@ -1,0 +1,213 @@
+"""The NVFP4 GEMMs of issue 24 against XLA's dots, every ratio taken in one process.
+
+    python benchmarks/bench_gemm.py                 # the table (medians)
+    python benchmarks/bench_gemm.py --iters 9 --size 2048
+
+Rows (M = K = N = --size unless said):
+
+* GEMM: `scaled_matmul` of two quantized (M, K), (N, K) operands, on the CPU the native
+  exact kernel (`nvfp4_gemm`), and the XLA emulation it replaced (block values in bf16, XLA's
+  dot; "before"), against XLA's `dot_general` of the same (M, K) x (N, K) shapes in bf16
+  (f32 result; on a host with AVX512_BF16/AMX the fastest bf16 form, 3x `jnp.dot(x, y.T)`'s
+  or a bf16 result's time) and in f32.
+* dense fwd+bwd: `jit(value_and_grad)` of `sum(dot(x, W) * g)`, `nvfp4_jax.dot_general`
+  with the default recipe (native GEMMs; and "before": the XLA-emulated GEMMs) against
+  `jax.lax.dot_general` in bf16.
+* GEMV: a decode step's (1, 4096) x (4096, 14336) with the frozen NVFP4 weight as the layers
+  compute it today (`x @ dequantize(W)`) against bf16, and its bandwidth on the NVFP4
+  weight's bytes as a share of a plain copy's (`x + 1` on a f32 array of 256 MiB, read +
+  written bytes / time) measured in the same process.
+
+Prints the host's ISA (the CPU kernel variant that runs) and thread count; `uptime`'s load is
+worth noting beside the numbers on a shared host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import platform
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import nvfp4_jax
+from nvfp4_jax import NVFP4Recipe, dot_general, gemm, kernels, ops
+
+DENSE = (((1,), (0,)), ((), ()))
+NT = (((1,), (1,)), ((), ()))  # (M, K) x (N, K): the GEMM's layout, XLA's fastest bf16 form here
+F32 = jnp.float32
+
+
+def medians_ms(cases, iters: int, warmup: int = 2) -> list[float]:
+    """Median ms of each (fn, args) case, the cases run round-robin: on a shared host a
+    burst of load then falls on every case alike, and the ratios stay fair."""
+    for fn, args in cases:
+        for _ in range(warmup):
+            jax.block_until_ready(fn(*args))
+    times = [[] for _ in cases]
+    for _ in range(iters):
+        for (fn, args), out in zip(cases, times, strict=True):
+            start = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            out.append(time.perf_counter() - start)
+    return [float(np.median(t)) * 1e3 for t in times]
+
+
+@contextlib.contextmanager
+def emulated_in_xla():
+    """The GEMM as before the native kernel: block values in bf16 and XLA's dot."""
+    original = gemm.uses_native_gemm
+    gemm.uses_native_gemm = lambda backend, implementation: False
+    try:
+        yield
+    finally:
+        gemm.uses_native_gemm = original
+
+
+def host() -> str:
+    isa = "n/a"
+    module = kernels._library.module("cpu")
+    if module is not None:
+        # The variant the kernels run: the best one this CPU supports.
+        for name in ("x86-64-v4", "x86-64-v3", "baseline"):
+            if module.set_isa(name):
+                isa = name
+                break
+        module.set_isa("")
+    vnni = ""
+    with contextlib.suppress(OSError):
+        flags = open("/proc/cpuinfo").read()
+        vnni = " avx512_vnni" if "avx512_vnni" in flags else " (no avx512_vnni)"
+        model = next(line for line in flags.splitlines() if line.startswith("model name"))
+        vnni += f", {model.split(':', 1)[1].strip()}"
+    load = os.getloadavg()
+    return (
+        f"{platform.machine()}, kernel ISA {isa}{vnni}, {os.cpu_count()} cpus, "
+        f"load {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}, jax {jax.__version__}"
+    )
+
+
+def row(name, ms, base_ms=None, base_name="", extra=""):
+    ratio = f"{ms / base_ms:6.2f}x {base_name}" if base_ms else ""
+    print(f"| {name:<44} | {ms:10.2f} | {ratio:<18} | {extra}", flush=True)
+
+
+def bench_gemm(size: int, iters: int):
+    keys = jax.random.split(jax.random.key(0), 2)
+    a32 = jax.random.normal(keys[0], (size, size), jnp.float32)
+    b32 = jax.random.normal(keys[1], (size, size), jnp.float32)
+    qa, qb = nvfp4_jax.quantize(a32), nvfp4_jax.quantize(b32)
+    a16, b16 = a32.astype(jnp.bfloat16), b32.astype(jnp.bfloat16)
+    native = jax.jit(lambda p, q: gemm.scaled_matmul(p, q, backend="emulated"))
+    with emulated_in_xla():
+        before = jax.jit(lambda p, q: gemm.scaled_matmul(p, q, backend="emulated"))
+        before(qa, qb)  # traced (and compiled) while the emulation is on
+    bf16, f32, before, native = medians_ms(
+        [
+            (
+                jax.jit(lambda x, y: jax.lax.dot_general(x, y, NT, preferred_element_type=F32)),
+                (a16, b16),
+            ),
+            (jax.jit(lambda x, y: jax.lax.dot_general(x, y, NT)), (a32, b32)),
+            (before, (qa, qb)),
+            (native, (qa, qb)),
+        ],
+        iters,
+    )
+    shape = f"{size}^3"
+    row(f"XLA dot bf16 (f32 acc) {shape}", bf16)
+    row(f"XLA dot f32 {shape}", f32, bf16, "bf16")
+    row(
+        f"NVFP4 GEMM, XLA emulation (before) {shape}",
+        before,
+        bf16,
+        "bf16",
+        f"{before / f32:.2f}x f32",
+    )
+    row(f"NVFP4 GEMM, native (after) {shape}", native, bf16, "bf16", f"{native / f32:.2f}x f32")
+
+
+def bench_dense(size: int, iters: int):
+    keys = jax.random.split(jax.random.key(1), 3)
+    x = jax.random.normal(keys[0], (size, size), jnp.bfloat16)
+    w = jax.random.normal(keys[1], (size, size), jnp.bfloat16) * (size**-0.5)
+    g = jax.random.normal(keys[2], (size, size), jnp.float32)
+    key = jax.random.key(0)
+
+    def step(dot):
+        def loss(x, w, g):
+            return jnp.sum(dot(x, w).astype(jnp.float32) * g)
+
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+
+    recipe = NVFP4Recipe()
+    nvfp4 = lambda x, w: dot_general(x, w, DENSE, recipe=recipe, key=key)  # noqa: E731
+    after = step(nvfp4)
+    with emulated_in_xla():
+        before = step(nvfp4)
+        before(x, w, g)  # traced while the emulation is on
+    baseline = step(
+        lambda x, w: jax.lax.dot_general(x, w, DENSE, preferred_element_type=jnp.float32)
+    )
+    bf16, before, after = medians_ms(
+        [(baseline, (x, w, g)), (before, (x, w, g)), (after, (x, w, g))], iters
+    )
+    shape = f"{size}^3"
+    row(f"dense fwd+bwd bf16 {shape}", bf16)
+    row("dense fwd+bwd NVFP4, XLA emulation (before)", before, bf16, "bf16")
+    row("dense fwd+bwd NVFP4, native GEMMs (after)", after, bf16, "bf16")
+
+
+def bench_gemv(iters: int, k: int = 4096, n: int = 14336):
+    keys = jax.random.split(jax.random.key(2), 2)
+    x = jax.random.normal(keys[0], (1, k), jnp.bfloat16)
+    w32 = jax.random.normal(keys[1], (k, n), jnp.float32) * (k**-0.5)
+    q = nvfp4_jax.quantize(w32, axis=0)  # stored (N, K), as a frozen (in, out) kernel
+    w16 = w32.astype(jnp.bfloat16)
+    del w32
+    big = jnp.zeros((64 << 20,), jnp.float32)  # 256 MiB
+    bf16, frozen, copy_ms = medians_ms(
+        [
+            (jax.jit(lambda x, w: x @ w), (x, w16)),
+            (jax.jit(lambda x, q: jnp.matmul(x, ops.dequantize(q, jnp.bfloat16))), (x, q)),
+            (jax.jit(lambda t: t + 1), (big,)),
+        ],
+        iters,
+    )
+    copy_gbs = 2 * big.nbytes / copy_ms / 1e6
+    weight_bytes = q.codes.nbytes + q.scales.nbytes
+    share = weight_bytes / frozen / 1e6 / copy_gbs
+    row(f"GEMV (1,{k})x({k},{n}) bf16", bf16)
+    row(
+        "GEMV frozen NVFP4, x @ dequantize(W)",
+        frozen,
+        bf16,
+        "bf16",
+        f"{weight_bytes / frozen / 1e6:.1f} GB/s = {100 * share:.1f}% of copy",
+    )
+    row("copy (x + 1, f32, 256 MiB)", copy_ms, extra=f"{copy_gbs:.1f} GB/s (read + write)")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--size", type=int, default=2048)
+    parser.add_argument("--iters", type=int, default=7)
+    args = parser.parse_args()
+    print(f"host: {host()}")
+    print(
+        f"backend: {jax.default_backend()}, {jax.device_count()} device(s); medians of "
+        f"{args.iters} runs after 2 warm-ups"
+    )
+    print(f"| {'work':<44} | {'ms':>10} | {'ratio':<18} | note")
+    print(f"| {'-' * 44} | {'-' * 10} | {'-' * 18} | ---")
+    bench_gemm(args.size, args.iters)
+    bench_dense(args.size, args.iters)
+    bench_gemv(args.iters)
+
+
+if __name__ == "__main__":
+    main()
