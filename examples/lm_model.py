@@ -1,12 +1,19 @@
-"""A small Llama in Flax nnx whose linear layers can be NVFP4.
+"""A small Llama in Flax nnx whose linear layers can be NVFP4, dense or mixture-of-experts.
 
 The architecture and the module names are Hugging Face's `LlamaForCausalLM` (RMSNorm, rotary
 position embeddings, SwiGLU MLP, grouped-query attention, untied head), so a trained model
 exports with `nvfp4_jax.export_hf_checkpoint` and `nvfp4_jax.hf.llama_name_map()` as a
 checkpoint vLLM serves, and a Hugging Face / ModelOpt Llama checkpoint loads into it.
 
+With `experts > 0` every MLP is a Mixtral-style dropless mixture of experts (`MoE`): a
+high-precision router `mlp/gate` (D, X) picks the top-k of X SwiGLU experts per token, whose
+(X, in, out) kernels `mlp/experts/{gate,up,down}_proj` are `nvfp4_jax.nnx.Experts` (each
+expert's GEMMs in NVFP4 with its own tensor amaxes, or in high precision). The layout is
+Mixtral's and Qwen3-MoE's, `hf_config()` a `MixtralForCausalLM` config.
+
 Shape letters: B batch, T sequence length, D hidden size, H query heads, G key/value heads,
-E head size (D / H), F MLP size, V vocabulary.
+E head size (D / H), F MLP size, V vocabulary; MoE: X experts, K experts per token, F_x the
+size of one expert's MLP, N = B * T tokens.
 """
 
 from __future__ import annotations
@@ -48,7 +55,16 @@ class LMConfig:
     rms_norm_eps: float = 1e-6
     # None: every linear layer in bf16; else every one in NVFP4 with this recipe (to keep some
     # in bf16, build the model in bf16 and quantize it by rules: nvfp4_jax.quantize_model).
+    # The MoE router is in f32 either way.
     recipe: nvfp4_jax.NVFP4Recipe | None = None
+    # Mixture of experts: X experts per MLP (0: dense MLPs), K of them per token.
+    experts: int = 0
+    top_k: int = 2
+    # F_x, one expert's MLP size; None: F / K rounded up to a multiple of 16, so that a
+    # token's K experts cost what the dense MLP does (the same active FLOPs per token).
+    expert_intermediate: int | None = None
+    # The weight of the load-balancing loss (Switch Transformer's, 0.01 there) in training.
+    router_aux_loss_coef: float = 0.01
 
     def __post_init__(self):
         for name in ("depth", "heads", "max_len", "vocab"):
@@ -71,6 +87,24 @@ class LMConfig:
                 f"the MLP size {self.intermediate} and the key/value width "
                 f"{self.head_dim * self.kv_heads} must be multiples of 16 (NVFP4 blocks)"
             )
+        self._check_experts()
+
+    def _check_experts(self):
+        """Checks the mixture-of-experts fields; derives `expert_intermediate` when None."""
+        if self.experts < 0:
+            raise ValueError(f"experts must be >= 0 (0: dense MLPs), got {self.experts}")
+        if self.experts and not 1 <= self.top_k <= self.experts:
+            raise ValueError(f"top_k={self.top_k} must be from 1 to experts={self.experts}")
+        if self.expert_intermediate is None:
+            size = _round_up(-(-self.intermediate // self.top_k), 16) if self.experts else 0
+            object.__setattr__(self, "expert_intermediate", size)
+        if self.experts and (self.expert_intermediate < 16 or self.expert_intermediate % 16):
+            raise ValueError(
+                f"the expert MLP size {self.expert_intermediate} must be a positive multiple "
+                "of 16 (NVFP4 blocks)"
+            )
+        if not self.router_aux_loss_coef >= 0:
+            raise ValueError(f"router_aux_loss_coef must be >= 0, got {self.router_aux_loss_coef}")
 
     @property
     def head_dim(self) -> int:
@@ -78,8 +112,9 @@ class LMConfig:
         return self.width // self.heads
 
     def hf_config(self) -> dict:
-        """The Hugging Face `LlamaConfig` of this model (what `config.json` holds)."""
-        return {
+        """The Hugging Face config of this model (what `config.json` holds): a `LlamaConfig`,
+        or with experts a `MixtralConfig` (its `intermediate_size` is one expert's)."""
+        config = {
             "architectures": ["LlamaForCausalLM"],
             "model_type": "llama",
             "hidden_act": "silu",
@@ -100,11 +135,33 @@ class LMConfig:
             "dtype": "bfloat16",
             "torch_dtype": "bfloat16",
         }
+        if self.experts:
+            del config["mlp_bias"]
+            config |= {
+                "architectures": ["MixtralForCausalLM"],
+                "model_type": "mixtral",
+                "intermediate_size": self.expert_intermediate,
+                "num_local_experts": self.experts,
+                "num_experts_per_tok": self.top_k,
+                "router_aux_loss_coef": self.router_aux_loss_coef,
+                "output_router_logits": False,
+                "router_jitter_noise": 0.0,
+                "sliding_window": None,
+            }
+        return config
 
     @classmethod
     def from_hf_config(cls, config: dict, **overrides) -> LMConfig:
-        """The shape of a Hugging Face Llama config (`config.json` as a dict)."""
+        """The shape of a Hugging Face Llama or Mixtral config (`config.json` as a dict)."""
         rope = config.get("rope_parameters") or {}
+        if config.get("num_local_experts"):
+            overrides = {
+                "experts": config["num_local_experts"],
+                "top_k": config["num_experts_per_tok"],
+                "expert_intermediate": config["intermediate_size"],
+                "router_aux_loss_coef": config.get("router_aux_loss_coef", 0.01),
+                **overrides,
+            }
         return cls(
             vocab=config["vocab_size"],
             width=config["hidden_size"],
@@ -173,19 +230,113 @@ class MLP(nnx.Module):
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class Router(nnx.Module):
+    """A mixture of experts' router: (N, D) -> f32 logits (N, X), `x @ kernel` in f32, no bias.
+
+    Not an `nnx.Linear`, so that no rule ever puts it in NVFP4: engines serve routers in high
+    precision (ModelOpt leaves `gate` out of quantization), and a router's small logit
+    differences decide which experts run.
+    """
+
+    def __init__(self, width: int, experts: int, rngs: nnx.Rngs):
+        init = nnx.initializers.lecun_normal()  # nnx.Linear's default
+        self.kernel = nnx.Param(init(rngs.params(), (width, experts), jnp.float32))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kernel = self.kernel[...]
+        return jnp.dot(x.astype(jnp.float32), kernel, precision=jax.lax.Precision.HIGHEST)
+
+
+class ExpertsMLP(nnx.Module):
+    """X SwiGLU MLPs on tokens sorted by expert: down(silu(gate(x)) * up(x)), each grouped.
+
+    Each projection is an `nvfp4_jax.nnx.Experts` with an (X, in, out) kernel: every expert's
+    GEMMs in NVFP4 with its own tensor amaxes (`cfg.recipe`, or the recipe a rule gives it
+    through `nvfp4_jax.quantize_model`), or in bf16 with `recipe=None`.
+    """
+
+    def __init__(self, cfg: LMConfig, rngs: nnx.Rngs):
+        x, d, f = cfg.experts, cfg.width, cfg.expert_intermediate
+
+        def experts(d_in, d_out):
+            return nvfp4_jax.nnx.Experts(
+                x, d_in, d_out, recipe=cfg.recipe, dtype=jnp.bfloat16, rngs=rngs
+            )
+
+        self.gate_proj = experts(d, f)
+        self.up_proj = experts(d, f)
+        self.down_proj = experts(f, d)
+
+    def __call__(self, x: jax.Array, group_sizes: jax.Array) -> jax.Array:
+        h = jax.nn.silu(self.gate_proj(x, group_sizes)) * self.up_proj(x, group_sizes)
+        return self.down_proj(h, group_sizes)
+
+
+def load_balancing_loss(probs: jax.Array, chosen: jax.Array) -> jax.Array:
+    """Switch Transformer's auxiliary loss: `X * sum_x f_x * P_x`, 1 for a uniform router.
+
+    `f_x` is the share of the N * K (token, choice) pairs routed to expert x (no gradient),
+    `P_x` the mean router probability of expert x; `probs` (N, X), `chosen` (N, K).
+    """
+    x = probs.shape[-1]
+    share = jnp.mean(jax.nn.one_hot(chosen, x, dtype=jnp.float32), axis=(0, 1))
+    return x * jnp.sum(share * jnp.mean(probs, axis=0))
+
+
+class MoE(nnx.Module):
+    """A Mixtral-style dropless mixture of SwiGLU experts: (B, T, D) -> (f32 (B, T, D), aux).
+
+    The router `gate` scores the X experts of every token in f32 (softmax), the top K are
+    kept and their weights renormalized to sum to 1 (Mixtral). The N * K (token, choice)
+    pairs are sorted by expert (a stable sort: each expert's tokens stay in token order),
+    the tokens gathered and run through `experts` grouped (`group_sizes`, a bincount), and
+    the results put back in pair order and summed over each token's K choices with their
+    weights. No token is dropped: every expert takes all the tokens routed to it.
+    """
+
+    def __init__(self, cfg: LMConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.gate = Router(cfg.width, cfg.experts, rngs)
+        self.experts = ExpertsMLP(cfg, rngs)
+
+    def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Tokens (N, D) -> (router probabilities (N, X), chosen experts (N, K) int32, their
+        renormalized weights (N, K) f32)."""
+        probs = jax.nn.softmax(self.gate(x), axis=-1)
+        top_p, chosen = jax.lax.top_k(probs, self.cfg.top_k)
+        return probs, chosen, top_p / jnp.sum(top_p, axis=-1, keepdims=True)
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        shape, k = x.shape, self.cfg.top_k
+        tokens = x.reshape(-1, shape[-1])
+        probs, chosen, weights = self.route(tokens)
+        expert = chosen.reshape(-1)  # pair p: token p // K, its choice p % K
+        order = jnp.argsort(expert, stable=True)
+        group_sizes = jnp.bincount(expert, length=self.cfg.experts).astype(jnp.int32)
+        out = self.experts(tokens[order // k], group_sizes)
+        pairs = jnp.arange(order.shape[0], dtype=order.dtype)
+        place = jnp.zeros_like(order).at[order].set(pairs)  # the inverse permutation
+        out = out[place].reshape(tokens.shape[0], k, -1).astype(jnp.float32)
+        y = jnp.sum(out * weights[..., None], axis=1)
+        return y.reshape(shape), load_balancing_loss(probs, chosen)
+
+
 class DecoderLayer(nnx.Module):
-    """Pre-norm attention and MLP, each with a residual connection."""
+    """Pre-norm attention and MLP (dense or `MoE`), each with a residual connection."""
 
     def __init__(self, cfg: LMConfig, rngs: nnx.Rngs):
         eps = cfg.rms_norm_eps
         self.input_layernorm = nnx.RMSNorm(cfg.width, epsilon=eps, rngs=rngs)
         self.self_attn = Attention(cfg, rngs)
         self.post_attention_layernorm = nnx.RMSNorm(cfg.width, epsilon=eps, rngs=rngs)
-        self.mlp = MLP(cfg, rngs)
+        self.mlp = MoE(cfg, rngs) if cfg.experts else MLP(cfg, rngs)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Returns the output and the MoE's load-balancing loss (0 for a dense MLP)."""
         x = x + self.self_attn(self.input_layernorm(x)).astype(x.dtype)
-        return x + self.mlp(self.post_attention_layernorm(x)).astype(x.dtype)
+        y = self.mlp(self.post_attention_layernorm(x))
+        y, aux = y if isinstance(self.mlp, MoE) else (y, jnp.zeros((), jnp.float32))
+        return x + y.astype(x.dtype), aux
 
 
 class TransformerLM(nnx.Module):
@@ -198,21 +349,43 @@ class TransformerLM(nnx.Module):
         self.norm = nnx.RMSNorm(cfg.width, epsilon=cfg.rms_norm_eps, rngs=rngs)
         self.lm_head = linear(cfg, cfg.width, cfg.vocab, rngs)
 
+    def forward(self, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(f32 logits for every position, the mean load-balancing loss of the MoE layers)."""
+        x = self.embed_tokens(tokens)
+        aux = jnp.zeros((), jnp.float32)
+        for layer in self.layers:
+            x, layer_aux = layer(x)
+            aux = aux + layer_aux
+        return self.lm_head(self.norm(x)).astype(jnp.float32), aux / len(self.layers)
+
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """Returns f32 logits for every position."""
-        x = self.embed_tokens(tokens)
-        for layer in self.layers:
-            x = layer(x)
-        return self.lm_head(self.norm(x)).astype(jnp.float32)
+        return self.forward(tokens)[0]
 
 
 Llama = TransformerLM
 
 
+def _cross_entropy(logits: jax.Array, batch: jax.Array) -> jax.Array:
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+
+
 def loss_fn(model: TransformerLM, batch: jax.Array) -> jax.Array:
     """Mean next-token cross-entropy (nats) of a (B, T + 1) batch of tokens."""
-    logits = model(batch[:, :-1])
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+    return _cross_entropy(model(batch[:, :-1]), batch)
+
+
+def train_loss_fn(model: TransformerLM, batch: jax.Array) -> tuple[jax.Array, tuple]:
+    """The training objective and (cross-entropy, load-balancing loss), for `has_aux=True`.
+
+    The objective is the cross-entropy (`loss_fn`) plus, with experts, the load-balancing
+    loss times `router_aux_loss_coef`.
+    """
+    logits, aux = model.forward(batch[:, :-1])
+    loss = _cross_entropy(logits, batch)
+    if not model.cfg.experts:
+        return loss, (loss, aux)
+    return loss + model.cfg.router_aux_loss_coef * aux, (loss, aux)
 
 
 def _module_at(model: nnx.Module, path: tuple) -> nnx.Module:
@@ -244,6 +417,11 @@ def from_params(
         *parent, name = path
         if name == "input_scale":
             continue
+        if nvfp4_jax.is_nvfp4_array(leaf) and len(leaf.shape) != 2:
+            raise ValueError(
+                f"from_params: {'/'.join(map(str, path))} is a quantized {leaf.shape} kernel; "
+                "only 2-D (linear) ones load frozen, not quantized experts yet"
+            )
         if nvfp4_jax.is_nvfp4_array(leaf):
             owner = _module_at(model, tuple(parent[:-1]))
             sibling = params
@@ -260,7 +438,7 @@ def from_params(
             continue
         module = _module_at(model, tuple(parent))
         value = jnp.asarray(leaf)
-        if name == "kernel":
+        if name == "kernel" and not isinstance(module, Router):  # the router stays f32
             module.dtype = dtype
         setattr(module, name, nnx.Param(value.astype(jnp.float32)))
     return model

@@ -2,10 +2,15 @@
 
     python examples/train_lm.py                       # both recipes, CPU-sized defaults
     python examples/train_lm.py --recipe nvfp4 --steps 2000 --width 512 --depth 8 --batch 64
+    python examples/train_lm.py --experts 4 --top-k 2 # a mixture of experts (Mixtral-style)
 
 The text is the Python documentation every CPython install carries (`pydoc_data.topics`),
 split 90/10 into train and validation; `--data PATH` trains on a text file of your own.
 Both runs start from the same initial weights and see the same batches in the same order.
+With `--experts`, every MLP is a dropless mixture of experts: an f32 router (never quantized)
+picks `--top-k` experts per token, the experts' grouped GEMMs follow the same rules as the
+linear layers (`--bf16-first/--bf16-last/--keep-bf16/--rules` keep them in bf16 too), and a
+load-balancing loss (`--aux-loss-coef`) is added to the training loss and reported apart.
 The output folder gets `results.json`, `curves.png` and orbax checkpoints (`--resume`).
 Every flag is checked before anything runs: a bad value or combination exits with status 2
 and a message naming the flag.
@@ -35,7 +40,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from lm_model import LMConfig, TransformerLM, loss_fn
+from lm_model import LMConfig, TransformerLM, loss_fn, train_loss_fn
 
 import nvfp4_jax
 
@@ -68,7 +73,16 @@ RESUME_FLAGS = (
     "rules",
     "suggest_share",
     "disable",
+    "experts",
+    "top_k",
+    "expert_intermediate",
+    "aux_loss_coef",
 )
+# What a checkpoint made before a flag existed was made with (it records no value for it).
+RESUME_DEFAULTS = {"experts": 0, "top_k": 2, "expert_intermediate": None, "aux_loss_coef": 0.01}
+# The MoE's defaults: experts per token, the load-balancing loss's weight (Switch's 0.01).
+DEFAULT_TOP_K = 2
+DEFAULT_AUX_LOSS_COEF = 0.01
 
 
 class UsageError(Exception):
@@ -151,6 +165,17 @@ def _regex(text: str) -> str:
     except re.error as error:
         raise argparse.ArgumentTypeError(f"not a regular expression ({error}): {text!r}") from None
     return text
+
+
+def _non_negative_float(text: str) -> float:
+    """An argparse `type`: a finite number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
 
 
 def _share(text: str) -> float:
@@ -259,6 +284,33 @@ def build_parser() -> argparse.ArgumentParser:
         help="turn off a switch of the NVFP4 recipe (repeatable)",
     )
     p.add_argument(
+        "--experts",
+        type=_integer(0),
+        default=0,
+        help="a mixture of this many experts in every MLP (default 0: dense MLPs)",
+    )
+    p.add_argument(
+        "--top-k",
+        type=_integer(1),
+        default=None,
+        help=f"experts per token, from 1 to --experts (default {DEFAULT_TOP_K}; needs --experts)",
+    )
+    expert_rule = f"a positive multiple of {nvfp4_jax.BLOCK_SIZE} (the NVFP4 block size)"
+    p.add_argument(
+        "--expert-intermediate",
+        type=_integer(nvfp4_jax.BLOCK_SIZE, multiple_of=nvfp4_jax.BLOCK_SIZE, what=expert_rule),
+        default=None,
+        help="one expert's MLP size (default: the dense MLP size / --top-k, rounded up to a "
+        "multiple of 16: the dense model's compute per token; needs --experts)",
+    )
+    p.add_argument(
+        "--aux-loss-coef",
+        type=_non_negative_float,
+        default=None,
+        help=f"weight of the load-balancing loss added to the training loss (default "
+        f"{DEFAULT_AUX_LOSS_COEF}; needs --experts)",
+    )
+    p.add_argument(
         "--eval-every",
         type=_integer(1),
         default=None,
@@ -287,12 +339,27 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _check_moe_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The mixture-of-experts flags: they need --experts; fills in their defaults."""
+    if not args.experts:
+        for name in ("top_k", "expert_intermediate", "aux_loss_coef"):
+            if getattr(args, name) is not None:
+                p.error(f"--{name.replace('_', '-')} needs --experts (a mixture of experts)")
+    if args.top_k is None:
+        args.top_k = min(DEFAULT_TOP_K, args.experts or DEFAULT_TOP_K)
+    elif args.top_k > args.experts:
+        p.error(f"--top-k {args.top_k} is more than --experts {args.experts}")
+    if args.aux_loss_coef is None:
+        args.aux_loss_coef = DEFAULT_AUX_LOSS_COEF
+
+
 def parse_args(argv=None, parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
     """Parses and checks the command line; bad values exit with a message naming the flag."""
     p = build_parser() if parser is None else parser
     args = p.parse_args(argv)
     if args.width % args.heads:
         p.error(f"--heads {args.heads} must divide --width {args.width}")
+    _check_moe_flags(p, args)
     if args.bf16_first + args.bf16_last > args.depth + 1:
         p.error(
             f"--bf16-first {args.bf16_first} plus --bf16-last {args.bf16_last} is more than the "
@@ -389,7 +456,16 @@ def nvfp4_recipe(args) -> nvfp4_jax.NVFP4Recipe:
 def model_config(args, recipe_name: str) -> LMConfig:
     """The model shape the flags ask for: plain layers, quantized afterwards by rules."""
     del recipe_name
-    return LMConfig(width=args.width, depth=args.depth, heads=args.heads, max_len=args.seq_len)
+    return LMConfig(
+        width=args.width,
+        depth=args.depth,
+        heads=args.heads,
+        max_len=args.seq_len,
+        experts=getattr(args, "experts", 0),
+        top_k=getattr(args, "top_k", DEFAULT_TOP_K),
+        expert_intermediate=getattr(args, "expert_intermediate", None),
+        router_aux_loss_coef=getattr(args, "aux_loss_coef", DEFAULT_AUX_LOSS_COEF),
+    )
 
 
 def model_rules(args) -> list[nvfp4_jax.Rule]:
@@ -501,10 +577,12 @@ def make_optimizer(model, args) -> nnx.Optimizer:
 
 @nnx.jit
 def train_step(model, optimizer, batch):
-    """One optimizer step; returns the loss."""
-    loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
+    """One optimizer step; returns the cross-entropy and the MoE's load-balancing loss (0 for
+    a dense model), both before the update. The gradient is the objective's (`train_loss_fn`:
+    with experts, the cross-entropy plus `--aux-loss-coef` times the load-balancing loss)."""
+    (_, (loss, aux)), grads = nnx.value_and_grad(train_loss_fn, has_aux=True)(model, batch)
     optimizer.update(model, grads)
-    return loss
+    return loss, aux
 
 
 @nnx.jit
@@ -638,6 +716,7 @@ def check_resume(args, names: tuple[str, ...], config: dict) -> None:
                 f"--resume: the {name} checkpoint in {checkpoints.folder} does not record the "
                 "flags it was made with (an older version of this script); start a new run"
             )
+        saved = {**RESUME_DEFAULTS, **saved}
         changes = [
             _config_change(k, saved.get(k), v) for k, v in config.items() if saved.get(k) != v
         ]
@@ -710,10 +789,13 @@ def run(recipe_name: str, args, train, val, config: dict, console: Console, rule
         for step in range(start_step + 1, last + 1):
             batch = batch_at(train, step, args.batch, args.seq_len, args.seed)
             begin = time.perf_counter()
-            loss = float(step_fn(batch))
+            loss, aux = step_fn(batch)
+            loss = float(loss)
             step_seconds.append(time.perf_counter() - begin)
             history["step"].append(step)
             history["train_loss"].append(loss)
+            if args.experts:
+                history.setdefault("aux_loss", []).append(float(aux))
             if step % args.eval_every == 0 or step == args.steps:
                 history["val_step"].append(step)
                 history["val_loss"].append(float(eval_loss(model, val_batches)))
@@ -746,7 +828,7 @@ def run(recipe_name: str, args, train, val, config: dict, console: Console, rule
 def _final(history: dict, tail: int) -> dict:
     """The final losses of one history (None where it has none)."""
     train = history["train_loss"][-tail:]
-    return {
+    final = {
         "final_train_loss": float(np.mean(train)) if train else None,
         "final_val_loss": history["val_loss"][-1] if history["val_loss"] else None,
         "seconds": history["seconds"],
@@ -754,6 +836,10 @@ def _final(history: dict, tail: int) -> dict:
         "first_step_seconds": history.get("first_step_seconds"),
         "diverged_at": history.get("diverged_at"),
     }
+    if "aux_loss" in history:  # a mixture of experts: its load-balancing loss, apart
+        aux = history["aux_loss"][-tail:]
+        final["final_aux_loss"] = float(np.mean(aux)) if aux else None
+    return final
 
 
 def _gap(val: float | None, base: float | None) -> float | None:
@@ -777,20 +863,25 @@ def summarize(histories: dict, args, console: Console) -> dict:
         caption="; ".join(f"{name} diverged at step {step}" for name, step in diverged.items())
         or None,
     )
+    moe = bool(args.experts)
     columns = ("recipe", "train loss", "val loss", "val gap vs bf16", "time (s)", "ms/step")
+    if moe:  # the load-balancing loss, apart from the cross-entropy (1: a uniform router)
+        columns = (*columns[:2], "aux loss", *columns[2:])
     for column in columns:
         table.add_column(column, justify="right")
     base = rows.get("bf16", {}).get("final_val_loss")
     for name, r in rows.items():
         r["relative_val_gap"] = gap = _gap(r["final_val_loss"], base)
-        table.add_row(
+        cells = [
             f"{name} (diverged)" if name in diverged else name,
             _number(r["final_train_loss"]),
+            *([_number(r.get("final_aux_loss"))] if moe else []),
             _number(r["final_val_loss"]),
             "-" if gap is None else f"{100 * gap:+.2f}%",
             f"{r['seconds']:.0f}",
             "-" if r["step_ms"] is None else f"{r['step_ms']:.0f}",
-        )
+        ]
+        table.add_row(*cells)
     console.print(table)
     return rows
 
@@ -902,6 +993,13 @@ def train_and_report(args) -> dict:
         f"batch {args.batch}x{args.seq_len}, {args.steps} steps",
         markup=False,
     )
+    if args.experts:
+        cfg = model_config(args, "bf16")
+        console.print(
+            f"mixture of experts: {cfg.experts} experts of MLP size {cfg.expert_intermediate}, "
+            f"top-{cfg.top_k}, load-balancing loss weight {cfg.router_aux_loss_coef}",
+            markup=False,
+        )
     rules = diagnose(args, train, args.out, console) if "nvfp4" in names else None
     histories = {name: run(name, args, train, val, config, console, rules) for name in names}
     if args.stop_after is not None and args.stop_after < args.steps:

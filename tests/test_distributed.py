@@ -89,6 +89,9 @@ JIT_CASES = {
     "rows_sharded_3d_sr": ((16, 8, 64), P(AXIS, None, None), {"stochastic_rounding": True}),
     "middle_axis_sharded_3d_sr": ((4, 16, 64), P(None, AXIS, None), {"stochastic_rounding": True}),
     "rows_sharded_2d_8_rows": ((64, 64), P(AXIS, None), {"block_2d": True}),
+    # One block along the quantized axis (a 16-wide head): a size-1 factor in the rule.
+    "rows_sharded_one_block": ((256, 16), P(AXIS, None), {"axis": -1}),
+    "rows_sharded_one_block_sr": ((256, 16), P(AXIS, None), {"stochastic_rounding": True}),
 }
 
 

@@ -135,12 +135,14 @@ def _poison_values(results, bad):
 
 
 @functools.cache
-def _partitioned_quantize(ndim: int, block_2d: bool, rht: bool, sr: bool):
+def _partitioned_quantize(ndim: int, block_2d: bool, rht: bool, sr: bool, one_block: bool):
     raw = part.positional(_call_quantize, block_2d=block_2d, rht=rht, stochastic_rounding=sr)
     infer, partition = _blockwise_rule(
         raw, block_2d=block_2d, sr=sr, blocked=2, poison=_poison_codes
     )
     d = part.dims(ndim)
+    if one_block:  # (..., 16): Shardy refuses a compound factor (s k) whose s has size 1
+        return part.with_rule(raw, partition, infer, f"{d} k, , w -> {d} h, {d} s, ")
     rule = f"{d} (s k), , w -> {d} (s h), {d} s, "
     return part.with_rule(raw, partition, infer, rule, k=_BLOCK, h=_BLOCK // 2)
 
@@ -178,7 +180,8 @@ def quantize(
     """
     _library.require("quantize")
     sr = seed is not None
-    op = _partitioned_quantize(x.ndim - 1, bool(block_2d), bool(rht), sr)
+    one_block = x.shape[-1] == _BLOCK
+    op = _partitioned_quantize(x.ndim - 1, bool(block_2d), bool(rht), sr, one_block)
     operands = (x, jnp.asarray(amax, _F32).reshape(()), _seed_operand(seed))
     return part.vary_like(tuple(op(*operands)), *operands)
 
