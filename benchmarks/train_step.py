@@ -69,14 +69,14 @@ def main() -> None:
     built = {r: build(example, r) for r in RECIPES}
     for recipe, (model, optimizer, step_fn) in built.items():
         ops, lower_s, compile_s = program_stats(model, optimizer, batch(0))
-        float(step_fn(batch(0)))  # the cached step compiles its own program once
+        float(step_fn(batch(0))[0])  # (loss, aux); the cached step compiles its own program once
         times = f"trace + lower {lower_s:.1f} s, compile {compile_s:.1f} s"
         print(f"{recipe:>5s}: {ops:,} StableHLO ops, {times}")
     seconds = {r: [] for r in RECIPES}
     for i in range(args.steps):
         for recipe, (_, _, step_fn) in built.items():
             start = time.perf_counter()
-            float(step_fn(batch(i + 1)))
+            float(step_fn(batch(i + 1))[0])
             seconds[recipe].append(time.perf_counter() - start)
     median = {r: 1e3 * statistics.median(s) for r, s in seconds.items()}
     for recipe in RECIPES:

@@ -40,7 +40,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.extend.random import threefry_2x32
 
 from nvfp4_jax import formats, gemm
 from nvfp4_jax import ops as nvfp4_ops
@@ -235,6 +234,30 @@ def _key_words(keys) -> jax.Array:
     return jax.vmap(lambda k: jax.random.bits(k, (2,), _U32))(keys)
 
 
+# Threefry-2x32's rotation distances, rounds 0-3 and 4-7 (Salmon et al., "Parallel random
+# numbers: as easy as 1, 2, 3", SC 2011), and its key-schedule parity constant.
+_THREEFRY_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
+_THREEFRY_PARITY = 0x1BD11BDA
+
+
+def _threefry_2x32(k0, k1, x0, x1) -> tuple[jax.Array, jax.Array]:
+    """Threefry-2x32 with 20 rounds, elementwise over arrays of keys and counters (uint32).
+
+    Bit for bit `jax.extend.random.threefry_2x32((k0, k1), (x0, x1))` (a test holds them
+    equal), written out so that XLA fuses it into one elementwise loop: with a key per
+    element, `vmap` of JAX's primitive lowers on the CPU to a rolled loop, 3x slower.
+    """
+    keys = (k0, k1, k0 ^ k1 ^ _U32(_THREEFRY_PARITY))
+    x0, x1 = x0 + keys[0], x1 + keys[1]
+    for i in range(5):
+        for r in _THREEFRY_ROTATIONS[i % 2]:
+            x0 = x0 + x1
+            x1 = ((x1 << _U32(r)) | (x1 >> _U32(32 - r))) ^ x0
+        x0 = x0 + keys[(i + 1) % 3]
+        x1 = x1 + keys[(i + 2) % 3] + _U32(i + 1)
+    return x0, x1
+
+
 def _random_bytes(words, chunk_group, counter) -> jax.Array:
     """The 8 SR bytes of every 8-element chunk: uint8 `(*counter.shape, 8)`.
 
@@ -243,15 +266,12 @@ def _random_bytes(words, chunk_group, counter) -> jax.Array:
     its element e takes byte e of `w0 | w1 << 32`, least significant first (section 7).
     """
     table = jnp.concatenate([words, jnp.zeros((1, 2), _U32)])
-    k = table[chunk_group.reshape(-1)]
-
-    def one(k0, k1, j):
-        return threefry_2x32((k0, k1), jnp.stack([_U32(0), j]))
-
-    hashed = jax.vmap(one)(k[:, 0], k[:, 1], counter.reshape(-1).astype(_U32))
+    k = table[chunk_group]
+    count = counter.astype(_U32)
+    hashed = _threefry_2x32(k[..., 0], k[..., 1], jnp.zeros_like(count), count)
     shifts = jnp.arange(0, 32, 8, dtype=_U32)
-    parts = [(hashed[:, i, None] >> shifts) & _U32(0xFF) for i in (0, 1)]
-    return jnp.concatenate(parts, axis=1).astype(jnp.uint8).reshape(*counter.shape, 8)
+    parts = [(word[..., None] >> shifts) & _U32(0xFF) for word in hashed]
+    return jnp.concatenate(parts, axis=-1).astype(jnp.uint8)
 
 
 def _row_random(words, groups: _Groups, n: int) -> jax.Array:

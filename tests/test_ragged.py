@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import DENSE, assert_same_bits
+from jax.extend.random import threefry_2x32
 
 import nvfp4_jax
 from nvfp4_jax import NVFP4Recipe, dot_general, kernels, ragged_dot
@@ -431,3 +432,12 @@ def test_signature_and_dtypes_follow_jax_ragged_dot():
     empty = ragged_dot(jnp.ones((16, 32)), jnp.ones((0, 32, 16)), jnp.zeros((0,), jnp.int32))
     assert empty.shape == (16, 16) and not np.any(np.asarray(empty))
     assert math.prod(empty.shape) == 256
+
+
+def test_the_written_out_threefry_is_jax_threefry_bit_for_bit():
+    rng = np.random.default_rng(7)
+    words = rng.integers(0, 2**32, (4, 4096), dtype=np.uint32)
+    k0, k1, x0, x1 = (jnp.asarray(w) for w in words)
+    ours = jax.jit(ragged_module._threefry_2x32)(k0, k1, x0, x1)
+    theirs = jax.vmap(lambda a, b, c, d: threefry_2x32((a, b), jnp.stack([c, d])))(k0, k1, x0, x1)
+    np.testing.assert_array_equal(np.stack([np.asarray(o) for o in ours], -1), theirs)
