@@ -14,9 +14,11 @@ Rows (M = K = N = --size unless said):
   with the default recipe (native GEMMs; and "before": the XLA-emulated GEMMs) against
   `jax.lax.dot_general` in bf16.
 * GEMV: a decode step's (1, 4096) x (4096, 14336) with the frozen NVFP4 weight as the layers
-  compute it today (`x @ dequantize(W)`) against bf16, and its bandwidth on the NVFP4
-  weight's bytes as a share of a plain copy's (`x + 1` on a f32 array of 256 MiB, read +
-  written bytes / time) measured in the same process.
+  computed it before (`x @ dequantize(W)`) and as they do now on the CPU (the native W4A16
+  kernel, `gemm.weight_only_matmul`; also with 8 rows), against bf16, and the bandwidth on
+  the NVFP4 weight's bytes as a share of a plain copy's (`x + 1` on a f32 array of 256 MiB,
+  read + written bytes / time) measured in the same process.
+* On a host with AMX-INT8 the native GEMM is also timed with its opt-in AMX tiles.
 
 Prints the host's ISA (the CPU kernel variant that runs) and thread count; `uptime`'s load is
 worth noting beside the numbers on a shared host.
@@ -42,15 +44,18 @@ NT = (((1,), (1,)), ((), ()))  # (M, K) x (N, K): the GEMM's layout, XLA's faste
 F32 = jnp.float32
 
 
-def medians_ms(cases, iters: int, warmup: int = 2) -> list[float]:
+def medians_ms(cases, iters: int, warmup: int = 2, pause: float = 0.02) -> list[float]:
     """Median ms of each (fn, args) case, the cases run round-robin: on a shared host a
-    burst of load then falls on every case alike, and the ratios stay fair."""
+    burst of load then falls on every case alike, and the ratios stay fair. Each timed call
+    follows a `pause` (s): XLA's own pool threads spin for a while after a long op (the bf16
+    GEMV), and a short native kernel started at once ran up to 2x slower beside them."""
     for fn, args in cases:
         for _ in range(warmup):
             jax.block_until_ready(fn(*args))
     times = [[] for _ in cases]
     for _ in range(iters):
         for (fn, args), out in zip(cases, times, strict=True):
+            time.sleep(pause)
             start = time.perf_counter()
             jax.block_until_ready(fn(*args))
             out.append(time.perf_counter() - start)
@@ -106,18 +111,30 @@ def bench_gemm(size: int, iters: int):
     with emulated_in_xla():
         before = jax.jit(lambda p, q: gemm.scaled_matmul(p, q, backend="emulated"))
         before(qa, qb)  # traced (and compiled) while the emulation is on
-    bf16, f32, before, native = medians_ms(
-        [
-            (
-                jax.jit(lambda x, y: jax.lax.dot_general(x, y, NT, preferred_element_type=F32)),
-                (a16, b16),
-            ),
-            (jax.jit(lambda x, y: jax.lax.dot_general(x, y, NT)), (a32, b32)),
-            (before, (qa, qb)),
-            (native, (qa, qb)),
-        ],
-        iters,
-    )
+    module = kernels._library.module("cpu")
+    has_amx = module is not None and module.set_gemm_amx(True)
+    if module is not None:
+        module.set_gemm_amx(False)
+
+    def with_amx(qa, qb):
+        module.set_gemm_amx(True)  # read when the kernel runs: on for this case only
+        try:
+            return jax.block_until_ready(native(qa, qb))
+        finally:
+            module.set_gemm_amx(False)
+
+    cases = [
+        (
+            jax.jit(lambda x, y: jax.lax.dot_general(x, y, NT, preferred_element_type=F32)),
+            (a16, b16),
+        ),
+        (jax.jit(lambda x, y: jax.lax.dot_general(x, y, NT)), (a32, b32)),
+        (before, (qa, qb)),
+        (native, (qa, qb)),
+    ]
+    if has_amx:
+        cases.append((with_amx, (qa, qb)))
+    bf16, f32, before, native_ms, *amx = medians_ms(cases, iters)
     shape = f"{size}^3"
     row(f"XLA dot bf16 (f32 acc) {shape}", bf16)
     row(f"XLA dot f32 {shape}", f32, bf16, "bf16")
@@ -128,7 +145,21 @@ def bench_gemm(size: int, iters: int):
         "bf16",
         f"{before / f32:.2f}x f32",
     )
-    row(f"NVFP4 GEMM, native (after) {shape}", native, bf16, "bf16", f"{native / f32:.2f}x f32")
+    row(
+        f"NVFP4 GEMM, native (after) {shape}",
+        native_ms,
+        bf16,
+        "bf16",
+        f"{native_ms / f32:.2f}x f32",
+    )
+    if amx:
+        row(
+            f"  the same, AMX-INT8 tiles (opt-in) {shape}",
+            amx[0],
+            bf16,
+            "bf16",
+            f"{amx[0] / f32:.2f}x f32",
+        )
 
 
 def bench_dense(size: int, iters: int):
@@ -170,25 +201,28 @@ def bench_gemv(iters: int, k: int = 4096, n: int = 14336):
     w16 = w32.astype(jnp.bfloat16)
     del w32
     big = jnp.zeros((64 << 20,), jnp.float32)  # 256 MiB
-    bf16, frozen, copy_ms = medians_ms(
+    xs = jax.random.normal(keys[0], (8, k), jnp.bfloat16)
+    bf16, frozen, native, native8, copy_ms = medians_ms(
         [
             (jax.jit(lambda x, w: x @ w), (x, w16)),
             (jax.jit(lambda x, q: jnp.matmul(x, ops.dequantize(q, jnp.bfloat16))), (x, q)),
+            (jax.jit(gemm.weight_only_matmul), (x, q)),
+            (jax.jit(gemm.weight_only_matmul), (xs, q)),
             (jax.jit(lambda t: t + 1), (big,)),
         ],
         iters,
     )
     copy_gbs = 2 * big.nbytes / copy_ms / 1e6
     weight_bytes = q.codes.nbytes + q.scales.nbytes
-    share = weight_bytes / frozen / 1e6 / copy_gbs
+
+    def bandwidth(ms):
+        share = weight_bytes / ms / 1e6 / copy_gbs
+        return f"{weight_bytes / ms / 1e6:.1f} GB/s = {100 * share:.1f}% of copy"
+
     row(f"GEMV (1,{k})x({k},{n}) bf16", bf16)
-    row(
-        "GEMV frozen NVFP4, x @ dequantize(W)",
-        frozen,
-        bf16,
-        "bf16",
-        f"{weight_bytes / frozen / 1e6:.1f} GB/s = {100 * share:.1f}% of copy",
-    )
+    row("GEMV frozen NVFP4, x @ dequantize(W) (before)", frozen, bf16, "bf16", bandwidth(frozen))
+    row("GEMV frozen NVFP4, native W4A16 (after)", native, bf16, "bf16", bandwidth(native))
+    row("  the same, 8 rows (8,4096)", native8, bf16, "bf16", bandwidth(native8))
     row("copy (x + 1, f32, 256 MiB)", copy_ms, extra=f"{copy_gbs:.1f} GB/s (read + write)")
 
 

@@ -37,10 +37,18 @@ class NVFP4Array:
         `D` to use instead of `amax * RCP2688` (docs/NUMERICS.md section 3). Only a tensor
         read from another tool's checkpoint carries one (ModelOpt's `weight_scale_2` is
         `amax / 2688`, which no f32 amax times `RCP2688` reproduces in every case); then
-        `amax` is `D * 2688`, the amax it stands for.
+        `amax` is `D * 2688`, the amax it stands for. A Four Over Six tensor always carries
+        its `D = amax * f32(1/(6 * e4m3_max))` here (section 13), so that whatever stores or
+        exports only the leaves keeps the right factor; its `amax` is the real tensor amax.
+      * `four_over_six`: None (plain NVFP4), or "mae" / "mse": the block scales were chosen
+        by Four Over Six with that error measure (docs/NUMERICS.md section 13). The stored
+        format is plain NVFP4 either way.
+      * `e4m3_max`: the E4M3 maximum M of the global scale, `S_enc = 6M / A`: 448 for plain
+        NVFP4; 256 or 448 under Four Over Six.
 
     Leaves: `codes`, `scales`, `amax`, `decode_scale` (when not None). Static metadata:
-    `dtype` (of the tensor that was quantized), `axis`, `block_2d`, `rht`.
+    `dtype` (of the tensor that was quantized), `axis`, `block_2d`, `rht`, `four_over_six`,
+    `e4m3_max`.
     """
 
     codes: jax.Array
@@ -51,13 +59,19 @@ class NVFP4Array:
     block_2d: bool = dataclasses.field(metadata=dict(static=True))
     rht: bool = dataclasses.field(metadata=dict(static=True))
     decode_scale: jax.Array | None = None
+    four_over_six: str | None = dataclasses.field(default=None, metadata=dict(static=True))
+    e4m3_max: int = dataclasses.field(default=448, metadata=dict(static=True))
 
     @property
     def global_scale(self) -> jax.Array:
-        """The tensor decode factor D: `decode_scale` if set, else `amax * RCP2688`."""
+        """The tensor decode factor D: `decode_scale` if set, else `amax * f32(1/(6M))`.
+
+        `M = e4m3_max`: 448 (`amax * RCP2688`) except for a Four Over Six tensor made with
+        M = 256, which carries its D in `decode_scale` anyway.
+        """
         if self.decode_scale is not None:
             return jnp.asarray(self.decode_scale, jnp.float32)
-        return formats.decode_scale(self.amax)
+        return formats.decode_scale(self.amax, self.e4m3_max)
 
     @property
     def stored_shape(self) -> tuple[int, ...]:
@@ -92,9 +106,14 @@ class NVFP4Array:
         return _dequantize_method(self, dtype, implementation=implementation)
 
     def __repr__(self) -> str:
+        four_over_six = (
+            ""
+            if self.four_over_six is None
+            else f", four_over_six={self.four_over_six!r}, e4m3_max={self.e4m3_max}"
+        )
         return (
             f"NVFP4Array(shape={self.shape}, dtype={jnp.dtype(self.dtype).name}, axis={self.axis}, "
-            f"block_2d={self.block_2d}, rht={self.rht})"
+            f"block_2d={self.block_2d}, rht={self.rht}{four_over_six})"
         )
 
 
@@ -167,6 +186,11 @@ def _validate_metadata(q: NVFP4Array, name: str, codes: tuple[int, ...], rank: i
     if q.block_2d and (rank < 2 or codes[-2] % formats.BLOCK_SIZE):
         raise ValueError(f"{name}: block_2d needs rows in multiples of 16, got codes {codes}")
     formats.check_dtype(q.dtype, name, "dtype")
+    mode, _ = formats.check_four_over_six(q.four_over_six, q.e4m3_max, name, "e4m3_max")
+    if mode is None and q.e4m3_max != formats.E4M3_MAX:
+        raise ValueError(
+            f"{name}: e4m3_max={q.e4m3_max} needs four_over_six; plain NVFP4 has e4m3_max=448"
+        )
 
 
 # `NVFP4Array.dequantize` calls the public `nvfp4_jax.dequantize`, which lives in a layer

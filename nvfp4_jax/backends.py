@@ -38,12 +38,33 @@ class Backend(Protocol):
         """Max |x| as f32 (after the RHT with `rht`); NaN if x is not finite."""
 
     def quantize(
-        self, x, amax: jax.Array | None, seed: SRSeed | None, *, block_2d: bool, rht: bool
+        self,
+        x,
+        amax: jax.Array | None,
+        seed: SRSeed | None,
+        *,
+        block_2d: bool,
+        rht: bool,
+        four_over_six: str | None = None,
+        e4m3_max: int = 448,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """(packed codes, scales, stored amax); `amax` None: computed; `seed` None: RN."""
+        """(packed codes, scales, stored amax); `amax` None: computed; `seed` None: RN.
+
+        `four_over_six` "mae" or "mse" (checked): Four Over Six with the E4M3 max `e4m3_max`.
+        """
 
     def fake_quantize(
-        self, x, amax, seed, *, block_2d: bool, rht: bool, global_scale: bool, dtype
+        self,
+        x,
+        amax,
+        seed,
+        *,
+        block_2d: bool,
+        rht: bool,
+        global_scale: bool,
+        dtype,
+        four_over_six: str | None = None,
+        e4m3_max: int = 448,
     ) -> jax.Array:
         """The dequantized values of `quantize` (no inverse RHT), in `dtype`."""
 
@@ -68,14 +89,42 @@ class ReferenceBackend:
         """`reference.tensor_amax`."""
         return reference.tensor_amax(x, rht=rht)
 
-    def quantize(self, x, amax, seed, *, block_2d, rht):
+    def quantize(self, x, amax, seed, *, block_2d, rht, four_over_six=None, e4m3_max=448):
         """(codes, scales, stored amax): `reference.quantize` of the stored layout."""
-        return quantize_stored(x, amax, seed, block_2d=block_2d, rht=rht)
+        return quantize_stored(
+            x,
+            amax,
+            seed,
+            block_2d=block_2d,
+            rht=rht,
+            four_over_six=four_over_six,
+            e4m3_max=e4m3_max,
+        )
 
-    def fake_quantize(self, x, amax, seed, *, block_2d, rht, global_scale, dtype):
+    def fake_quantize(
+        self,
+        x,
+        amax,
+        seed,
+        *,
+        block_2d,
+        rht,
+        global_scale,
+        dtype,
+        four_over_six=None,
+        e4m3_max=448,
+    ):
         """`reference.fake_quantize` of the stored layout (checked by `ops`)."""
         return fake_quantize_stored(
-            x, amax, seed, block_2d=block_2d, rht=rht, global_scale=global_scale, dtype=dtype
+            x,
+            amax,
+            seed,
+            block_2d=block_2d,
+            rht=rht,
+            global_scale=global_scale,
+            dtype=dtype,
+            four_over_six=four_over_six,
+            e4m3_max=e4m3_max,
         )
 
     def dequantize(self, codes, scales, decode_scale, *, rht, dtype):
@@ -103,18 +152,52 @@ class FfiBackend:
         """The `nvfp4_amax` kernel."""
         return kernels.amax(x, rht=rht)
 
-    def quantize(self, x, amax, seed, *, block_2d, rht):
-        """The `nvfp4_quantize` kernel, after `nvfp4_amax` when no amax is given."""
+    def quantize(self, x, amax, seed, *, block_2d, rht, four_over_six=None, e4m3_max=448):
+        """The `nvfp4_quantize` kernel, after `nvfp4_amax` when no amax is given.
+
+        Under Four Over Six its twin target `nvfp4_quantize_4over6`.
+        """
         if amax is None:
             amax = kernels.amax(x, rht=rht)
-        return kernels.quantize(x, amax, seed, block_2d=block_2d, rht=rht)
+        return kernels.quantize(
+            x,
+            amax,
+            seed,
+            block_2d=block_2d,
+            rht=rht,
+            four_over_six=four_over_six,
+            e4m3_max=e4m3_max,
+        )
 
-    def fake_quantize(self, x, amax, seed, *, block_2d, rht, global_scale, dtype):
-        """The `nvfp4_fake_quantize` kernel, after `nvfp4_amax` when no amax is given."""
+    def fake_quantize(
+        self,
+        x,
+        amax,
+        seed,
+        *,
+        block_2d,
+        rht,
+        global_scale,
+        dtype,
+        four_over_six=None,
+        e4m3_max=448,
+    ):
+        """The `nvfp4_fake_quantize` kernel, after `nvfp4_amax` when no amax is given.
+
+        Under Four Over Six its twin target `nvfp4_fake_quantize_4over6`.
+        """
         if amax is None:
             amax = kernels.amax(x, rht=rht)
         return kernels.fake_quantize(
-            x, amax, seed, block_2d=block_2d, rht=rht, global_scale=global_scale, dtype=dtype
+            x,
+            amax,
+            seed,
+            block_2d=block_2d,
+            rht=rht,
+            global_scale=global_scale,
+            dtype=dtype,
+            four_over_six=four_over_six,
+            e4m3_max=e4m3_max,
         )
 
     def dequantize(self, codes, scales, decode_scale, *, rht, dtype):

@@ -249,13 +249,16 @@ def _save_leaf(names, leaf, where) -> tuple[dict, dict]:
 
 
 def _nvfp4_meta(q) -> dict:
-    return {
+    meta = {
         "dtype": jnp.dtype(q.dtype).name,
         "axis": q.axis,
         "block_2d": q.block_2d,
         "rht": q.rht,
         "shapes": {part: list(getattr(q, part).shape) for part in _parts_of(q)},
     }
+    if q.four_over_six is not None:  # plain arrays keep the metadata of earlier versions
+        meta.update(four_over_six=q.four_over_six, e4m3_max=q.e4m3_max)
+    return meta
 
 
 def _parts_of(q) -> tuple[str, ...]:
@@ -577,8 +580,13 @@ def _abstract_nvfp4(entry: dict) -> NVFP4Array:
 
 
 def _static_meta(entry: dict) -> dict:
-    """dtype, axis, block_2d and rht as the JSON has them (checked by the caller)."""
+    """dtype, axis, block_2d, rht (and Four Over Six's fields) as the JSON has them.
+
+    Checked by the caller (`validate_nvfp4_array`); an entry without `four_over_six` is a
+    plain NVFP4 array (e4m3_max 448).
+    """
     meta = {name: entry.get(name) for name in ("axis", "block_2d", "rht")}
+    meta.update(four_over_six=entry.get("four_over_six"), e4m3_max=entry.get("e4m3_max", 448))
     return {"dtype": _dtype_field(entry, "dtype"), **meta}
 
 
@@ -743,7 +751,10 @@ def _check_nvfp4_entry(key, entry, leaf):
     if entry.get("kind") != "nvfp4":
         raise ValueError(f"restore_checkpoint: {key!r} was saved as {entry.get('kind')}, not NVFP4")
     wanted = _nvfp4_meta(leaf)
-    found = {name: entry.get(name) for name in wanted}
+    # A Four Over Six entry against a plain target (or the reverse) differs too.
+    names = [*wanted, *(name for name in ("four_over_six", "e4m3_max") if name in entry)]
+    found = {name: entry.get(name) for name in names}
+    wanted = {name: wanted.get(name) for name in names}
     if found != wanted:
         raise ValueError(
             f"restore_checkpoint: NVFP4 entry {key!r} was saved with {found}, the target "

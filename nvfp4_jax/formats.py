@@ -27,6 +27,15 @@ RCP2688 = np.float32(1.0) / np.float32(FP4_E4M3_MAX)
 # The E4M3 NaN byte: every scale of a tensor with non-finite input (section 8).
 E4M3_NAN_BYTE = 0x7F
 
+# Four Over Six (docs/NUMERICS.md section 13): the candidate error measures, and the E4M3
+# maxima M its global scale may use (S_enc = 6M / A, D = A * f32(1/(6M))); plain NVFP4 is
+# M = 448. 256 is the default under 4/6: it leaves room for the map-to-4 expansion (x1.5).
+FOUR_OVER_SIX_MODES = ("mae", "mse")
+FOUR_OVER_SIX_E4M3_MAXES = (256, 448)
+FOUR_OVER_SIX_DEFAULT_E4M3_MAX = 256
+# The expansion factor of map-to-4: the block amax goes to 4 instead of 6.
+MAP_TO_4 = np.float32(1.5)
+
 # Round-to-nearest-even decision edges between consecutive E2M1 magnitudes. An edge that
 # is a tie rounds to the even code: ties at 0.25, 1.25, 2.5 and 5 go down (">" below),
 # ties at 0.75, 1.75 and 3.5 go up (">=" below).
@@ -147,6 +156,29 @@ def check_amax(amax, op: str) -> jax.Array | None:
     return jnp.asarray(amax).astype(jnp.float32)
 
 
+def check_four_over_six(
+    four_over_six, e4m3_max, op: str, e4m3_name: str = "four_over_six_e4m3_max"
+) -> tuple[str | None, int]:
+    """Validates the 4/6 arguments; returns (None, 448) when off, else (mode, M).
+
+    `four_over_six` is None, "mae" or "mse"; `e4m3_max` (the argument
+    `four_over_six_e4m3_max`) is 256 or 448 and is ignored when 4/6 is off.
+    """
+    names = ", ".join(repr(m) for m in FOUR_OVER_SIX_MODES)
+    if four_over_six is not None and not isinstance(four_over_six, str):
+        raise TypeError(f"{op}: four_over_six must be None, {names}, got {four_over_six!r}")
+    if four_over_six is not None and four_over_six not in FOUR_OVER_SIX_MODES:
+        raise ValueError(f"{op}: four_over_six must be None, {names}, got {four_over_six!r}")
+    maxes = " or ".join(str(m) for m in FOUR_OVER_SIX_E4M3_MAXES)
+    if isinstance(e4m3_max, (bool, np.bool_)) or not isinstance(e4m3_max, (int, np.integer)):
+        raise TypeError(f"{op}: {e4m3_name} must be the int {maxes}, got {e4m3_max!r}")
+    if int(e4m3_max) not in FOUR_OVER_SIX_E4M3_MAXES:
+        raise ValueError(f"{op}: {e4m3_name} must be {maxes}, got {e4m3_max!r}")
+    if four_over_six is None:
+        return None, int(E4M3_MAX)
+    return four_over_six, int(e4m3_max)
+
+
 def check_quantize_args(x, *, axis, block_2d, rht, stochastic_rounding, key, op) -> int:
     """Validates quantize-style arguments; returns `axis` as a negative index."""
     if x.ndim == 0:
@@ -163,9 +195,23 @@ def check_quantize_args(x, *, axis, block_2d, rht, stochastic_rounding, key, op)
 # --- scales ---------------------------------------------------------------------------------
 
 
-def decode_scale(amax) -> jax.Array:
-    """The tensor decode factor `D = A * RCP2688` (a multiplication: docs/NUMERICS.md 3)."""
-    return jnp.asarray(amax).astype(jnp.float32) * jnp.float32(RCP2688)
+def fp4_e4m3_max(e4m3_max: int = 448) -> np.float32:
+    """`6 * M`, exact in f32: 2688 for plain NVFP4 (M = 448), 1536 for 4/6 with M = 256."""
+    return np.float32(FP4_MAX * e4m3_max)
+
+
+def rcp_fp4_e4m3_max(e4m3_max: int = 448) -> np.float32:
+    """`f32(1 / (6 * M))`: RCP2688 (bits 0x39C30C31), or for M = 256 bits 0x3A2AAAAB."""
+    return np.float32(1.0) / fp4_e4m3_max(e4m3_max)
+
+
+def decode_scale(amax, e4m3_max: int = 448) -> jax.Array:
+    """The tensor decode factor `D = A * f32(1/(6M))`: `A * RCP2688` for plain NVFP4.
+
+    A multiplication (docs/NUMERICS.md section 3); `e4m3_max` is the M of the global scale
+    (256 for a Four Over Six tensor quantized with its default, section 13).
+    """
+    return jnp.asarray(amax).astype(jnp.float32) * rcp_fp4_e4m3_max(e4m3_max)
 
 
 # --- codes ---------------------------------------------------------------------------------

@@ -96,6 +96,76 @@ def uses_native_gemm(backend: GemmBackend, implementation: Implementation | None
     return backends.resolve(implementation, "gemm").name == "ffi"
 
 
+# --- weight-only (W4A16): activations times a frozen NVFP4 weight ----------------------------
+
+# Up to this many rows of activations (tokens) the native weight-only GEMM runs; above it the
+# weight is dequantized and XLA's dot runs (prefill-sized batches, where a dense GEMM of the
+# dequantized weight is faster than decoding the weight again for every few rows).
+WEIGHT_ONLY_MAX_ROWS = 32
+
+
+def uses_native_weight_only(
+    x_shape, x_dtype, q: NVFP4Array, implementation: Implementation | None = None
+) -> bool:
+    """True when `weight_only_matmul` runs the native CPU kernel (`nvfp4_w4a16`).
+
+    That is the CPU with the "ffi" implementation (named, or None where the native library
+    runs), a 2-D `(in, out)` weight quantized along `in` without the RHT, activations in bf16
+    or f16, and at most `WEIGHT_ONLY_MAX_ROWS` rows; never for "reference". f32 activations
+    keep XLA's f32 dot of the dequantized weight, bit for bit as before (the kernel computes
+    them too, `kernels._gemm.w4a16`, in its own summation order).
+    """
+    if (
+        kernels.current_platform() != "cpu"
+        or backends.resolve(implementation, "gemm").name != "ffi"
+    ):
+        return False
+    rows = 1
+    for d in x_shape[:-1]:
+        rows *= d
+    return (
+        len(q.codes.shape) == 2
+        and q.axis == -2
+        and not q.rht
+        and jnp.ndim(q.amax) == 0
+        and len(x_shape) >= 1
+        and x_shape[-1] == q.stored_shape[-1]
+        and jnp.dtype(x_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+        and rows <= WEIGHT_ONLY_MAX_ROWS
+    )
+
+
+def weight_only_matmul(
+    x: jax.Array,
+    q: NVFP4Array,
+    *,
+    preferred_element_type=None,
+    implementation: Implementation | None = None,
+) -> jax.Array:
+    """`jnp.matmul(x, dequantize(q, x.dtype), preferred_element_type=...)` for a frozen weight.
+
+    `q` is the `(in, out)` weight quantized along `in` (a frozen layer's kernel). On the CPU
+    with the native library (`uses_native_weight_only`) the weight is decoded in registers,
+    never dequantized into memory (`kernels._gemm.w4a16`): each weight element is the value
+    `dequantize` gives it in `x.dtype`, the products and their sum are f32 in the kernel's
+    fixed order (docs/NUMERICS.md section 9), then cast to `preferred_element_type` (default
+    `x.dtype`). Elsewhere, the dequantized weight and XLA's matmul, as before.
+    """
+    if preferred_element_type is not None and not jnp.issubdtype(
+        jnp.dtype(preferred_element_type), jnp.floating
+    ):
+        native = False
+    else:
+        native = uses_native_weight_only(jnp.shape(x), jnp.result_type(x), q, implementation)
+    if not native:
+        weight = ops.dequantize(q, jnp.result_type(x), implementation=implementation)
+        return jnp.matmul(x, weight, preferred_element_type=preferred_element_type)
+    k, n = q.shape
+    out = kernels._gemm.w4a16(jnp.reshape(x, (-1, k)), q.codes, q.scales, q.global_scale)
+    out_dtype = jnp.result_type(x) if preferred_element_type is None else preferred_element_type
+    return jnp.reshape(out, (*jnp.shape(x)[:-1], n)).astype(out_dtype)
+
+
 # --- operands ---------------------------------------------------------------------------------
 
 

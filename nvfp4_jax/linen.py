@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from nvfp4_jax import ops
+from nvfp4_jax import gemm, ops
 from nvfp4_jax.array import NVFP4Array
 from nvfp4_jax.dot_general import dot_general
 from nvfp4_jax.ragged import group_amax, ragged_dot
@@ -73,7 +73,8 @@ class Dense(nn.Dense):
             amax = jnp.asarray(self.get_variable("params", "input_scale"), jnp.float32) * 2688
             # A param is data: a NaN/inf/negative scale gives NaN, eagerly as under jit.
             inputs = ops.fake_quantize_with_data_amax(inputs, amax.reshape(()), dtype=dtype)
-        return jnp.matmul(inputs, ops.dequantize(kernel, dtype))
+        # x @ dequantize(W, dtype); on the CPU the weight is decoded in registers (gemm.py).
+        return gemm.weight_only_matmul(inputs, kernel)
 
     @nn.compact
     def __call__(self, inputs: jax.Array) -> jax.Array:

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from nvfp4_jax import formats, ops
+from nvfp4_jax import formats, gemm, ops
 from nvfp4_jax.array import NVFP4Array, validate_nvfp4_array
 from nvfp4_jax.dot_general import constrain_output, dot_general
 from nvfp4_jax.ragged import group_amax, ragged_dot
@@ -176,8 +176,10 @@ class Linear(nnx.Linear):
         if self.activations == "nvfp4":
             # The stored amax is data: a NaN/inf/negative one gives NaN, eagerly as under jit.
             inputs = ops.fake_quantize_with_data_amax(inputs, self.input_amax[...], dtype=dtype)
-        weight = ops.dequantize(self.kernel.get_value(), dtype)
-        return jnp.matmul(inputs, weight, preferred_element_type=self.preferred_element_type)
+        # x @ dequantize(W, dtype); on the CPU the weight is decoded in registers (gemm.py).
+        return gemm.weight_only_matmul(
+            inputs, self.kernel.get_value(), preferred_element_type=self.preferred_element_type
+        )
 
     def __call__(self, inputs: jax.Array, out_sharding=None) -> jax.Array:
         """Applies the quantized linear map along the last axis of `inputs`."""

@@ -32,7 +32,11 @@ from nvfp4_jax import backends, formats, reference
 from nvfp4_jax.array import NVFP4Array, bind_dequantize
 from nvfp4_jax.backends import Backend, Implementation
 from nvfp4_jax.reference import hadamard
-from nvfp4_jax.reference.quantize import check_dequantize_call, check_quantize_call
+from nvfp4_jax.reference.quantize import (
+    check_dequantize_call,
+    check_quantize_call,
+    quantized_array,
+)
 from nvfp4_jax.seed import SRSeed
 
 _F32 = jnp.float32
@@ -133,6 +137,8 @@ def quantize(
     key: jax.Array | SRSeed | None = None,
     amax: jax.Array | None = None,
     implementation: Implementation | None = None,
+    four_over_six: str | None = None,
+    four_over_six_e4m3_max: int = formats.FOUR_OVER_SIX_DEFAULT_E4M3_MAX,
 ) -> NVFP4Array:
     """Quantizes `x` to NVFP4 in blocks of 16 along `axis`.
 
@@ -151,10 +157,21 @@ def quantize(
         A concrete negative or NaN amax is an error; a traced one gives a NaN result.
       implementation: None (the native kernels where they run, else the reference),
         "reference" or "ffi".
+      four_over_six: None (plain NVFP4), "mae" or "mse": Four Over Six (docs/NUMERICS.md
+        section 13). Each block is quantized with its amax mapped to 6 and to 4, and keeps
+        the candidate whose reconstruction has the smaller total absolute ("mae") or
+        squared ("mse") error (16x16 tiles: summed over the tile); ties keep map-to-6. With
+        `stochastic_rounding` the choice is made by rounding to nearest, then the block is
+        rounded stochastically with the chosen scale; with `rht`, on the rotated values.
+      four_over_six_e4m3_max: the E4M3 maximum M of the global scale under 4/6,
+        `S_enc = 6M / A`: 256 (the default, TransformerEngine's: room for the x1.5 of
+        map-to-4) or 448. Ignored when `four_over_six` is None (plain NVFP4 uses 448).
 
     Returns:
       An `NVFP4Array` with packed codes, E4M3 scales and the f32 tensor amax. Its leaves
-      carry no derivative (see the module docstring).
+      carry no derivative (see the module docstring). Under 4/6 it records `four_over_six`
+      and `e4m3_max`, and carries its decode factor `D = A * f32(1/(6M))` as `decode_scale`;
+      the stored format is plain NVFP4.
 
     Example:
       >>> x = jnp.linspace(-3.0, 3.0, 32).reshape(2, 16)
@@ -163,30 +180,52 @@ def quantize(
       ((2, 8), (2, 1), (2, 16))
 
     """
-    return _quantize(x, axis, block_2d, rht, stochastic_rounding, key, amax, implementation)
+    return _quantize(
+        x,
+        axis,
+        block_2d,
+        rht,
+        stochastic_rounding,
+        key,
+        amax,
+        implementation,
+        four_over_six,
+        four_over_six_e4m3_max,
+    )
 
 
-def _quantize(x, axis, block_2d, rht, stochastic_rounding, key, amax, implementation, **check):
+def _quantize(
+    x,
+    axis,
+    block_2d,
+    rht,
+    stochastic_rounding,
+    key,
+    amax,
+    implementation,
+    four_over_six=None,
+    four_over_six_e4m3_max=formats.FOUR_OVER_SIX_DEFAULT_E4M3_MAX,
+    **check,
+):
     x, axis, seed, amax = check_quantize_call(
         x, axis, block_2d, rht, stochastic_rounding, key, amax, "quantize", **check
     )
+    mode, e4m3_max = formats.check_four_over_six(four_over_six, four_over_six_e4m3_max, "quantize")
     backend = backends.resolve(implementation, "quantize")
     # A step function: no derivative flows through it, and the kernels are never traced
     # for one (their tangents are symbolically zero).
     stored = lax.stop_gradient(jnp.moveaxis(x, axis, -1))
     amax = None if amax is None else lax.stop_gradient(amax)
     codes, scales, stored_amax = backend.quantize(
-        stored, amax, seed, block_2d=bool(block_2d), rht=bool(rht)
-    )
-    return NVFP4Array(
-        codes=codes,
-        scales=scales,
-        amax=stored_amax,
-        dtype=jnp.dtype(x.dtype),
-        axis=axis,
+        stored,
+        amax,
+        seed,
         block_2d=bool(block_2d),
         rht=bool(rht),
+        four_over_six=mode,
+        e4m3_max=e4m3_max,
     )
+    return quantized_array(codes, scales, stored_amax, x.dtype, axis, block_2d, rht, mode, e4m3_max)
 
 
 def quantize_with_data_amax(
@@ -199,6 +238,8 @@ def quantize_with_data_amax(
     stochastic_rounding: bool = False,
     key: jax.Array | SRSeed | None = None,
     implementation: Implementation | None = None,
+    four_over_six: str | None = None,
+    four_over_six_e4m3_max: int = formats.FOUR_OVER_SIX_DEFAULT_E4M3_MAX,
 ) -> NVFP4Array:
     """`quantize(x, amax=amax, ...)` for an amax the library computed or stores: data.
 
@@ -207,7 +248,17 @@ def quantize_with_data_amax(
     concrete one. Every other argument is checked as `quantize` checks it.
     """
     return _quantize(
-        x, axis, block_2d, rht, stochastic_rounding, key, amax, implementation, amax_is_data=True
+        x,
+        axis,
+        block_2d,
+        rht,
+        stochastic_rounding,
+        key,
+        amax,
+        implementation,
+        four_over_six,
+        four_over_six_e4m3_max,
+        amax_is_data=True,
     )
 
 
@@ -226,14 +277,17 @@ def fake_quantize(
     global_scale: bool = True,
     dtype=None,
     implementation: Implementation | None = None,
+    four_over_six: str | None = None,
+    four_over_six_e4m3_max: int = formats.FOUR_OVER_SIX_DEFAULT_E4M3_MAX,
 ) -> jax.Array:
     """Quantizes and dequantizes in one step, without materializing packed codes.
 
     Takes `quantize`'s arguments and returns an array of x's shape. The values are those of
     `dequantize(quantize(x, ...))` except that no inverse RHT is applied (with `rht` the
     result stays in the rotated basis, as a GEMM of two rotated operands wants), and with
-    `global_scale=False` the tensor factor `A * RCP2688` is left out: each value is then
-    `value(code) * f32(s_b)`, exact in bf16, ready for an emulated block-scaled GEMM.
+    `global_scale=False` the tensor factor `A * RCP2688` (`A * f32(1/(6M))` under Four Over
+    Six) is left out: each value is then `value(code) * f32(s_b)`, exact in bf16, ready for
+    an emulated block-scaled GEMM.
 
     Differentiable with the straight-through estimator: the gradient is the identity (see
     the module docstring), so quantization-aware training learns through it.
@@ -246,9 +300,12 @@ def fake_quantize(
       stochastic_rounding: as in `quantize`.
       key: as in `quantize`.
       amax: as in `quantize`; where `|x| > amax` the gradient is zero.
-      global_scale: multiply by the tensor decode factor `A * RCP2688`.
+      global_scale: multiply by the tensor decode factor `A * RCP2688` (under Four Over
+        Six `A * f32(1/(6M))`).
       dtype: the result dtype (default: x's dtype).
       implementation: as in `quantize`.
+      four_over_six: as in `quantize`.
+      four_over_six_e4m3_max: as in `quantize`.
 
     Example:
       >>> x = jnp.linspace(-3.0, 3.0, 32).reshape(2, 16)
@@ -256,7 +313,18 @@ def fake_quantize(
       True
     """
     return _fake_quantize_call(
-        x, axis, block_2d, rht, stochastic_rounding, key, amax, global_scale, dtype, implementation
+        x,
+        axis,
+        block_2d,
+        rht,
+        stochastic_rounding,
+        key,
+        amax,
+        global_scale,
+        dtype,
+        implementation,
+        four_over_six,
+        four_over_six_e4m3_max,
     )
 
 
@@ -271,6 +339,8 @@ def _fake_quantize_call(
     global_scale,
     dtype,
     implementation,
+    four_over_six=None,
+    four_over_six_e4m3_max=formats.FOUR_OVER_SIX_DEFAULT_E4M3_MAX,
     **check,
 ):
     op = "fake_quantize"
@@ -279,8 +349,9 @@ def _fake_quantize_call(
     )
     global_scale = formats.check_flag(global_scale, op, "global_scale")
     dtype = formats.check_dtype(x.dtype if dtype is None else dtype, op)
+    mode, e4m3_max = formats.check_four_over_six(four_over_six, four_over_six_e4m3_max, op)
     backend = backends.resolve(implementation, op)
-    static = (backend, bool(block_2d), bool(rht), global_scale, dtype)
+    static = (backend, bool(block_2d), bool(rht), global_scale, dtype, (mode, e4m3_max))
     values = _fake_quantize(jnp.moveaxis(x, axis, -1), amax, seed, *static)
     return jnp.moveaxis(values, -1, axis)
 
@@ -297,6 +368,8 @@ def fake_quantize_with_data_amax(
     global_scale: bool = True,
     dtype=None,
     implementation: Implementation | None = None,
+    four_over_six: str | None = None,
+    four_over_six_e4m3_max: int = formats.FOUR_OVER_SIX_DEFAULT_E4M3_MAX,
 ) -> jax.Array:
     """`fake_quantize(x, amax=amax, ...)` for an amax the library computed or stores.
 
@@ -314,22 +387,33 @@ def fake_quantize_with_data_amax(
         global_scale,
         dtype,
         implementation,
+        four_over_six,
+        four_over_six_e4m3_max,
         amax_is_data=True,
     )
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4, 5, 6, 7))
-def _fake_quantize(x, amax, seed, backend: Backend, block_2d, rht, global_scale, dtype):
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4, 5, 6, 7, 8))
+def _fake_quantize(x, amax, seed, backend: Backend, block_2d, rht, global_scale, dtype, fos):
+    mode, e4m3_max = fos  # (None, 448), or Four Over Six's (mode, M)
     return backend.fake_quantize(
-        x, amax, seed, block_2d=block_2d, rht=rht, global_scale=global_scale, dtype=dtype
+        x,
+        amax,
+        seed,
+        block_2d=block_2d,
+        rht=rht,
+        global_scale=global_scale,
+        dtype=dtype,
+        four_over_six=mode,
+        e4m3_max=e4m3_max,
     )
 
 
 @_fake_quantize.defjvp
-def _fake_quantize_jvp(backend, block_2d, rht, global_scale, dtype, primals, tangents):
+def _fake_quantize_jvp(backend, block_2d, rht, global_scale, dtype, fos, primals, tangents):
     x, amax, seed = primals
     dx = tangents[0]
-    out = _fake_quantize(x, amax, seed, backend, block_2d, rht, global_scale, dtype)
+    out = _fake_quantize(x, amax, seed, backend, block_2d, rht, global_scale, dtype, fos)
     d_out = reference.apply_rht(dx) if rht else dx  # the values are in the rotated basis
     if amax is not None:
         y = reference.apply_rht(x) if rht else x
@@ -337,7 +421,7 @@ def _fake_quantize_jvp(backend, block_2d, rht, global_scale, dtype, primals, tan
     if not global_scale:
         # value(code) * s_b approximates x * S_enc.
         used = amax if amax is not None else backend.amax(x, rht=rht)
-        d_out = d_out.astype(_F32) * reference.encode_scale(used)
+        d_out = d_out.astype(_F32) * reference.encode_scale(used, fos[1])
     return out, d_out.astype(dtype)
 
 

@@ -22,14 +22,16 @@ element's position in that group's own tensor, so every group's results are, bit
 `fold_in(key, g)`.
 
 Everything is static-shaped: groups are found with segment ids, per-group amaxes with
-segment reductions, and the block math of the activations and gradients (whose tensor amax
-differs from row to row) is the reference's (`nvfp4_jax.reference`) with a per-row or
-per-block encode scale, in jnp. The experts' weights are quantized with the public ops under
-`vmap` and the RHT is `nvfp4_jax.apply_rht`, both on `recipe.implementation` (the native
-kernels where they run). The GEMMs are `jax.lax.ragged_dot_general` on the block values in
-`recipe.gemm_dtype` with f32 accumulation, scaled per group by `alpha = D_a * D_b`: the
-emulated GEMM of section 9, on every `gemm_backend` (a native grouped block-scaled GEMM is
-not wired yet).
+segment reductions. The activations and gradients (whose tensor amax differs from group to
+group) are quantized on the CPU with the ffi implementation by the native grouped kernel
+(`nvfp4_jax.kernels.grouped_quantize`: each group through the ordinary quantize kernel as a
+tensor of its own), elsewhere by the reference's block math (`nvfp4_jax.reference`) with a
+per-row or per-block encode scale, in jnp; the two give the same bits. The experts' weights
+are quantized with the public ops under `vmap` and the RHT is `nvfp4_jax.apply_rht`, both on
+`recipe.implementation` (the native kernels where they run). The GEMMs are
+`jax.lax.ragged_dot_general` on the block values in `recipe.gemm_dtype` with f32
+accumulation, scaled per group by `alpha = D_a * D_b`: the emulated GEMM of section 9, on
+every `gemm_backend` (a native grouped block-scaled GEMM is not wired yet).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from nvfp4_jax import formats, gemm
+from nvfp4_jax import backends, formats, gemm, kernels
 from nvfp4_jax import ops as nvfp4_ops
 from nvfp4_jax.recipe import NVFP4Recipe
 from nvfp4_jax.reference import decode_scale, encode_scale, stochastic_magnitude
@@ -302,26 +304,61 @@ def _padded_random(words, groups: _Groups, n: int) -> jax.Array:
 # --- the operands ---------------------------------------------------------------------------
 
 
-def _quantize_rows(a, groups: _Groups, num_groups: int, random=None):
-    """Rows of `a` (M, C), quantized along C, each with its group's amax: (blocks, amax (G,))."""
+def native_grouped(recipe: NVFP4Recipe) -> bool:
+    """Whether `ragged_dot` quantizes its groups with the native kernel (else jnp).
+
+    The native grouped quantize (`nvfp4_grouped_quantize`) runs on the CPU for the ffi
+    implementation; it gives the jnp block math's bits (tests/test_ragged.py).
+    """
+    if kernels.current_platform() != "cpu" or not kernels.is_available("cpu"):
+        return False
+    return backends.resolve(recipe.implementation, "ragged_dot").name == "ffi"
+
+
+def _bounds(sizes: jax.Array) -> jax.Array:
+    """(G, 2) int32: each group's (start, size) for sizes laid end to end."""
+    ends = jnp.cumsum(sizes)
+    return jnp.stack([ends - sizes, sizes], axis=1).astype(_I32)
+
+
+def _native_blocks(stored, bounds, amax, words, columns: bool) -> _Blocks:
+    keys = jnp.zeros((amax.shape[0], 2), _U32) if words is None else words
+    codes, scales = kernels.grouped_quantize(
+        stored, bounds, amax, keys, columns=columns, stochastic_rounding=words is not None
+    )
+    return _unpack(_Blocks(codes, scales))
+
+
+def _quantize_rows(a, groups: _Groups, num_groups: int, recipe: NVFP4Recipe, words=None):
+    """Rows of `a` (M, C), quantized along C, each with its group's amax: (blocks, amax (G,)).
+
+    `words`: each group's SR key words (G, 2) (`_key_words`), or None for nearest.
+    """
     valid = groups.row_group < num_groups
     xs = jnp.where(valid[:, None], a.astype(_F32), _F32(0))
     amax = _group_amax(xs, groups.row_group, num_groups, axis=0)
+    if native_grouped(recipe):
+        return _native_blocks(a, _bounds(groups.sizes), amax, words, columns=False), amax
+    random = None if words is None else _row_random(words, groups, a.shape[1])
     row_amax = _gather(amax, groups.row_group, 0)[:, None]
     return _quantize_blocks(xs, row_amax, random), amax
 
 
-def _quantize_tokens(a, groups: _Groups, num_groups: int, recipe: NVFP4Recipe, random=None):
+def _quantize_tokens(a, groups: _Groups, num_groups: int, recipe: NVFP4Recipe, words=None):
     """`a` (M, C) in the padded layout, stored (C, Mp), quantized along the tokens.
 
-    With the RHT if the recipe says so; each block with its group's amax. Returns (blocks,
-    amax (G,)).
+    With the RHT if the recipe says so; each block with its group's amax; `words` as for
+    `_quantize_rows`. Returns (blocks, amax (G,)).
     """
     stored = _to_padded(a, groups).T  # zero rows in a's dtype, like `pad_tokens`
     if recipe.wgrad_rht:
         stored = nvfp4_ops.apply_rht(stored, implementation=recipe.implementation)
     xs = stored.astype(_F32)
     amax = _group_amax(xs, groups.pad_group, num_groups, axis=1)
+    if native_grouped(recipe):
+        bounds = _bounds(groups.padded_sizes)
+        return _native_blocks(stored, bounds, amax, words, columns=True), amax
+    random = None if words is None else _padded_random(words, groups, a.shape[1])
     block_amax = _gather(amax, groups.pad_group[::_BLOCK], 0)[None, :]
     return _quantize_blocks(xs, block_amax, random), amax
 
@@ -364,7 +401,7 @@ def _row_scale(product, alpha, groups: _Groups, num_groups: int):
 
 def _fprop(x, w, groups: _Groups, recipe: NVFP4Recipe):
     g = w.shape[0]
-    qx, amax_x = _quantize_rows(x, groups, g)
+    qx, amax_x = _quantize_rows(x, groups, g, recipe)
     qw = _quantize_weights(w, recipe, axis=0)  # stored (G, N, K)
     w_values, d_w = _weight_values(qw, recipe)
     product = _grouped(_block_values(qx, recipe.gemm_dtype), w_values, groups.sizes, 1, 2, 0)
@@ -395,14 +432,13 @@ def _ragged_matmul_bwd(recipe, out_dtype, residuals, dy):
     g = qw.global_scale.shape[0]
     groups = _groups(group_sizes, m)
     sr = recipe.stochastic_rounding
-    dgrad_random = wgrad_random = None
+    dgrad_words = wgrad_words = None
     if sr:
         keys = jax.vmap(jax.random.split)(_group_keys(key, dy, groups, g))  # (G, 2)
-        dgrad_random = _row_random(_key_words(keys[:, 0]), groups, n)
-        wgrad_random = _padded_random(_key_words(keys[:, 1]), groups, n)
+        dgrad_words, wgrad_words = _key_words(keys[:, 0]), _key_words(keys[:, 1])
 
     # dgrad: dx (M, K) = dy (M, N) @ W[g]^T, both operands quantized along N.
-    q_dy, amax_dy = _quantize_rows(dy, groups, g, dgrad_random)
+    q_dy, amax_dy = _quantize_rows(dy, groups, g, recipe, dgrad_words)
     w_values, d_w = _weight_values(qw, recipe)  # 2D: (G, N, K) as in fprop; 1D: (G, K, N)
     w_contract = 1 if recipe.weight_2d else 2
     product = _grouped(
@@ -411,7 +447,7 @@ def _ragged_matmul_bwd(recipe, out_dtype, residuals, dy):
     dx = _row_scale(product, decode_scale(amax_dy) * d_w, groups, g)
 
     # wgrad: dW[g] (K, N) = x_g^T dy_g, both quantized along group g's (padded) tokens.
-    q_dy_tokens, amax_dy_tokens = _quantize_tokens(dy, groups, g, recipe, wgrad_random)
+    q_dy_tokens, amax_dy_tokens = _quantize_tokens(dy, groups, g, recipe, wgrad_words)
     x_values = _block_values(_unpack(qx_tokens), recipe.gemm_dtype).T  # (Mp, K)
     dy_values = _block_values(q_dy_tokens, recipe.gemm_dtype).T  # (Mp, N)
     dims = jax.lax.RaggedDotDimensionNumbers(

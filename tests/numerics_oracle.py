@@ -1,4 +1,4 @@
-"""An independent NumPy oracle for docs/NUMERICS.md sections 2-5, 7 and 8.
+"""An independent NumPy oracle for docs/NUMERICS.md sections 2-5, 7, 8 and 13 (Four Over Six).
 
 Written straight from the specification, for clarity rather than speed: every formula is a
 sequence of np.float32 operations in exactly the order docs/NUMERICS.md writes them, the E4M3
@@ -223,11 +223,12 @@ class OracleResult:
     dequant_stored: np.ndarray  # f32, stored layout, before any inverse RHT
 
 
-def global_scales(a: np.float32) -> tuple[np.float32, np.float32]:
-    """Section 2 step 2: S_enc, S_dec."""
+def global_scales(a: np.float32, e4m3_max: int = 448) -> tuple[np.float32, np.float32]:
+    """Section 2 step 2: S_enc, S_dec (section 13: 6M instead of 2688 under Four Over Six)."""
     a = F32(a)
+    six_m = F32(6 * e4m3_max)
     with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
-        s_enc = np.minimum(F32(C2688 / a), FLT_MAX)
+        s_enc = np.minimum(F32(six_m / a), FLT_MAX)
     if a == 0 or s_enc == 0:
         s_enc = F32(1.0)
     s_dec = F32(F32(1.0) / s_enc)
@@ -244,6 +245,63 @@ def _block_amax(xs: np.ndarray, block_2d: bool) -> np.ndarray:
     return ab.astype(np.float32)
 
 
+def _encode_factors(scales: np.ndarray, s_dec: np.float32) -> np.ndarray:
+    """Section 2 step 4: min(1 / (f32(s) * S_dec), FLT_MAX) per block."""
+    with np.errstate(divide="ignore", over="ignore"):
+        return np.minimum(F32(1.0) / (scales.astype(np.float32) * s_dec), FLT_MAX).astype(
+            np.float32
+        )
+
+
+def four_over_six_errors(blocks, scales, s_dec, a, mode: str, e4m3_max: int) -> np.ndarray:
+    """Section 13: each block's error (R, B) when quantized with the candidate ``scales``.
+
+    ``blocks`` (R, B, 16) f32. Element by element: y = x * enc, rounded to nearest E2M1 value
+    v; val = ((v * s) * A) / (6M); d = val - x; the term |d| (mae) or d * d (mse); the sum
+    runs from +0 over k = 0..15 in order, one f32 addition each.
+    """
+    enc = _encode_factors(scales, s_dec)
+    sf = scales.astype(np.float32)
+    total = np.zeros(scales.shape, np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        for k in range(16):
+            x = blocks[..., k]
+            v = e2m1_value(e2m1_code_rn(x * enc))
+            val = ((v * sf) * F32(a)) / F32(6 * e4m3_max)
+            d = val - x
+            term = np.abs(d) if mode == "mae" else d * d
+            total = total + term
+    return total.astype(np.float32)
+
+
+def tile_sums(err: np.ndarray) -> np.ndarray:
+    """Section 13, 16x16: the 16 row errors r_0..r_15 of each tile summed as
+    ((r_i + r_{i+8}) ... ) by halves (8, 4, 2, 1), repeated on each row of the tile."""
+    r, b = err.shape
+    t = err.reshape(r // 16, 16, b)
+    a = [t[:, i, :] + t[:, i + 8, :] for i in range(8)]
+    bb = [a[i] + a[i + 4] for i in range(4)]
+    c = [bb[i] + bb[i + 2] for i in range(2)]
+    e = c[0] + c[1]
+    return np.repeat(e, 16, axis=0).astype(np.float32)
+
+
+def four_over_six_scales(xs, ab, a, s_enc, s_dec, block_2d, mode, e4m3_max):
+    """Section 13: the chosen E4M3 scale of every block (R, B), and whether it is map-to-4."""
+    r, c = xs.shape
+    blocks = xs.reshape(r, c // 16, 16)
+    with np.errstate(over="ignore", invalid="ignore"):
+        base = (ab / F32(6.0)) * s_enc  # a true f32 division by 6, then the product
+        s6 = e4m3_rne(np.minimum(base, E4M3_MAX))
+        s4 = e4m3_rne(np.minimum(base * F32(1.5), E4M3_MAX))
+    err6 = four_over_six_errors(blocks, s6, s_dec, a, mode, e4m3_max)
+    err4 = four_over_six_errors(blocks, s4, s_dec, a, mode, e4m3_max)
+    if block_2d:
+        err6, err4 = tile_sums(err6), tile_sums(err4)
+    pick4 = err4 < err6  # strictly smaller; ties and NaN keep map-to-6
+    return np.where(pick4, s4, s6), pick4
+
+
 def quantize(
     x: np.ndarray,
     *,
@@ -252,11 +310,16 @@ def quantize(
     rht: bool = False,
     sr_bytes: np.ndarray | None = None,
     amax: float | None = None,
+    four_over_six: str | None = None,
+    e4m3_max: int = 256,
 ) -> OracleResult:
     """Quantize ``x`` (f32/bf16/f16 numpy) as docs/NUMERICS.md sections 2, 4, 5, 6, 7 say.
 
     ``sr_bytes``: random bytes in the stored flattened order for stochastic rounding.
+    ``four_over_six`` ("mae", "mse"): section 13 with the E4M3 max ``e4m3_max`` (256 or 448;
+    ignored, 448, without it).
     """
+    m = 448 if four_over_six is None else e4m3_max
     xm = np.moveaxis(np.asarray(x), axis, -1)
     stored_shape = xm.shape
     if rht:
@@ -269,13 +332,15 @@ def quantize(
     bad = not np.all(np.isfinite(xs)) or not (np.isfinite(a) and a >= 0)
     if bad:
         a = F32(np.nan)
-    s_enc, s_dec = global_scales(a)
+    s_enc, s_dec = global_scales(a, m)
     ab = _block_amax(xs, block_2d)
-    scaled = np.minimum(ab * F32(s_enc * RCP6), E4M3_MAX).astype(np.float32)
-    scales = e4m3_rne(scaled)  # (R, B)
+    if four_over_six is None:
+        scaled = np.minimum(ab * F32(s_enc * RCP6), E4M3_MAX).astype(np.float32)
+        scales = e4m3_rne(scaled)  # (R, B)
+    else:
+        scales, _ = four_over_six_scales(xs, ab, a, s_enc, s_dec, block_2d, four_over_six, m)
     sb = scales.astype(np.float32)
-    with np.errstate(divide="ignore", over="ignore"):
-        enc = np.minimum(F32(1.0) / (sb * s_dec), FLT_MAX).astype(np.float32)
+    enc = _encode_factors(scales, s_dec)
     enc_el = np.repeat(enc, 16, axis=1)
     with np.errstate(over="ignore", invalid="ignore"):
         y = (xs * enc_el).astype(np.float32)
@@ -287,7 +352,7 @@ def quantize(
         codes = e2m1_code_rn(y)
     else:
         codes = e2m1_code_sr(y, np.asarray(sr_bytes).reshape(r, c))
-    d = F32(a * RCP2688)
+    d = F32(a * (F32(1.0) / F32(6 * m)))  # A * f32(1/(6M)): A * RCP2688 for M = 448
     dec = np.repeat((sb * d).astype(np.float32), 16, axis=1)
     deq = (e2m1_value(codes) * dec).astype(np.float32)
     return OracleResult(

@@ -112,6 +112,20 @@ def test_restore_with_wrong_shape_or_metadata_raises(tmp_path):
         restore_checkpoint(tmp_path / "c", {"v": jax.ShapeDtypeStruct((3,), jnp.float32)})
 
 
+@pytest.mark.parametrize("e4m3_max", [256, 448])
+def test_four_over_six_arrays_keep_their_metadata(tmp_path, e4m3_max):
+    q = quantize(normal((64, 32)), four_over_six="mse", four_over_six_e4m3_max=e4m3_max)
+    save_checkpoint(tmp_path / "c", {"w": q, "plain": quantize(normal((32, 32)))})
+    restored = restore_checkpoint(tmp_path / "c")
+    assert restored["w"].four_over_six == "mse" and restored["w"].e4m3_max == e4m3_max
+    assert_same_q(restored["w"], q)
+    assert restored["plain"].four_over_six is None and restored["plain"].e4m3_max == 448
+    plain = quantize(normal((32, 32)))
+    for target in ({"w": quantize(normal((64, 32))), "plain": plain}, {"w": q, "plain": q}):
+        with pytest.raises(ValueError, match="four_over_six"):
+            restore_checkpoint(tmp_path / "c", jax.eval_shape(lambda t=target: t))
+
+
 def test_validate_rejects_wrong_dtypes_and_shapes():
     q = quantize(normal((32, 64)))
     with pytest.raises(TypeError, match="scales must be float8_e4m3fn"):

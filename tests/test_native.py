@@ -106,6 +106,12 @@ def rht_case(x=None, result=None, inverse=False):
     )
 
 
+def four_over_six_case(case, error="mae", e4m3_max=256):
+    """A quantize or fake-quantize case on its Four Over Six twin target."""
+    target, args, results, attrs = case
+    return f"{target}_4over6", args, results, dict(attrs, error=error, e4m3_max=np.int32(e4m3_max))
+
+
 def with_result(results, i, value):
     results = list(results)
     results[i] = value
@@ -417,6 +423,27 @@ ERROR_CASES = [
         rht_case(result=sds((4, 16), F32)),
         "nvfp4_rht: result of shape (4, 16) and dtype f32: expected 128 elements",
     ),
+    # Four Over Six (docs/NUMERICS.md section 13): the plain targets' checks, and its attributes.
+    (
+        "quantize_4over6-error",
+        four_over_six_case(quantize_case(), error="max"),
+        'nvfp4_quantize_4over6: attribute error must be "mae" or "mse", got "max"',
+    ),
+    (
+        "quantize_4over6-x-cols",
+        four_over_six_case(quantize_case(np.ones((16, 24), F32))),
+        f"nvfp4_quantize_4over6: x of shape (16, 24) and dtype f32: {COLS_MSG}",
+    ),
+    (
+        "fake_quantize_4over6-e4m3_max",
+        four_over_six_case(fake_case(), e4m3_max=300),
+        "nvfp4_fake_quantize_4over6: attribute e4m3_max must be 256 or 448, got 300",
+    ),
+    (
+        "fake_quantize_4over6-amax",
+        four_over_six_case(fake_case(amax=np.float64(1.0))),
+        f"nvfp4_fake_quantize_4over6: amax of shape () and dtype f64: {SCALAR_MSG}",
+    ),
 ]
 
 
@@ -438,7 +465,9 @@ def test_every_target_has_error_cases():
 
 def test_valid_cases_run():
     """The base operands of the error cases are valid: only the override is wrong."""
-    for case in (amax_case(), quantize_case(), fake_case(), dequantize_case(), rht_case()):
+    four_over_six = (four_over_six_case(quantize_case()), four_over_six_case(fake_case()))
+    base = (amax_case(), quantize_case(), fake_case(), dequantize_case(), rht_case())
+    for case in base + four_over_six:
         target, args, results, attrs = case
         call(target, args, results, **attrs)
 

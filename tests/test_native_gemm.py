@@ -171,6 +171,24 @@ def test_every_isa_and_thread_count_gives_the_same_bits(cpu_isa, threads):
     assert_same_bits(vmapped, np.stack([want, want]), "vmapped")
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_amx_path_gives_the_same_bits(threads):
+    """AMX-INT8 tiles (opt-in, x86-64-v4 hosts with AMX): the same order, the same bits."""
+    module = _library.module("cpu")
+    if module is None or not module.set_gemm_amx(True):
+        module is not None and module.set_gemm_amx(False)
+        pytest.skip("this CPU, kernel or build runs no AMX-INT8")
+    try:
+        module.set_gemm_threads(threads)
+        # Partial 16-row groups and 16-column halves, an odd block count, one row.
+        for m, n, k in [ISA_SHAPE, (1, 17, 16 * 3), (16, 16, 16), (33, 40, 4096)]:
+            a, b = operands(m, n, k, seed=m + k)
+            assert_same_bits(native(a, b), modelled(a, b), f"amx {m}x{n}x{k}")
+    finally:
+        module.set_gemm_amx(False)
+        module.set_gemm_threads(0)
+
+
 def summation_bound(a, b) -> np.ndarray:
     """|native - emulated| <= alpha * 2 * K * eps * (|A| |B|^T): both sum K exact products."""
     va = np.abs(np.asarray(nvfp4_jax.ops.block_values(a, jnp.float32), np.float64))

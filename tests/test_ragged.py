@@ -240,31 +240,33 @@ def ragged_operands(x, dy, group_sizes, key, recipe):
     r, g = ragged_module, 4
     groups = r._groups(group_sizes, x.shape[0])
     keys = jax.vmap(jax.random.split)(r._group_keys(key, dy, groups, g))
-    dgrad_random = r._row_random(r._key_words(keys[:, 0]), groups, dy.shape[1])
-    wgrad_random = r._padded_random(r._key_words(keys[:, 1]), groups, dy.shape[1])
+    dgrad_words, wgrad_words = r._key_words(keys[:, 0]), r._key_words(keys[:, 1])
     out = {}
     for name, (q, amax) in {
-        "x": r._quantize_rows(x, groups, g),
-        "dy": r._quantize_rows(dy, groups, g, dgrad_random),
+        "x": r._quantize_rows(x, groups, g, recipe),
+        "dy": r._quantize_rows(dy, groups, g, recipe, dgrad_words),
         "x_tokens": r._quantize_tokens(x, groups, g, recipe),
-        "dy_tokens": r._quantize_tokens(dy, groups, g, recipe, wgrad_random),
+        "dy_tokens": r._quantize_tokens(dy, groups, g, recipe, wgrad_words),
     }.items():
         out[name] = (r._block_values(q, jnp.float32), r.decode_scale(amax))
     return out
 
 
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("key_kind", ["key", "none"])
-def test_operands_are_bit_for_bit_the_dense_ones(key_kind):
+def test_operands_are_bit_for_bit_the_dense_ones(key_kind, implementation):
     """Every quantized operand of every group, against `dot_general`'s own construction on
     that group's rows alone (reference implementation): values, scales and positions of the
-    SR bits, and the tensor decode factor; the padded positions outside the groups are 0."""
+    SR bits, and the tensor decode factor; the padded positions outside the groups are 0.
+    With "ffi" on the CPU the groups are quantized by the native grouped kernel."""
     from nvfp4_jax import gemm, ops  # noqa: PLC0415
     from nvfp4_jax.dot_general import _gradient_key, pad_tokens  # noqa: PLC0415
 
     m, sizes = 80, [5, 0, 37, 22]
     x, _, dy = data(m, 64, 32, 4, 10)
     key = jax.random.key(9) if key_kind == "key" else None
-    recipe = NVFP4Recipe(implementation="reference")
+    recipe = NVFP4Recipe(implementation=implementation)
+    assert ragged_module.native_grouped(recipe) == (implementation == "ffi")
     got = ragged_operands(x, dy, jnp.array(sizes, jnp.int32), key, recipe)
     ref = functools.partial(
         gemm.quantize_operand, backend="emulated", dtype=jnp.float32, implementation="reference"
@@ -441,3 +443,29 @@ def test_the_written_out_threefry_is_jax_threefry_bit_for_bit():
     ours = jax.jit(ragged_module._threefry_2x32)(k0, k1, x0, x1)
     theirs = jax.vmap(lambda a, b, c, d: threefry_2x32((a, b), jnp.stack([c, d])))(k0, k1, x0, x1)
     np.testing.assert_array_equal(np.stack([np.asarray(o) for o in ours], -1), theirs)
+
+
+@pytest.mark.skipif(not kernels.is_available("cpu"), reason="no native CPU kernels")
+def test_native_grouped_quantize_rejects_bounds_outside_x_and_fills_nan_groups():
+    x = jnp.ones((32, 64), jnp.float32)
+    keys = jnp.zeros((2, 2), jnp.uint32)
+    amax = jnp.array([1.0, jnp.nan], jnp.float32)
+    codes, scales = kernels.grouped_quantize(
+        x, jnp.array([[0, 8], [8, 4]]), amax, keys, columns=False, stochastic_rounding=False
+    )
+    scale_bytes = np.asarray(scales).view(np.uint8)
+    assert np.all(scale_bytes[8:12] == 0x7F) and not np.any(np.asarray(codes)[8:12])
+    assert not np.any(scale_bytes[12:]) and not np.any(np.asarray(codes)[12:])
+    bad = {
+        "rows": (jnp.array([[0, 8], [30, 4]]), False),
+        "negative": (jnp.array([[0, 8], [-16, 8]]), False),
+        "unaligned columns": (jnp.array([[0, 16], [24, 16]]), True),
+        "columns": (jnp.array([[0, 16], [64, 16]]), True),
+    }
+    for bounds, columns in bad.values():
+        with pytest.raises(Exception, match="nvfp4_grouped_quantize: group 1 spans"):
+            jax.block_until_ready(
+                kernels.grouped_quantize(
+                    x, bounds, amax, keys, columns=columns, stochastic_rounding=False
+                )
+            )

@@ -184,6 +184,119 @@ void RunTileRows(const GemmJob& job, int64_t row_begin, int64_t row_end, int64_t
   }
 }
 
+// ---------------------------------------------------------------------------
+// AMX-INT8 (where the CPU has it and the kernel grants the tile data; the handler decides,
+// job.amx): per 16-block g, one `tdpbusd` of 16 rows of A (16 bytes of K each) by 16 columns
+// of B (4 quads x 16 columns x 4 bytes: the packed panel's layout as it is) gives the 16 x 16
+// exact integer dots d, the tile started from the offset correction row (loaded with stride
+// 0), so d = sum (2 q_a + 12)(2 q_b) - 12 sum 2 q_b exactly as VNNI computes it. Stored to
+// L1, each row's 16 sums then take the same f32 steps as above: acc = fma(f32(d) * sa, sb,
+// acc), g ascending, so the bits are those of every other ISA. Two C tiles alternate between
+// even and odd blocks so that the tile unit works on one while the vector unit scales the
+// other.
+
+#define NVFP4_VINLINE_LAMBDA __attribute__((always_inline))
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles: 0, 1 the int32 sums C (16 x 16) of even and odd blocks, 2, 3 their A (16 rows x 16
+// bytes), 4, 5 their B (4 quads x 64 bytes): tiles are not renamed, so alternating sets let
+// one block's tile work start while the vector unit scales the previous one.
+__attribute__((target("amx-tile,amx-int8"))) NVFP4_VINLINE void AmxConfigure() {
+  TileConfig c;
+  constexpr uint8_t kRows[6] = {16, 16, 16, 16, kQuad, kQuad};
+  constexpr uint16_t kColsb[6] = {64, 64, kBlock, kBlock, 64, 64};
+  for (int t = 0; t < 6; ++t) {
+    c.rows[t] = kRows[t];
+    c.colsb[t] = kColsb[t];
+  }
+  _tile_loadconfig(&c);
+}
+
+// Block g of 16 rows x 16 columns with tiles C = TC, A = TA, B = TB, its sums stored to
+// d[P]; then the f32 steps of block g - 1, whose sums were stored one block earlier.
+#define NVFP4_AMX_BLOCK(TC, TA, TB, P)                          \
+  do {                                                          \
+    _tile_zero(TC);                                             \
+    _tile_loadd(TA, ap + g * kBlock, job.k);                    \
+    _tile_loadd(TB, bp + g * kGroupBytes, 2 * 64);              \
+    _tile_dpbusd(TC, TA, TB);                                   \
+    _tile_stored(TC, d[P], 64);                                 \
+    if (g > 0) ScaleBlock(d[1 - P], g - 1);                     \
+  } while (0)
+
+// Rows [i0, i0 + 16) (a_pack is padded to whole 16-row groups) times columns
+// [16 * half, 16 * half + 16) of one panel; stores rows < m and columns < n. Block g's
+// integer sums d (+ the offset correction) take the f32 steps of the other ISAs:
+// acc = fma(f32(d) * sa, sb, acc), g ascending.
+__attribute__((target("amx-tile,amx-int8"))) void AmxMicro(const GemmJob& job, int64_t i0,
+                                                          int64_t panel, int half) {
+  const int64_t groups = job.groups();
+  const int8_t* bp = job.b_pack + panel * groups * kGroupBytes + 64 * half;
+  const int32_t* cp = job.b_corr + panel * groups * kGemmNr + 16 * half;
+  const float* sp = job.b_scale + panel * groups * kGemmNr + 16 * half;
+  const uint8_t* ap = job.a_pack + i0 * job.k;
+  const float* sa = job.a_scale + i0 * groups;
+  alignas(64) int32_t d[2][256];
+  __m512 acc[16];
+  for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
+  auto ScaleBlock = [&](const int32_t* sums, int64_t block) NVFP4_VINLINE_LAMBDA {
+    const __m512i corr = _mm512_loadu_si512(cp + block * kGemmNr);
+    const __m512 sb = _mm512_loadu_ps(sp + block * kGemmNr);
+    for (int r = 0; r < 16; ++r) {
+      const __m512i dv = _mm512_add_epi32(_mm512_load_si512(sums + 16 * r), corr);
+      const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(dv), _mm512_set1_ps(sa[r * groups + block]));
+      acc[r] = _mm512_fmadd_ps(t, sb, acc[r]);
+    }
+  };
+  int64_t g = 0;
+  for (; g + 2 <= groups; ++g) {
+    NVFP4_AMX_BLOCK(0, 2, 4, 0);
+    ++g;
+    NVFP4_AMX_BLOCK(1, 3, 5, 1);
+  }
+  if (g < groups) {
+    NVFP4_AMX_BLOCK(0, 2, 4, 0);
+    ScaleBlock(d[0], g);
+  } else if (groups > 0) {
+    ScaleBlock(d[1], groups - 1);
+  }
+  const __m512 quarter = _mm512_set1_ps(0.25f);
+  const __m512 alpha = _mm512_set1_ps(job.alpha);
+  const int64_t col0 = panel * kGemmNr + 16 * half;
+  const int64_t cols = MinI(16, job.n - col0);
+  if (cols <= 0) return;
+  const __mmask16 mask = static_cast<__mmask16>(cols >= 16 ? 0xFFFF : (1u << cols) - 1u);
+  const int64_t rows = MinI(16, job.m - i0);
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m512 o = _mm512_mul_ps(_mm512_mul_ps(acc[r], quarter), alpha);
+    _mm512_mask_storeu_ps(job.out + (i0 + r) * job.n + col0, mask, o);
+  }
+}
+#undef NVFP4_AMX_BLOCK
+#undef NVFP4_VINLINE_LAMBDA
+
+__attribute__((target("amx-tile,amx-int8"))) void AmxTiles(const GemmJob& job, int64_t begin,
+                                                          int64_t end) {
+  AmxConfigure();
+  const int64_t panels = job.panels();
+  for (int64_t t = begin; t < end; ++t) {
+    const int64_t row_begin = (t / panels) * kGemmMc;
+    const int64_t row_end = MinI(job.m, row_begin + kGemmMc);
+    for (int half = 0; half < 2; ++half) {
+      if (t % panels * kGemmNr + 16 * half >= job.n) break;
+      for (int64_t i = row_begin; i < row_end; i += 16) AmxMicro(job, i, t % panels, half);
+    }
+  }
+  _tile_release();
+}
+
 #elif defined(NVFP4_SIMD_AVX2)
 // ---------------------------------------------------------------------------
 // AVX2: 8 columns per ymm, four per panel; MR rows of A per micro-kernel.
@@ -351,6 +464,12 @@ void GemmPackB(const GemmJob& job, int64_t begin, int64_t end) {
 
 // Output tiles [begin, end), row-tile major: kGemmMc rows of A times one panel of B.
 void GemmTiles(const GemmJob& job, int64_t begin, int64_t end) {
+#if defined(NVFP4_SIMD_AVX512)
+  if (job.amx) {
+    AmxTiles(job, begin, end);
+    return;
+  }
+#endif
   const int64_t panels = job.panels();
   for (int64_t t = begin; t < end; ++t) {
     const int64_t row_begin = (t / panels) * kGemmMc;

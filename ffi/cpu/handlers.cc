@@ -12,6 +12,11 @@
 #if defined(__linux__)
 #include <sys/mman.h>
 #endif
+#if defined(__linux__) && defined(__x86_64__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include "cpu/kernel_table.h"
 #include "cpu/parallel.h"
@@ -101,6 +106,82 @@ inline ffi::ErrorOr<GemmShape> CheckGemmArgs(const ffi::AnyBuffer& a_codes,
   return s;
 }
 
+// The shape of a weight-only GEMM: x (..., M, K) times the NVFP4 weight (..., N, K) along K,
+// each batch dim of the result the one of x or of the weight (the other one 1 or equal).
+struct W4a16Shape {
+  std::vector<int64_t> batch, x_batch, w_batch;
+  int64_t m = 0, n = 0, k = 0;
+  FloatType x = FloatType::kF32;
+};
+
+// nvfp4_w4a16(x, codes, scales, decode) -> out: x bf16, f16 or f32 (..., M, K), codes u8
+// (..., N, K/2), scales f8e4m3fn (..., N, K/16), decode f32 (...) (the weight's batch
+// shape), out f32 (..., M, N); K a multiple of 16; the batch dims broadcast (equal or 1).
+inline ffi::ErrorOr<W4a16Shape> CheckW4a16Args(const ffi::AnyBuffer& x, const ffi::AnyBuffer& codes,
+                                               const ffi::AnyBuffer& scales,
+                                               const ffi::AnyBuffer& decode,
+                                               const ffi::AnyBuffer& out) {
+  const std::string target = "nvfp4_w4a16: ";
+  auto fail = [&](const char* what, const ffi::AnyBuffer& b, const std::string& problem) {
+    return ffi::Unexpected(ffi::Error::InvalidArgument(
+        target + what + " of shape " + ShapeString(b.dimensions()) + " and dtype " +
+        DtypeName(b.element_type()) + ": " + problem));
+  };
+  W4a16Shape s;
+  switch (x.element_type()) {
+    case ffi::DataType::BF16: s.x = FloatType::kBf16; break;
+    case ffi::DataType::F16: s.x = FloatType::kF16; break;
+    case ffi::DataType::F32: s.x = FloatType::kF32; break;
+    default: return fail("x", x, "expected dtype bf16, f16 or f32");
+  }
+  const auto xd = x.dimensions();
+  const auto cd = codes.dimensions();
+  if (xd.size() < 2) return fail("x", x, "expected shape (..., M, K)");
+  const size_t rank = xd.size();
+  if (xd[rank - 1] % kBlock != 0) {
+    return fail("x", x, "the last axis (K) must be a multiple of 16");
+  }
+  if (codes.element_type() != ffi::DataType::U8 || cd.size() != rank ||
+      cd[rank - 1] * 2 != xd[rank - 1]) {
+    return fail("codes", codes, "expected u8 codes of shape (..., N, K/2), x's rank and K");
+  }
+  s.m = xd[rank - 2];
+  s.n = cd[rank - 2];
+  s.k = xd[rank - 1];
+  for (size_t i = 0; i + 2 < rank; ++i) {
+    if (xd[i] != cd[i] && xd[i] != 1 && cd[i] != 1) {
+      return fail("codes", codes, "batch dims must equal x's or be 1 (broadcast)");
+    }
+    s.x_batch.push_back(xd[i]);
+    s.w_batch.push_back(cd[i]);
+    s.batch.push_back(xd[i] == 1 ? cd[i] : xd[i]);
+  }
+  auto dims_are = [](const ffi::AnyBuffer& b, const std::vector<int64_t>& want) {
+    const auto d = b.dimensions();
+    if (d.size() != want.size()) return false;
+    for (size_t i = 0; i < want.size(); ++i) {
+      if (d[i] != want[i]) return false;
+    }
+    return true;
+  };
+  std::vector<int64_t> want = s.w_batch;
+  want.push_back(s.n);
+  want.push_back(s.k / kBlock);
+  if (scales.element_type() != ffi::DataType::F8E4M3FN || !dims_are(scales, want)) {
+    return fail("scales", scales, "expected f8e4m3fn of shape (..., N, K/16), codes' batch");
+  }
+  if (decode.element_type() != ffi::DataType::F32 || !dims_are(decode, s.w_batch)) {
+    return fail("decode", decode, "expected f32 of the weight's batch shape (the leading dims)");
+  }
+  want = s.batch;
+  want.push_back(s.m);
+  want.push_back(s.n);
+  if (out.element_type() != ffi::DataType::F32 || !dims_are(out, want)) {
+    return fail("result", out, "expected f32 of shape (..., M, N)");
+  }
+  return s;
+}
+
 }  // namespace nvfp4
 
 namespace nvfp4::cpu {
@@ -154,9 +235,10 @@ bool RunQuantize(ffi::ThreadPool& pool, QuantizeRangeFn fn, const QuantizeJob& j
   return seen.load() < kInfBits;
 }
 
-// The job of quantize and fake quantize, without its outputs.
+// The job of quantize and fake quantize, without its outputs (`fos`: Four Over Six or not).
 QuantizeJob MakeJob(const ffi::AnyBuffer& x, const RowLayout& layout, float amax,
-                    const ffi::AnyBuffer& key, bool block_2d, bool rht, bool sr) {
+                    const ffi::AnyBuffer& key, bool block_2d, bool rht, bool sr,
+                    const FourOverSixArgs& fos) {
   const auto* words = static_cast<const uint32_t*>(key.untyped_data());
   QuantizeJob job;
   job.x = x.untyped_data();
@@ -165,7 +247,10 @@ QuantizeJob MakeJob(const ffi::AnyBuffer& x, const RowLayout& layout, float amax
   job.block_2d = block_2d;
   job.rht = rht;
   job.sr = sr;
-  job.g = MakeGlobalScale(amax);
+  job.g = MakeGlobalScale(amax, fos.six_m);
+  job.four_over_six = fos.mode;
+  job.six_m = fos.six_m;
+  job.amax = amax;
   job.k0 = words[0];
   job.k1 = words[1];
   job.counter_offset = static_cast<uint64_t>(words[2]) | static_cast<uint64_t>(words[3]) << 32;
@@ -188,15 +273,17 @@ ffi::Error AmaxImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Result<ffi::Any
   return ffi::Error::Success();
 }
 
-ffi::Error QuantizeImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer amax,
-                        ffi::AnyBuffer key, ffi::Result<ffi::AnyBuffer> codes,
-                        ffi::Result<ffi::AnyBuffer> scales, ffi::Result<ffi::AnyBuffer> stored_amax,
-                        bool block_2d, bool rht, bool stochastic_rounding) {
-  auto args = CheckQuantizeArgs(x, amax, key, *codes, *scales, *stored_amax, block_2d);
+ffi::Error QuantizeAny(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBuffer amax,
+                       ffi::AnyBuffer key, ffi::Result<ffi::AnyBuffer> codes,
+                       ffi::Result<ffi::AnyBuffer> scales, ffi::Result<ffi::AnyBuffer> stored_amax,
+                       bool block_2d, bool rht, bool stochastic_rounding,
+                       const FourOverSixArgs& fos) {
+  auto args = CheckQuantizeArgs(x, amax, key, *codes, *scales, *stored_amax, block_2d,
+                                fos.quantize_target);
   if (args.has_error()) return args.error();
   const RowLayout& layout = args->layout;
   const float a = *F32Data(amax);
-  QuantizeJob job = MakeJob(x, layout, a, key, block_2d, rht, stochastic_rounding);
+  QuantizeJob job = MakeJob(x, layout, a, key, block_2d, rht, stochastic_rounding, fos);
   job.codes = static_cast<uint8_t*>(codes->untyped_data());
   job.scales = static_cast<uint8_t*>(scales->untyped_data());
   AdviseHugePages(codes->untyped_data(), codes->size_bytes());
@@ -212,18 +299,40 @@ ffi::Error QuantizeImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer a
   return ffi::Error::Success();
 }
 
-ffi::Error FakeQuantizeImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer amax,
-                            ffi::AnyBuffer key, ffi::Result<ffi::AnyBuffer> out,
-                            ffi::Result<ffi::AnyBuffer> stored_amax, bool block_2d, bool rht,
-                            bool stochastic_rounding, bool global_scale) {
-  auto args = CheckFakeQuantizeArgs(x, amax, key, *out, *stored_amax, block_2d);
+ffi::Error QuantizeImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer amax,
+                        ffi::AnyBuffer key, ffi::Result<ffi::AnyBuffer> codes,
+                        ffi::Result<ffi::AnyBuffer> scales, ffi::Result<ffi::AnyBuffer> stored_amax,
+                        bool block_2d, bool rht, bool stochastic_rounding) {
+  return QuantizeAny(pool, x, amax, key, codes, scales, stored_amax, block_2d, rht,
+                     stochastic_rounding, FourOverSixArgs{});
+}
+
+// nvfp4_quantize_4over6: nvfp4_quantize under Four Over Six (docs/NUMERICS.md section 13).
+ffi::Error Quantize4over6Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer amax,
+                              ffi::AnyBuffer key, ffi::Result<ffi::AnyBuffer> codes,
+                              ffi::Result<ffi::AnyBuffer> scales,
+                              ffi::Result<ffi::AnyBuffer> stored_amax, bool block_2d, bool rht,
+                              bool stochastic_rounding, std::string_view error, int32_t e4m3_max) {
+  auto fos = CheckFourOverSixAttrs("nvfp4_quantize_4over6", error, e4m3_max);
+  if (fos.has_error()) return fos.error();
+  return QuantizeAny(pool, x, amax, key, codes, scales, stored_amax, block_2d, rht,
+                     stochastic_rounding, *fos);
+}
+
+ffi::Error FakeQuantizeAny(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBuffer amax,
+                           ffi::AnyBuffer key, ffi::Result<ffi::AnyBuffer> out,
+                           ffi::Result<ffi::AnyBuffer> stored_amax, bool block_2d, bool rht,
+                           bool stochastic_rounding, bool global_scale,
+                           const FourOverSixArgs& fos) {
+  auto args = CheckFakeQuantizeArgs(x, amax, key, *out, *stored_amax, block_2d,
+                                    fos.fake_quantize_target);
   if (args.has_error()) return args.error();
   const RowLayout& layout = args->layout;
   const float a = *F32Data(amax);
-  QuantizeJob job = MakeJob(x, layout, a, key, block_2d, rht, stochastic_rounding);
+  QuantizeJob job = MakeJob(x, layout, a, key, block_2d, rht, stochastic_rounding, fos);
   job.values = out->untyped_data();
   AdviseHugePages(out->untyped_data(), out->size_bytes());
-  job.global = DecodeGlobal(a);
+  job.global = DecodeGlobal(a, fos.six_m);
   job.use_global = global_scale;
   const auto fn = BestTable().fake_quantize[Index(args->x)][Index(args->result)];
   const bool finite = AmaxValid(a) && RunQuantize(pool, fn, job);
@@ -238,6 +347,26 @@ ffi::Error FakeQuantizeImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuff
     });
   }
   return ffi::Error::Success();
+}
+
+ffi::Error FakeQuantizeImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer amax,
+                            ffi::AnyBuffer key, ffi::Result<ffi::AnyBuffer> out,
+                            ffi::Result<ffi::AnyBuffer> stored_amax, bool block_2d, bool rht,
+                            bool stochastic_rounding, bool global_scale) {
+  return FakeQuantizeAny(pool, x, amax, key, out, stored_amax, block_2d, rht,
+                         stochastic_rounding, global_scale, FourOverSixArgs{});
+}
+
+// nvfp4_fake_quantize_4over6: nvfp4_fake_quantize under Four Over Six.
+ffi::Error FakeQuantize4over6Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer amax,
+                                  ffi::AnyBuffer key, ffi::Result<ffi::AnyBuffer> out,
+                                  ffi::Result<ffi::AnyBuffer> stored_amax, bool block_2d,
+                                  bool rht, bool stochastic_rounding, bool global_scale,
+                                  std::string_view error, int32_t e4m3_max) {
+  auto fos = CheckFourOverSixAttrs("nvfp4_fake_quantize_4over6", error, e4m3_max);
+  if (fos.has_error()) return fos.error();
+  return FakeQuantizeAny(pool, x, amax, key, out, stored_amax, block_2d, rht,
+                         stochastic_rounding, global_scale, *fos);
 }
 
 ffi::Error DequantizeImpl(ffi::ThreadPool pool, ffi::AnyBuffer codes, ffi::AnyBuffer scales,
@@ -284,6 +413,33 @@ T* Carve(std::vector<uint8_t>& scratch, int64_t& offset, int64_t count) {
   return p;
 }
 
+// Whether the GEMM uses AMX-INT8 where it can: off by default. The per-block f32 scaling
+// of the exact order leaves AMX 16 x 16 x 16 tile products (K = one block) that each need a
+// tile store and 16 vector rows of scaling; on the one AMX host measured (2026-11-24, 2-core
+// Xeon) that ran 1.3-1.5x slower than the AVX-512 VNNI kernel, so it is opt-in
+// (set_gemm_amx(True)) and tested bit for bit against the other ISAs.
+std::atomic<bool> gemm_amx_allowed{false};
+
+// Whether this CPU has AMX-TILE and AMX-INT8 and the kernel granted this process the tile
+// data state (Linux asks for it: arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA).
+bool AmxGranted() {
+#if defined(__linux__) && defined(__x86_64__) && defined(NVFP4_HAVE_X86_VARIANTS)
+  static const bool granted = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    if (((d >> 24) & 1u) == 0 || ((d >> 25) & 1u) == 0) return false;  // AMX-TILE, AMX-INT8
+    constexpr long kReqXcompPerm = 0x1023, kGetXcompPerm = 0x1022, kXtileData = 18;
+    if (syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) != 0) return false;
+    unsigned long features = 0;
+    return syscall(SYS_arch_prctl, kGetXcompPerm, &features) == 0 &&
+           ((features >> kXtileData) & 1u) != 0;
+  }();
+  return granted;
+#else
+  return false;
+#endif
+}
+
 ffi::Error GemmImpl(ffi::ThreadPool pool, ffi::AnyBuffer a_codes, ffi::AnyBuffer a_scales,
                     ffi::AnyBuffer b_codes, ffi::AnyBuffer b_scales, ffi::AnyBuffer a_decode,
                     ffi::AnyBuffer b_decode, ffi::Result<ffi::AnyBuffer> out) {
@@ -297,15 +453,29 @@ ffi::Error GemmImpl(ffi::ThreadPool pool, ffi::AnyBuffer a_codes, ffi::AnyBuffer
   job.m = s.m;
   job.n = s.n;
   job.k = s.k;
+  job.amx = gemm_amx_allowed.load() && std::strcmp(table.isa, "x86-64-v4") == 0 && AmxGranted();
   const int64_t groups = job.groups();
   const int64_t panels = job.panels();
-  // One batch element's packed operands at a time, 64-byte aligned pieces of one buffer.
-  const int64_t bytes = (s.m * s.k + 64) + (s.m * groups * 4 + 64) +
+  // AMX reads A in whole 16-row groups: the packed A has zero rows past m.
+  const int64_t m_pack = job.amx ? (s.m + 15) / 16 * 16 : s.m;
+  // One batch element's packed operands at a time, 64-byte aligned pieces of one buffer,
+  // kept by the calling thread from call to call: fresh memory every call cost page faults
+  // (and the zeroing of a vector) worth several percent of a 2048^3 GEMM.
+  const int64_t bytes = (m_pack * s.k + 64) + (m_pack * groups * 4 + 64) +
                         (panels * groups * kGemmNr * (kBlock + 8) + 3 * 64) + 64;
-  std::vector<uint8_t> scratch(static_cast<size_t>(bytes));
+  thread_local std::vector<uint8_t> scratch;
+  if (static_cast<int64_t>(scratch.size()) < bytes) {
+    scratch = std::vector<uint8_t>();  // free the old one first
+    scratch.resize(static_cast<size_t>(bytes));
+    AdviseHugePages(scratch.data(), bytes);
+  }
   int64_t offset = (64 - static_cast<int64_t>(reinterpret_cast<uintptr_t>(scratch.data()) % 64)) % 64;
-  job.a_pack = Carve<uint8_t>(scratch, offset, s.m * s.k);
-  job.a_scale = Carve<float>(scratch, offset, s.m * groups);
+  job.a_pack = Carve<uint8_t>(scratch, offset, m_pack * s.k);
+  job.a_scale = Carve<float>(scratch, offset, m_pack * groups);
+  if (m_pack > s.m) {
+    std::memset(job.a_pack + s.m * s.k, 0, (m_pack - s.m) * s.k);
+    std::memset(job.a_scale + s.m * groups, 0, (m_pack - s.m) * groups * sizeof(float));
+  }
   job.b_pack = Carve<int8_t>(scratch, offset, panels * groups * kGemmNr * kBlock);
   job.b_corr = Carve<int32_t>(scratch, offset, panels * groups * kGemmNr);
   job.b_scale = Carve<float>(scratch, offset, panels * groups * kGemmNr);
@@ -336,9 +506,96 @@ ffi::Error GemmImpl(ffi::ThreadPool pool, ffi::AnyBuffer a_codes, ffi::AnyBuffer
   return ffi::Error::Success();
 }
 
+// The W4A16 kernel of the variant BestTable() runs (the same choice, by its name).
+W4a16RangeFn BestW4a16Kernel(FloatType x) {
+#if defined(NVFP4_HAVE_X86_VARIANTS)
+  const char* isa = BestTable().isa;
+  if (std::strcmp(isa, "x86-64-v4") == 0) return avx512::W4a16Kernel(x);
+  if (std::strcmp(isa, "x86-64-v3") == 0) return avx2::W4a16Kernel(x);
+#endif
+  return baseline::W4a16Kernel(x);
+}
+
+// Offset (in batch elements) of the batch element at `coords` in a tensor of batch dims
+// `dims` broadcast to the result's (a dim of 1 repeats).
+int64_t BroadcastOffset(const std::vector<int64_t>& coords, const std::vector<int64_t>& dims) {
+  int64_t offset = 0;
+  for (size_t i = 0; i < dims.size(); ++i) offset = offset * dims[i] + (dims[i] == 1 ? 0 : coords[i]);
+  return offset;
+}
+
+ffi::Error W4a16Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer codes,
+                     ffi::AnyBuffer scales, ffi::AnyBuffer decode,
+                     ffi::Result<ffi::AnyBuffer> out) {
+  auto checked = CheckW4a16Args(x, codes, scales, decode, *out);
+  if (checked.has_error()) return checked.error();
+  const W4a16Shape& s = *checked;
+  int64_t batch = 1, x_batch = 1;
+  for (size_t i = 0; i < s.batch.size(); ++i) {
+    batch *= s.batch[i];
+    x_batch *= s.x_batch[i];
+  }
+  if (batch == 0 || s.m == 0 || s.n == 0) return ffi::Error::Success();
+  const int64_t threads = gemm_max_threads.load();
+  const W4a16RangeFn fn = BestW4a16Kernel(s.x);
+  // The activations in f32 (exact), row by row.
+  const int64_t rows = x_batch * s.m;
+  std::vector<float> xf(static_cast<size_t>(rows * s.k));
+  VisitFloatType(s.x, [&](auto t) {
+    using T = decltype(t);
+    const auto* src = static_cast<const typename T::Storage*>(x.untyped_data());
+    ParallelFor(pool, rows, GrainItems(std::max<int64_t>(s.k, 1)), [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin * s.k; i < end * s.k; ++i) xf[i] = T::Load(src[i]);
+    }, threads);
+  });
+  const auto* c = static_cast<const uint8_t*>(codes.untyped_data());
+  const auto* sc = static_cast<const uint8_t*>(scales.untyped_data());
+  const float* d = F32Data(decode);
+  float* o = F32Data(*out);
+  // Per scale byte, the 16 codes' weights as dequantize gives them in x's dtype (f32 bits).
+  constexpr float kE2m1[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
+                               -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+  alignas(64) float tables[256 * kBlock];
+  W4a16Job job;
+  job.m = s.m;
+  job.n = s.n;
+  job.k = s.k;
+  job.tables = tables;
+  std::vector<int64_t> coords(s.batch.size(), 0);
+  const int64_t grain = GrainItems(std::max<int64_t>(s.k, 1) * std::min<int64_t>(s.m, 8));
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t i = static_cast<int64_t>(s.batch.size()) - 1, r = b; i >= 0; --i) {
+      coords[i] = r % s.batch[i];
+      r /= s.batch[i];
+    }
+    const int64_t xo = BroadcastOffset(coords, s.x_batch);
+    const int64_t wo = BroadcastOffset(coords, s.w_batch);
+    const float decode_scale = d[wo];
+    VisitFloatType(s.x, [&](auto t) {
+      using T = decltype(t);
+      for (uint32_t byte = 0; byte < 256; ++byte) {
+        const float factor = E4m3ToF32(byte) * decode_scale;  // f32(s_b) * D
+        for (int c = 0; c < kBlock; ++c) tables[byte * kBlock + c] = RoundTo<T>(kE2m1[c] * factor);
+      }
+    });
+    job.x = xf.data() + xo * s.m * s.k;
+    job.codes = c + wo * s.n * (s.k / 2);
+    job.scales = sc + wo * s.n * (s.k / kBlock);
+    job.out = o + b * s.m * s.n;
+    ParallelFor(pool, s.n, grain, [&](int64_t begin, int64_t end) { fn(job, begin, end); },
+                threads);
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 void SetGemmMaxThreads(int64_t n) { gemm_max_threads.store(n); }
+
+bool SetGemmAmx(bool allowed) {
+  gemm_amx_allowed.store(allowed);
+  return allowed && AmxGranted() && std::strcmp(BestTable().isa, "x86-64-v4") == 0;
+}
 
 }  // namespace nvfp4::cpu
 
@@ -375,6 +632,36 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NvFp4FakeQuantizeCpu, nvfp4::cpu::FakeQuantizeImpl
                                   .Attr<bool>("stochastic_rounding")
                                   .Attr<bool>("global_scale"));
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NvFp4Quantize4over6Cpu, nvfp4::cpu::Quantize4over6Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<bool>("block_2d")
+                                  .Attr<bool>("rht")
+                                  .Attr<bool>("stochastic_rounding")
+                                  .Attr<std::string_view>("error")
+                                  .Attr<int32_t>("e4m3_max"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NvFp4FakeQuantize4over6Cpu, nvfp4::cpu::FakeQuantize4over6Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<bool>("block_2d")
+                                  .Attr<bool>("rht")
+                                  .Attr<bool>("stochastic_rounding")
+                                  .Attr<bool>("global_scale")
+                                  .Attr<std::string_view>("error")
+                                  .Attr<int32_t>("e4m3_max"));
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NvFp4DequantizeCpu, nvfp4::cpu::DequantizeImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
@@ -388,6 +675,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     NvFp4RhtCpu, nvfp4::cpu::RhtImpl,
     ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>().Attr<bool>(
         "inverse"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NvFp4W4a16Cpu, nvfp4::cpu::W4a16Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NvFp4GemmCpu, nvfp4::cpu::GemmImpl,
                               ffi::Ffi::Bind()

@@ -22,6 +22,11 @@ struct QuantizeJob {
   bool rht = false;
   bool sr = false;
   GlobalScale g{};
+  // Four Over Six (docs/NUMERICS.md section 13): kPlain, kMae or kMse; 6M of the global
+  // scale (2688, or 1536 for M = 256), and the tensor amax A its candidate errors use.
+  int four_over_six = kPlain;
+  float six_m = k2688;
+  float amax = 0.0f;
   uint32_t k0 = 0, k1 = 0;
   uint64_t counter_offset = 0;  // SR counter of element 0 (global element offset / 8)
   // Quantize: packed codes (rows, cols/2) and scales (rows, cols/16).
@@ -34,8 +39,11 @@ struct QuantizeJob {
 
   int64_t blocks() const { return cols / kBlock; }
   int64_t rows_per_item() const { return block_2d ? kBlock : 1; }
-  // Scratch words a worker needs: the 16x16 tile maxima of a row of tiles (none for 1x16).
-  int64_t scratch_words() const { return block_2d ? blocks() : 0; }
+  // Scratch words a worker needs: the 16x16 tile maxima of a row of tiles (none for 1x16);
+  // under Four Over Six also both candidates' errors of its 16 rows and each tile's pick.
+  int64_t scratch_words() const {
+    return block_2d ? (four_over_six != kPlain ? 34 : 1) * blocks() : 0;
+  }
 };
 
 struct DequantizeJob {
@@ -71,6 +79,10 @@ struct GemmJob {
   int8_t* b_pack = nullptr;   // (panels, k/16, 4, kGemmNr, 4): 2 * E2M1, zero past n
   int32_t* b_corr = nullptr;  // (panels, k/16, kGemmNr): -12 * the block's sum of b
   float* b_scale = nullptr;   // (panels, k/16, kGemmNr): f32 scales, zero past n
+  // Tiles with AMX-INT8 (the x86-64-v4 variant only; the handler sets it where the CPU has
+  // AMX and the kernel granted the tile data). a_pack and a_scale then have whole 16-row
+  // groups (zero past m).
+  bool amx = false;
 
   int64_t groups() const { return k / kBlock; }
   int64_t panels() const { return (n + kGemmNr - 1) / kGemmNr; }
@@ -80,6 +92,22 @@ struct GemmJob {
 
 // Rows [begin, end) of A, panels [begin, end) of B, tiles [begin, end) of the output.
 using GemmRangeFn = void (*)(const GemmJob& job, int64_t begin, int64_t end);
+
+// The weight-only (W4A16) GEMM (cpu/w4a16_isa.cc; docs/NUMERICS.md section 9) of one batch
+// element: out (m, n) f32 = x (m, k) times the NVFP4 weight stored (n, k) along k, each
+// weight element dequantize's dtype(value(code) * factor), summed in f32 in 16 slots (k mod
+// 16, ascending k) and a fixed tree over the slots. Threads split the columns.
+struct W4a16Job {
+  int64_t m = 0, n = 0, k = 0;
+  const float* x = nullptr;         // (m, k): the activations in f32 (exact)
+  const uint8_t* codes = nullptr;   // (n, k/2)
+  const uint8_t* scales = nullptr;  // (n, k/16) E4M3 bytes
+  const float* tables = nullptr;    // [256][16]: dtype(value(code) * f32(scale byte) * D)
+  float* out = nullptr;             // (m, n)
+};
+
+// Columns [begin, end) of the output; one per dtype of x (the weight is rounded to it).
+using W4a16RangeFn = void (*)(const W4a16Job& job, int64_t begin, int64_t end);
 
 // Items [begin, end) (rows, or 16-row groups for 2D); returns the max |x| bits seen.
 using QuantizeRangeFn = uint32_t (*)(const QuantizeJob& job, int64_t begin, int64_t end,
@@ -105,18 +133,21 @@ struct KernelTable {
 
 namespace baseline {
 const KernelTable& Table();
+W4a16RangeFn W4a16Kernel(FloatType x);
 void GemmPackA(const GemmJob& job, int64_t begin, int64_t end);
 void GemmPackB(const GemmJob& job, int64_t begin, int64_t end);
 void GemmTiles(const GemmJob& job, int64_t begin, int64_t end);
 }
 namespace avx2 {
 const KernelTable& Table();
+W4a16RangeFn W4a16Kernel(FloatType x);
 void GemmPackA(const GemmJob& job, int64_t begin, int64_t end);
 void GemmPackB(const GemmJob& job, int64_t begin, int64_t end);
 void GemmTiles(const GemmJob& job, int64_t begin, int64_t end);
 }
 namespace avx512 {
 const KernelTable& Table();
+W4a16RangeFn W4a16Kernel(FloatType x);
 void GemmPackA(const GemmJob& job, int64_t begin, int64_t end);
 void GemmPackB(const GemmJob& job, int64_t begin, int64_t end);
 void GemmTiles(const GemmJob& job, int64_t begin, int64_t end);

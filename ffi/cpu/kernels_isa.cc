@@ -401,6 +401,74 @@ NVFP4_VINLINE VF E2m1RoundedRnV(VF y) {
 }
 
 // ---------------------------------------------------------------------------
+// Four Over Six (FourOverSixScales, CandidateError, ErrorTerm of numerics.h), one block per
+// lane. A block's error is a sum over its elements in order, so the group is first turned
+// into 16 vectors whose lane b holds element k of block b: each sum is then lane-parallel.
+
+struct CandidatesV {
+  VI s4, s6;      // map-to-4 and map-to-6 scale codes
+  VF enc4, enc6;  // their encode factors
+};
+
+NVFP4_VINLINE CandidatesV FourOverSixScalesV(VF block_amax, const GlobalScale& g) {
+  const VF base = (block_amax / 6.0f) * g.enc;  // a true division, as the scalar twin
+  CandidatesV c;
+  c.s4 = F32ToE4m3V(MinNanV(base * 1.5f, kE4m3Max));
+  c.s6 = F32ToE4m3V(MinNanV(base, kE4m3Max));
+  c.enc4 = BlockEncodeV(c.s4, g);
+  c.enc6 = BlockEncodeV(c.s6, g);
+  return c;
+}
+
+// t[k] lane b = element k of block b. Pair p's E holds the even elements of blocks 2p
+// (lanes 0-7) and 2p + 1 (lanes 8-15), its O the odd ones.
+NVFP4_VINLINE void TransposeGroup(const VF* e, const VF* o, VF t[16]) {
+  float even[8 * 16], odd[8 * 16];
+  for (int p = 0; p < 8; ++p) {
+    StoreV(even + 16 * p, e[p]);
+    StoreV(odd + 16 * p, o[p]);
+  }
+  for (int k = 0; k < 16; ++k) {
+    const float* src = (k & 1) ? odd : even;
+    for (int b = 0; b < 16; ++b) {
+      t[k].p[b / kLanes][b % kLanes] = src[16 * (b >> 1) + 8 * (b & 1) + (k >> 1)];
+    }
+  }
+}
+
+// Each lane's block error under one candidate (scale, enc): CandidateError lane by lane.
+NVFP4_VINLINE VF CandidateErrorV(const QuantizeJob& job, const VF t[16], VI scale, VF enc) {
+  const VF s = E4m3ToF32V(scale);
+  const bool mse = job.four_over_six == kMse;
+  VF err = SplatF(0.0f);
+  for (int k = 0; k < 16; ++k) {
+    const VF value = ((E2m1Value(E2m1RnV(t[k] * enc)) * s) * job.amax) / job.six_m;
+    const VF d = value - t[k];
+    err = err + (mse ? d * d : AsVF(AsVI(d) & 0x7FFFFFFF));
+  }
+  return err;
+}
+
+// The scales and encode factors Four Over Six chooses for the 16 blocks of a group (e, o)
+// whose maxima (or tile maxima) are `block_amax`: map-to-4 where `pick` says so (the 2D tile
+// decisions, a lane mask), or, with pick null, where its error is strictly smaller.
+__attribute__((noinline)) void ChooseFourOverSix(const QuantizeJob& job, const VF* e, const VF* o,
+                                                 const VF& block_amax, const VI* pick, VI& scale,
+                                                 VF& enc) {
+  const CandidatesV c = FourOverSixScalesV(block_amax, job.g);
+  VI pick4;
+  if (pick) {
+    pick4 = *pick;
+  } else {
+    VF t[16];
+    TransposeGroup(e, o, t);
+    pick4 = CandidateErrorV(job, t, c.s4, c.enc4) < CandidateErrorV(job, t, c.s6, c.enc6);
+  }
+  scale = Select(pick4, c.s4, c.s6);
+  enc = Select(pick4, c.enc4, c.enc6);
+}
+
+// ---------------------------------------------------------------------------
 // Threefry2x32 of 16 counters at once, and the SR random bytes of a group.
 
 NVFP4_VINLINE void RoundsV(VI& x0, VI& x1, int r0, int r1, int r2, int r3) {
@@ -537,16 +605,24 @@ __attribute__((noinline)) VI GroupAmaxBits(const typename T::Storage* x) {
 }
 
 // Quantizes the 16 blocks at x (flat block index block0) with the block maxima `amax`
-// (16x16 tiles), or their own when amax is null; returns their own maxima (or 0).
+// (16x16 tiles), or their own when amax is null; returns their own maxima (or 0). Under
+// Four Over Six, `pick` holds the 2D tiles' decisions (null: each block decides).
 template <class T, bool kRht, bool kSr, class Sink>
 __attribute__((noinline)) VI QuantizeGroup(const QuantizeJob& job, const typename T::Storage* x,
-                                           int64_t block0, const VI* amax, Sink& out) {
+                                           int64_t block0, const VI* amax, const VI* pick,
+                                           Sink& out) {
   Sink sink = out;  // a local copy: its pointers cannot alias the stores
   VF e[8], o[8];
   LoadGroup<T, kRht>(x, e, o);
   const VI own = amax ? SplatI(0) : PairMax16(e, o);
-  const VI scale = BlockScalesV(AsVF(amax ? *amax : own), job.g);
-  const VF enc = BlockEncodeV(scale, job.g);
+  VI scale;
+  VF enc;
+  if (job.four_over_six == kPlain) {
+    scale = BlockScalesV(AsVF(amax ? *amax : own), job.g);
+    enc = BlockEncodeV(scale, job.g);
+  } else {
+    ChooseFourOverSix(job, e, o, AsVF(amax ? *amax : own), pick, scale, enc);
+  }
   sink.Scales(job, scale);
   uint32_t words[4 * kGroup];
   if (kSr) GroupRandomWords(job, block0, words);
@@ -568,18 +644,68 @@ __attribute__((noinline)) VI QuantizeGroup(const QuantizeJob& job, const typenam
 // Quantizes the group of n <= 16 blocks at x: in place, or through padded copies.
 template <class T, bool kRht, bool kSr, class Sink>
 NVFP4_VINLINE VI QuantizeSome(const QuantizeJob& job, const typename T::Storage* x, int64_t block0,
-                              int n, const VI* amax) {
+                              int n, const VI* amax, const VI* pick) {
   if (n == kGroup) {
     Sink sink = Sink::At(job, block0);
-    return QuantizeGroup<T, kRht, kSr>(job, x, block0, amax, sink);
+    return QuantizeGroup<T, kRht, kSr>(job, x, block0, amax, pick, sink);
   }
   typename T::Storage padded[kBlock * kGroup];
   typename Sink::Local local;
   Sink sink = local.Sink();
   const VI own =
-      QuantizeGroup<T, kRht, kSr>(job, PadGroup(x, n, padded), block0, amax, sink);
+      QuantizeGroup<T, kRht, kSr>(job, PadGroup(x, n, padded), block0, amax, pick, sink);
   local.Flush(job, block0, n);
   return own;
+}
+
+// The values per_column[c] of the 16 blocks from flat block index c0 of a row of `blocks`
+// block columns (wrapping to the next row), one per lane.
+NVFP4_VINLINE VI ColumnVector(const uint32_t* per_column, int64_t blocks, int64_t c0) {
+  uint32_t lanes[kGroup];
+  if (blocks % kGroup == 0) {
+    __builtin_memcpy(lanes, per_column + c0, sizeof(lanes));
+  } else {
+    for (int k = 0, c = static_cast<int>(c0); k < kGroup; ++k, c = c + 1 == blocks ? 0 : c + 1) {
+      lanes[k] = per_column[c];
+    }
+  }
+  return LoadV<VI>(lanes);
+}
+
+// Four Over Six on 16x16 tiles: both candidates' errors of the 16 blocks at x (tile maxima
+// `amax`), written as f32 bits to err4[0..15] and err6[0..15].
+template <class T, bool kRht>
+__attribute__((noinline)) void GroupErrors(const QuantizeJob& job, const typename T::Storage* x,
+                                           const VI& amax, uint32_t* err4, uint32_t* err6) {
+  VF e[8], o[8];
+  LoadGroup<T, kRht>(x, e, o);
+  const CandidatesV c = FourOverSixScalesV(AsVF(amax), job.g);
+  VF t[16];
+  TransposeGroup(e, o, t);
+  StoreV(err4, CandidateErrorV(job, t, c.s4, c.enc4));
+  StoreV(err6, CandidateErrorV(job, t, c.s6, c.enc6));
+}
+
+// The Four Over Six decision of each tile of a 16-row item (`count` = 16 * blocks blocks at
+// x, tile maxima per block column in tile_max): picks[c] all ones where block column c's
+// tile takes map-to-4. Its rows' errors go to err4 and err6 (count words each), and each
+// tile's are summed by TileError, row 0 first.
+template <class T, bool kRht>
+void TilePicks(const QuantizeJob& job, const typename T::Storage* x, int64_t blocks,
+               const uint32_t* tile_max, uint32_t* err4, uint32_t* err6, uint32_t* picks) {
+  const int64_t count = kBlock * blocks;
+  for (int64_t g = 0, c0 = 0; g < count; g += kGroup, c0 = (c0 + kGroup) % blocks) {
+    GroupErrors<T, kRht>(job, x + kBlock * g, ColumnVector(tile_max, blocks, c0), err4 + g,
+                         err6 + g);
+  }
+  for (int64_t c = 0; c < blocks; ++c) {
+    float r4[kBlock], r6[kBlock];
+    for (int r = 0; r < kBlock; ++r) {
+      r4[r] = AsFloat(err4[r * blocks + c]);
+      r6[r] = AsFloat(err6[r * blocks + c]);
+    }
+    picks[c] = TileError(r4) < TileError(r6) ? 0xFFFFFFFFu : 0u;
+  }
 }
 
 template <class T, class Sink, bool kRht, bool kSr>
@@ -593,7 +719,8 @@ uint32_t QuantizeRangeT(const QuantizeJob& job, int64_t begin, int64_t end, uint
     const int64_t last = end * blocks;
     for (int64_t b = begin * blocks; b < last; b += kGroup) {
       const int n = last - b < kGroup ? static_cast<int>(last - b) : kGroup;
-      seen = MaxI(seen, QuantizeSome<T, kRht, kSr, Sink>(job, x + kBlock * b, b, n, nullptr));
+      seen = MaxI(seen,
+                  QuantizeSome<T, kRht, kSr, Sink>(job, x + kBlock * b, b, n, nullptr, nullptr));
     }
     return HorizontalMax(seen);
   }
@@ -616,17 +743,19 @@ uint32_t QuantizeRangeT(const QuantizeJob& job, int64_t begin, int64_t end, uint
     uint32_t item_max = 0;
     for (int64_t c = 0; c < blocks; ++c) item_max = scratch[c] > item_max ? scratch[c] : item_max;
     seen = MaxI(seen, SplatI(static_cast<int32_t>(item_max)));
+    // Four Over Six: the tiles' decisions (scratch after the maxima: both candidates'
+    // errors of the item's blocks, then one pick per block column).
+    const bool decide = job.four_over_six != kPlain;
+    uint32_t* picks = scratch + blocks + 2 * count;
+    if (decide) {
+      TilePicks<T, kRht>(job, x + kBlock * first, blocks, scratch, scratch + blocks,
+                         scratch + blocks + count, picks);
+    }
     for (int64_t g = 0, c0 = 0; g < count; g += kGroup, c0 = (c0 + kGroup) % blocks) {
-      uint32_t tile[kGroup];
-      if (blocks % kGroup == 0) {
-        __builtin_memcpy(tile, scratch + c0, sizeof(tile));
-      } else {
-        for (int k = 0, c = static_cast<int>(c0); k < kGroup; ++k, c = c + 1 == blocks ? 0 : c + 1) {
-          tile[k] = scratch[c];
-        }
-      }
-      const VI amax = LoadV<VI>(tile);
-      QuantizeSome<T, kRht, kSr, Sink>(job, x + kBlock * (first + g), first + g, kGroup, &amax);
+      const VI amax = ColumnVector(scratch, blocks, c0);
+      const VI pick = decide ? ColumnVector(picks, blocks, c0) : SplatI(0);
+      QuantizeSome<T, kRht, kSr, Sink>(job, x + kBlock * (first + g), first + g, kGroup, &amax,
+                                       decide ? &pick : nullptr);
     }
   }
   return HorizontalMax(seen);

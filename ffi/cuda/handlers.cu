@@ -90,8 +90,10 @@ void LaunchQuantize(cudaStream_t stream, const QuantizeArgs& a, bool block_2d, i
 // sets the stored amax to NaN when an input element is not finite.
 QuantizeArgs MakeArgs(const ffi::AnyBuffer& x, const RowLayout& layout, const ffi::AnyBuffer& amax,
                       const ffi::AnyBuffer& key, const ffi::AnyBuffer& stored_amax, bool rht,
-                      bool sr) {
+                      bool sr, const FourOverSixArgs& fos) {
   QuantizeArgs a{};
+  a.four_over_six = fos.mode;
+  a.six_m = fos.six_m;
   a.x = x.untyped_data();
   a.amax = F32Data(amax);
   a.key = static_cast<const uint32_t*>(key.untyped_data());
@@ -104,17 +106,20 @@ QuantizeArgs MakeArgs(const ffi::AnyBuffer& x, const RowLayout& layout, const ff
   return a;
 }
 
-ffi::Error QuantizeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer amax,
-                        ffi::AnyBuffer key, ffi::Result<ffi::AnyBuffer> codes,
-                        ffi::Result<ffi::AnyBuffer> scales, ffi::Result<ffi::AnyBuffer> stored_amax,
-                        bool block_2d, bool rht, bool stochastic_rounding) {
-  auto args = CheckQuantizeArgs(x, amax, key, *codes, *scales, *stored_amax, block_2d);
+ffi::Error QuantizeAny(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer amax,
+                       ffi::AnyBuffer key, ffi::Result<ffi::AnyBuffer> codes,
+                       ffi::Result<ffi::AnyBuffer> scales, ffi::Result<ffi::AnyBuffer> stored_amax,
+                       bool block_2d, bool rht, bool stochastic_rounding,
+                       const FourOverSixArgs& fos) {
+  auto args = CheckQuantizeArgs(x, amax, key, *codes, *scales, *stored_amax, block_2d,
+                                fos.quantize_target);
   if (args.has_error()) return args.error();
   const int64_t threads = QuantizeThreads(args->layout, block_2d);
   const int64_t grid = GridFor(threads);
-  if (grid == 0) return TooLarge("nvfp4_quantize", threads);
+  if (grid == 0) return TooLarge(fos.quantize_target, threads);
   ClearStaleError();
-  QuantizeArgs a = MakeArgs(x, args->layout, amax, key, *stored_amax, rht, stochastic_rounding);
+  QuantizeArgs a =
+      MakeArgs(x, args->layout, amax, key, *stored_amax, rht, stochastic_rounding, fos);
   a.codes = static_cast<uint8_t*>(codes->untyped_data());
   a.scales = static_cast<uint8_t*>(scales->untyped_data());
   a.vec = a.vec && Aligned(a.codes, 8);
@@ -130,20 +135,43 @@ ffi::Error QuantizeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer am
     NonFiniteCodesKernel<<<StridedGridFor(blocks), kThreads, 0, stream>>>(stored, blocks, a.codes,
                                                                           a.scales);
   }
-  return LaunchError("nvfp4_quantize");
+  return LaunchError(fos.quantize_target);
 }
 
-ffi::Error FakeQuantizeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer amax,
-                            ffi::AnyBuffer key, ffi::Result<ffi::AnyBuffer> out,
-                            ffi::Result<ffi::AnyBuffer> stored_amax, bool block_2d, bool rht,
-                            bool stochastic_rounding, bool global_scale) {
-  auto args = CheckFakeQuantizeArgs(x, amax, key, *out, *stored_amax, block_2d);
+ffi::Error QuantizeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer amax,
+                        ffi::AnyBuffer key, ffi::Result<ffi::AnyBuffer> codes,
+                        ffi::Result<ffi::AnyBuffer> scales, ffi::Result<ffi::AnyBuffer> stored_amax,
+                        bool block_2d, bool rht, bool stochastic_rounding) {
+  return QuantizeAny(stream, x, amax, key, codes, scales, stored_amax, block_2d, rht,
+                     stochastic_rounding, FourOverSixArgs{});
+}
+
+// nvfp4_quantize_4over6: nvfp4_quantize under Four Over Six (docs/NUMERICS.md section 13).
+ffi::Error Quantize4over6Impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer amax,
+                              ffi::AnyBuffer key, ffi::Result<ffi::AnyBuffer> codes,
+                              ffi::Result<ffi::AnyBuffer> scales,
+                              ffi::Result<ffi::AnyBuffer> stored_amax, bool block_2d, bool rht,
+                              bool stochastic_rounding, std::string_view error, int32_t e4m3_max) {
+  auto fos = CheckFourOverSixAttrs("nvfp4_quantize_4over6", error, e4m3_max);
+  if (fos.has_error()) return fos.error();
+  return QuantizeAny(stream, x, amax, key, codes, scales, stored_amax, block_2d, rht,
+                     stochastic_rounding, *fos);
+}
+
+ffi::Error FakeQuantizeAny(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer amax,
+                           ffi::AnyBuffer key, ffi::Result<ffi::AnyBuffer> out,
+                           ffi::Result<ffi::AnyBuffer> stored_amax, bool block_2d, bool rht,
+                           bool stochastic_rounding, bool global_scale,
+                           const FourOverSixArgs& fos) {
+  auto args = CheckFakeQuantizeArgs(x, amax, key, *out, *stored_amax, block_2d,
+                                    fos.fake_quantize_target);
   if (args.has_error()) return args.error();
   const int64_t threads = QuantizeThreads(args->layout, block_2d);
   const int64_t grid = GridFor(threads);
-  if (grid == 0) return TooLarge("nvfp4_fake_quantize", threads);
+  if (grid == 0) return TooLarge(fos.fake_quantize_target, threads);
   ClearStaleError();
-  QuantizeArgs a = MakeArgs(x, args->layout, amax, key, *stored_amax, rht, stochastic_rounding);
+  QuantizeArgs a =
+      MakeArgs(x, args->layout, amax, key, *stored_amax, rht, stochastic_rounding, fos);
   a.values = out->untyped_data();
   a.use_global = global_scale;
   a.vec = a.vec && Aligned(a.values, 16);
@@ -161,7 +189,27 @@ ffi::Error FakeQuantizeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffe
       });
     });
   }
-  return LaunchError("nvfp4_fake_quantize");
+  return LaunchError(fos.fake_quantize_target);
+}
+
+ffi::Error FakeQuantizeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer amax,
+                            ffi::AnyBuffer key, ffi::Result<ffi::AnyBuffer> out,
+                            ffi::Result<ffi::AnyBuffer> stored_amax, bool block_2d, bool rht,
+                            bool stochastic_rounding, bool global_scale) {
+  return FakeQuantizeAny(stream, x, amax, key, out, stored_amax, block_2d, rht,
+                         stochastic_rounding, global_scale, FourOverSixArgs{});
+}
+
+// nvfp4_fake_quantize_4over6: nvfp4_fake_quantize under Four Over Six.
+ffi::Error FakeQuantize4over6Impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer amax,
+                                  ffi::AnyBuffer key, ffi::Result<ffi::AnyBuffer> out,
+                                  ffi::Result<ffi::AnyBuffer> stored_amax, bool block_2d,
+                                  bool rht, bool stochastic_rounding, bool global_scale,
+                                  std::string_view error, int32_t e4m3_max) {
+  auto fos = CheckFourOverSixAttrs("nvfp4_fake_quantize_4over6", error, e4m3_max);
+  if (fos.has_error()) return fos.error();
+  return FakeQuantizeAny(stream, x, amax, key, out, stored_amax, block_2d, rht,
+                         stochastic_rounding, global_scale, *fos);
 }
 
 ffi::Error DequantizeImpl(cudaStream_t stream, ffi::AnyBuffer codes, ffi::AnyBuffer scales,
@@ -304,6 +352,36 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NvFp4FakeQuantizeCuda, nvfp4::cuda::FakeQuantizeIm
                                   .Attr<bool>("rht")
                                   .Attr<bool>("stochastic_rounding")
                                   .Attr<bool>("global_scale"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NvFp4Quantize4over6Cuda, nvfp4::cuda::Quantize4over6Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<bool>("block_2d")
+                                  .Attr<bool>("rht")
+                                  .Attr<bool>("stochastic_rounding")
+                                  .Attr<std::string_view>("error")
+                                  .Attr<int32_t>("e4m3_max"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NvFp4FakeQuantize4over6Cuda, nvfp4::cuda::FakeQuantize4over6Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<bool>("block_2d")
+                                  .Attr<bool>("rht")
+                                  .Attr<bool>("stochastic_rounding")
+                                  .Attr<bool>("global_scale")
+                                  .Attr<std::string_view>("error")
+                                  .Attr<int32_t>("e4m3_max"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NvFp4DequantizeCuda, nvfp4::cuda::DequantizeImpl,
                               ffi::Ffi::Bind()

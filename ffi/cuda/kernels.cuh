@@ -131,6 +131,8 @@ struct QuantizeArgs {
   int64_t cols;
   bool rht;
   bool sr;
+  int four_over_six;    // kPlain, or Four Over Six's kMae / kMse (docs/NUMERICS.md 13)
+  float six_m;          // 6M of the global scale: 2688, or 1536 for M = 256
   bool vec;             // all pointers aligned for 16-byte (codes: 8-byte) access
   uint32_t* nonfinite;  // the stored amax's bits: set to NaN when an input is not finite
   // Quantize outputs.
@@ -160,14 +162,11 @@ struct ValueSink {
   }
 };
 
-// Quantizes block `block` (flat index, row * cols/16 + column block) of values v whose
-// scale comes from the max |x| bits `scale_bits` (the block's, or its 16x16 tile's).
+// Quantizes block `block` (flat index, row * cols/16 + column block) of values v with the
+// E4M3 scale `scale` and its encode factor `enc`.
 template <class Sink>
-__device__ __forceinline__ void QuantizeBlock(const QuantizeArgs& a, const GlobalScale& g,
-                                              float global, int64_t block, uint32_t scale_bits,
-                                              const float v[kBlock]) {
-  const uint32_t scale = BlockScale(AsFloat(scale_bits), g);
-  const float enc = BlockEncode(scale, g);
+__device__ __forceinline__ void EncodeBlock(const QuantizeArgs& a, float global, int64_t block,
+                                            uint32_t scale, float enc, const float v[kBlock]) {
   uint8_t q[kBlock / 2];
   if (a.sr) {
     uint32_t words[4];
@@ -181,18 +180,44 @@ __device__ __forceinline__ void QuantizeBlock(const QuantizeArgs& a, const Globa
   Sink::Put(a, block, scale, q, global);
 }
 
+// A block's scale and encode factor from its max |x| `block_amax` (or its tile's), plain.
+__device__ __forceinline__ void PlainScale(const GlobalScale& g, float block_amax,
+                                           uint32_t& scale, float& enc) {
+  scale = BlockScale(block_amax, g);
+  enc = BlockEncode(scale, g);
+}
+
+// Four Over Six: the candidate (map-to-4 if pick4, else map-to-6) of `c`.
+__device__ __forceinline__ void PickScale(const GlobalScale& g, const ScalePair& c, bool pick4,
+                                          uint32_t& scale, float& enc) {
+  scale = pick4 ? c.s4 : c.s6;
+  enc = BlockEncode(scale, g);
+}
+
 // 1x16 blocks: thread t owns flat block t.
 template <class T, class Sink>
 NVFP4_KERNEL Quantize1dKernel(QuantizeArgs a) {
   const int64_t block = GlobalThread();
   if (block >= Quantize1dThreads(a.rows, a.cols)) return;
   const float amax = __ldg(a.amax);
-  const GlobalScale g = MakeGlobalScale(amax);
+  const GlobalScale g = MakeGlobalScale(amax, a.six_m);
   float v[kBlock];
   LoadBlockVec<T>(static_cast<const typename T::Storage*>(a.x) + block * kBlock, a.vec, a.rht, v);
   const uint32_t bits = MaxAbsBits16(v);
   if (bits >= kInfBits) *a.nonfinite = kNanBits;  // every writer writes the same value
-  QuantizeBlock<Sink>(a, g, DecodeGlobal(amax), block, bits, v);
+  uint32_t scale;
+  float enc;
+  if (a.four_over_six == kPlain) {
+    PlainScale(g, AsFloat(bits), scale, enc);
+  } else {
+    const ScalePair c = FourOverSixScales(AsFloat(bits), g);
+    const float err4 = CandidateError(v, c.s4, BlockEncode(c.s4, g), amax, a.six_m,
+                                      a.four_over_six);
+    const float err6 = CandidateError(v, c.s6, BlockEncode(c.s6, g), amax, a.six_m,
+                                      a.four_over_six);
+    PickScale(g, c, err4 < err6, scale, enc);
+  }
+  EncodeBlock<Sink>(a, DecodeGlobal(amax, a.six_m), block, scale, enc, v);
 }
 
 // 16x16 blocks: a warp owns two tiles side by side; lane l holds row l % 16 of tile l / 16,
@@ -204,7 +229,7 @@ NVFP4_KERNEL Quantize2dKernel(QuantizeArgs a) {
   const bool valid = place.valid;
   const int64_t block = place.block;
   const float amax = __ldg(a.amax);
-  const GlobalScale g = MakeGlobalScale(amax);
+  const GlobalScale g = MakeGlobalScale(amax, a.six_m);
   float v[kBlock];
   uint32_t bits = 0;
   if (valid) {
@@ -218,7 +243,30 @@ NVFP4_KERNEL Quantize2dKernel(QuantizeArgs a) {
     const uint32_t other = __shfl_xor_sync(~0u, tile, offset);
     tile = other > tile ? other : tile;
   }
-  if (valid) QuantizeBlock<Sink>(a, g, DecodeGlobal(amax), block, tile, v);
+  uint32_t scale = 0;
+  float enc = 0.0f;
+  if (a.four_over_six == kPlain) {
+    PlainScale(g, AsFloat(tile), scale, enc);
+  } else {
+    // Each lane its row's errors; the tile's are the tree of TileError over the 16 lanes
+    // (offsets 8, 4, 2, 1: lane i adds lane i + offset), read from the half-warp's lane 0.
+    const ScalePair c = FourOverSixScales(AsFloat(tile), g);
+    float err4 = 0.0f, err6 = 0.0f;
+    if (valid) {
+      err4 = CandidateError(v, c.s4, BlockEncode(c.s4, g), amax, a.six_m, a.four_over_six);
+      err6 = CandidateError(v, c.s6, BlockEncode(c.s6, g), amax, a.six_m, a.four_over_six);
+    }
+    NVFP4_UNROLL
+    for (int offset = 8; offset >= 1; offset >>= 1) {
+      err4 = err4 + __shfl_down_sync(~0u, err4, offset);
+      err6 = err6 + __shfl_down_sync(~0u, err6, offset);
+    }
+    const int leader = static_cast<int>(threadIdx.x & 16u);
+    err4 = __shfl_sync(~0u, err4, leader);
+    err6 = __shfl_sync(~0u, err6, leader);
+    PickScale(g, c, err4 < err6, scale, enc);
+  }
+  if (valid) EncodeBlock<Sink>(a, DecodeGlobal(amax, a.six_m), block, scale, enc, v);
 }
 
 // docs/NUMERICS.md section 8, run after the quantize pass: when the stored amax is NaN (A or an

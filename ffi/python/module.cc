@@ -22,10 +22,14 @@ extern "C" {
 XLA_FFI_Error* NVFP4_HANDLER(NvFp4Amax)(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* NVFP4_HANDLER(NvFp4Quantize)(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* NVFP4_HANDLER(NvFp4FakeQuantize)(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* NVFP4_HANDLER(NvFp4Quantize4over6)(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* NVFP4_HANDLER(NvFp4FakeQuantize4over6)(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* NVFP4_HANDLER(NvFp4Dequantize)(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* NVFP4_HANDLER(NvFp4Rht)(XLA_FFI_CallFrame* call_frame);
 #if defined(NVFP4_CPU_VARIANTS)
 XLA_FFI_Error* NvFp4GemmCpu(XLA_FFI_CallFrame* call_frame);  // CPU only
+XLA_FFI_Error* NvFp4W4a16Cpu(XLA_FFI_CallFrame* call_frame);  // CPU only
+XLA_FFI_Error* NvFp4GroupedQuantizeCpu(XLA_FFI_CallFrame* call_frame);  // CPU only
 #endif
 }
 
@@ -33,6 +37,7 @@ XLA_FFI_Error* NvFp4GemmCpu(XLA_FFI_CallFrame* call_frame);  // CPU only
 namespace nvfp4::cpu {
 bool ForceTable(const char* isa);
 void SetGemmMaxThreads(int64_t n);
+bool SetGemmAmx(bool allowed);
 }
 #endif
 
@@ -52,10 +57,15 @@ const Target kTargets[] = {
     {"nvfp4_amax", reinterpret_cast<void*>(NVFP4_HANDLER(NvFp4Amax))},
     {"nvfp4_quantize", reinterpret_cast<void*>(NVFP4_HANDLER(NvFp4Quantize))},
     {"nvfp4_fake_quantize", reinterpret_cast<void*>(NVFP4_HANDLER(NvFp4FakeQuantize))},
+    {"nvfp4_quantize_4over6", reinterpret_cast<void*>(NVFP4_HANDLER(NvFp4Quantize4over6))},
+    {"nvfp4_fake_quantize_4over6",
+     reinterpret_cast<void*>(NVFP4_HANDLER(NvFp4FakeQuantize4over6))},
     {"nvfp4_dequantize", reinterpret_cast<void*>(NVFP4_HANDLER(NvFp4Dequantize))},
     {"nvfp4_rht", reinterpret_cast<void*>(NVFP4_HANDLER(NvFp4Rht))},
 #if defined(NVFP4_CPU_VARIANTS)
     {"nvfp4_gemm", reinterpret_cast<void*>(NvFp4GemmCpu)},
+    {"nvfp4_w4a16", reinterpret_cast<void*>(NvFp4W4a16Cpu)},
+    {"nvfp4_grouped_quantize", reinterpret_cast<void*>(NvFp4GroupedQuantizeCpu)},
 #endif
 };
 
@@ -94,6 +104,17 @@ PyObject* SetGemmThreads(PyObject*, PyObject* arg) {
 }
 #endif
 
+#if defined(NVFP4_CPU_VARIANTS)
+// set_gemm_amx(flag) -> bool: allow AMX-INT8 in nvfp4_gemm or not (the default); returns
+// whether the GEMM now runs it (the CPU has it, the kernel granted it, the x86-64-v4 kernels
+// run). For tests and benchmarks.
+PyObject* SetGemmAmx(PyObject*, PyObject* arg) {
+  const int flag = PyObject_IsTrue(arg);
+  if (flag < 0) return nullptr;
+  return PyBool_FromLong(nvfp4::cpu::SetGemmAmx(flag != 0));
+}
+#endif
+
 #if defined(NVFP4_CUDA_PROBE)
 // probe() -> str: "" when this module's kernels can run on the current CUDA device, else why
 // not (no driver or device, driver too old, no kernel image for its compute capability).
@@ -114,6 +135,9 @@ PyMethodDef kMethods[] = {
      "or the best one for ''. Returns False if this CPU cannot run it. For tests."},
     {"set_gemm_threads", SetGemmThreads, METH_O,
      "Runs nvfp4_gemm on at most n threads (0: all the pool has). For tests."},
+    {"set_gemm_amx", SetGemmAmx, METH_O,
+     "Allows AMX-INT8 in nvfp4_gemm (True) or not (False, the default); returns whether it runs. "
+     "For tests and benchmarks."},
 #endif
 #if defined(NVFP4_CUDA_PROBE)
     {"probe", Probe, METH_NOARGS,

@@ -4,12 +4,13 @@ Every function takes the *stored layout* (the quantized axis last, C a multiple 
 arguments the public ops (`nvfp4_jax.ops`) have already checked; each raises a ValueError
 saying why when the native library cannot run on the current platform. One module per
 target: `_amax`, `_quantize` (with fake quantize), `_dequantize`, `_rht`, `_gemm` (the NVFP4
-GEMM, CPU only).
+GEMM, CPU only), `_grouped` (ragged_dot's grouped quantize, CPU only).
 """
 
 from nvfp4_jax.kernels._amax import amax
 from nvfp4_jax.kernels._dequantize import dequantize
 from nvfp4_jax.kernels._gemm import gemm
+from nvfp4_jax.kernels._grouped import grouped_quantize
 from nvfp4_jax.kernels._library import (
     CPU_TARGETS,
     TARGETS,
@@ -32,6 +33,7 @@ __all__ = [
     "export_safety_checks",
     "fake_quantize",
     "gemm",
+    "grouped_quantize",
     "is_available",
     "pmax_keep_nan",
     "quantize",

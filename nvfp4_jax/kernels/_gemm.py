@@ -82,3 +82,33 @@ def gemm(a_codes, a_scales, b_codes, b_scales, a_decode, b_decode) -> jax.Array:
     b_decode = jnp.broadcast_to(jnp.asarray(b_decode, _F32), batch)
     args = (a_codes, a_scales, b_codes, b_scales, a_decode, b_decode)
     return part.vary_like(_partitioned(len(batch))(*args), *args)
+
+
+def w4a16(x, codes, scales, decode) -> jax.Array:
+    """The weight-only GEMM: `x @ dequantize(W, x.dtype)` in f32, the weight decoded in registers.
+
+    Native twin: `W4a16Impl` in ffi/cpu/handlers.cc, the kernels in ffi/cpu/w4a16_isa.cc (CPU
+    only). `x`: bf16, f16 or f32 `(..., M, K)`; the weight in its stored layout quantized
+    along K, codes uint8 `(..., N, K/2)`, scales float8_e4m3fn `(..., N, K/16)`, and its
+    decode factor `D` f32 (a scalar or the weight's batch shape); batch dims broadcast (equal
+    or 1). Each weight element is `dequantize`'s `x.dtype(value(code) * (f32(s) * D))`; the
+    sum over K is f32 in 16 slots (k mod 16, ascending k) and a fixed tree over the slots
+    (docs/NUMERICS.md section 9). Returns f32 `(..., M, N)`. No sharding rule: under a mesh
+    XLA gathers the operands (correct, not fast).
+    """
+    _library.require("nvfp4_w4a16")
+    if _library.current_platform() != "cpu":
+        raise ValueError(
+            "nvfp4_w4a16: the native weight-only GEMM runs on the CPU only, not "
+            f"{_library.current_platform()!r}"
+        )
+    decode = jnp.broadcast_to(jnp.asarray(decode, _F32), codes.shape[:-2])
+    shape = (
+        *jnp.broadcast_shapes(x.shape[:-2], codes.shape[:-2]),
+        x.shape[-2],
+        codes.shape[-2],
+    )
+    call = jax.ffi.ffi_call(
+        "nvfp4_w4a16", jax.ShapeDtypeStruct(shape, _F32), vmap_method="expand_dims"
+    )
+    return call(x, codes, scales, decode)

@@ -30,9 +30,11 @@ TARGETS = (
     "nvfp4_fake_quantize",
     "nvfp4_dequantize",
     "nvfp4_rht",
+    "nvfp4_quantize_4over6",
+    "nvfp4_fake_quantize_4over6",
 )
-# Targets only the CPU library has (the NVFP4 GEMM).
-CPU_TARGETS = ("nvfp4_gemm",)
+# Targets only the CPU library has (the NVFP4 GEMM, the weight-only GEMM).
+CPU_TARGETS = ("nvfp4_gemm", "nvfp4_w4a16", "nvfp4_grouped_quantize")
 # nvfp4_jax's platform name -> (extension module, XLA platform name).
 MODULES = {"cpu": ("nvfp4_jax._nvfp4_cpu", "cpu"), "cuda": ("nvfp4_jax._nvfp4_cuda", "CUDA")}
 

@@ -9,6 +9,11 @@ operand uint32 `(k0, k1, counter lo, counter hi)`. Quantize returns codes uint8
 `(..., C/2)`, scales float8_e4m3fn `(..., C/16)` and the stored amax (A, or NaN for
 non-finite input or an invalid A); fake quantize returns the dequantized values.
 
+Four Over Six (docs/NUMERICS.md section 13) runs on the twin targets `nvfp4_quantize_4over6`
+and `nvfp4_fake_quantize_4over6`: the same operands and results, and two more attributes,
+`error` ("mae" or "mse") and `e4m3_max` (i32, 256 or 448); the plain targets keep their
+signature, so functions exported with them still run.
+
 Sharding: every leading dim keeps its sharding, and so does the quantized axis when each
 shard holds a multiple of 16 of it; the kernel runs on the local shard with the global
 amax. With SR only the first stored axis may stay sharded (a shard must be a contiguous slab
@@ -24,6 +29,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from nvfp4_jax import formats
@@ -35,28 +41,51 @@ _F32 = jnp.float32
 _BLOCK = formats.BLOCK_SIZE
 
 
-def _call_quantize(x, amax, words, *, block_2d, rht, stochastic_rounding):
+def _target(name: str, four_over_six: str | None, e4m3_max: int) -> tuple[str, dict]:
+    """The target and its Four Over Six attributes (none for plain NVFP4)."""
+    if four_over_six is None:
+        return name, {}
+    return f"{name}_4over6", dict(error=four_over_six, e4m3_max=np.int32(e4m3_max))
+
+
+def _call_quantize(
+    x, amax, words, *, block_2d, rht, stochastic_rounding, four_over_six=None, e4m3_max=448
+):
     lead, cols = x.shape[:-1], x.shape[-1]
     out = (
         jax.ShapeDtypeStruct((*lead, cols // 2), jnp.uint8),
         jax.ShapeDtypeStruct((*lead, cols // _BLOCK), jnp.float8_e4m3fn),
         jax.ShapeDtypeStruct((), _F32),
     )
-    call = jax.ffi.ffi_call("nvfp4_quantize", out, vmap_method="sequential")
+    target, extra = _target("nvfp4_quantize", four_over_six, e4m3_max)
+    call = jax.ffi.ffi_call(target, out, vmap_method="sequential")
     flags = dict(block_2d=block_2d, rht=rht, stochastic_rounding=stochastic_rounding)
-    return tuple(call(x, amax, words, **flags))
+    return tuple(call(x, amax, words, **flags, **extra))
 
 
-def _call_fake_quantize(x, amax, words, *, block_2d, rht, stochastic_rounding, global_scale, dtype):
+def _call_fake_quantize(
+    x,
+    amax,
+    words,
+    *,
+    block_2d,
+    rht,
+    stochastic_rounding,
+    global_scale,
+    dtype,
+    four_over_six=None,
+    e4m3_max=448,
+):
     """(values, stored amax): the stored amax is `_call_quantize`'s, NaN when the values are.
 
     The kernels decide the NaN fill on the device from it, so it is a result (whose memory
     outlives the kernels), not scratch memory.
     """
     out = (jax.ShapeDtypeStruct(x.shape, dtype), jax.ShapeDtypeStruct((), _F32))
-    call = jax.ffi.ffi_call("nvfp4_fake_quantize", out, vmap_method="sequential")
+    target, extra = _target("nvfp4_fake_quantize", four_over_six, e4m3_max)
+    call = jax.ffi.ffi_call(target, out, vmap_method="sequential")
     flags = dict(block_2d=block_2d, rht=rht, stochastic_rounding=stochastic_rounding)
-    return tuple(call(x, amax, words, global_scale=global_scale, **flags))
+    return tuple(call(x, amax, words, global_scale=global_scale, **flags, **extra))
 
 
 def _entries(mesh, x, *, block_2d: bool, sr: bool) -> list:
@@ -135,8 +164,17 @@ def _poison_values(results, bad):
 
 
 @functools.cache
-def _partitioned_quantize(ndim: int, block_2d: bool, rht: bool, sr: bool, one_block: bool):
-    raw = part.positional(_call_quantize, block_2d=block_2d, rht=rht, stochastic_rounding=sr)
+def _partitioned_quantize(
+    ndim: int, block_2d: bool, rht: bool, sr: bool, one_block: bool, fos=(None, 448)
+):
+    raw = part.positional(
+        _call_quantize,
+        block_2d=block_2d,
+        rht=rht,
+        stochastic_rounding=sr,
+        four_over_six=fos[0],
+        e4m3_max=fos[1],
+    )
     infer, partition = _blockwise_rule(
         raw, block_2d=block_2d, sr=sr, blocked=2, poison=_poison_codes
     )
@@ -148,7 +186,7 @@ def _partitioned_quantize(ndim: int, block_2d: bool, rht: bool, sr: bool, one_bl
 
 
 @functools.cache
-def _partitioned_fake_quantize(ndim, block_2d, rht, sr, global_scale, dtype):
+def _partitioned_fake_quantize(ndim, block_2d, rht, sr, global_scale, dtype, fos=(None, 448)):
     raw = part.positional(
         _call_fake_quantize,
         block_2d=block_2d,
@@ -156,6 +194,8 @@ def _partitioned_fake_quantize(ndim, block_2d, rht, sr, global_scale, dtype):
         stochastic_rounding=sr,
         global_scale=global_scale,
         dtype=dtype,
+        four_over_six=fos[0],
+        e4m3_max=fos[1],
     )
     infer, partition = _blockwise_rule(
         raw, block_2d=block_2d, sr=sr, blocked=1, poison=_poison_values
@@ -168,12 +208,24 @@ def _seed_operand(seed: SRSeed | None) -> jax.Array:
     return jnp.zeros((4,), jnp.uint32) if seed is None else seed.operand()
 
 
+def _four_over_six(four_over_six: str | None, e4m3_max: int) -> tuple[str | None, int]:
+    return (None, 448) if four_over_six is None else (four_over_six, int(e4m3_max))
+
+
 def quantize(
-    x: jax.Array, amax: jax.Array, seed: SRSeed | None, *, block_2d: bool, rht: bool
+    x: jax.Array,
+    amax: jax.Array,
+    seed: SRSeed | None,
+    *,
+    block_2d: bool,
+    rht: bool,
+    four_over_six: str | None = None,
+    e4m3_max: int = 448,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Quantizes the stored layout x (..., C) with the f32 tensor amax `amax`.
 
     `seed` None rounds to nearest; an `SRSeed` rounds stochastically with its bits.
+    `four_over_six` "mae" or "mse": Four Over Six with the global scale's E4M3 max `e4m3_max`.
 
     Returns:
       codes uint8 (..., C/2), scales float8_e4m3fn (..., C/16) and the stored amax.
@@ -181,7 +233,8 @@ def quantize(
     _library.require("quantize")
     sr = seed is not None
     one_block = x.shape[-1] == _BLOCK
-    op = _partitioned_quantize(x.ndim - 1, bool(block_2d), bool(rht), sr, one_block)
+    fos = _four_over_six(four_over_six, e4m3_max)
+    op = _partitioned_quantize(x.ndim - 1, bool(block_2d), bool(rht), sr, one_block, fos)
     operands = (x, jnp.asarray(amax, _F32).reshape(()), _seed_operand(seed))
     return part.vary_like(tuple(op(*operands)), *operands)
 
@@ -195,16 +248,20 @@ def fake_quantize(
     rht: bool,
     global_scale: bool,
     dtype,
+    four_over_six: str | None = None,
+    e4m3_max: int = 448,
 ) -> jax.Array:
     """Quantizes x like `quantize` and returns the dequantized values in `dtype`.
 
-    No inverse RHT: `value(code) * (f32(s_b) * A * RCP2688)` with `global_scale`, else
-    `value(code) * f32(s_b)`. Non-finite input (or an invalid A) gives NaN everywhere.
+    No inverse RHT: `value(code) * (f32(s_b) * D)` with `global_scale` (`D = A * RCP2688`,
+    under Four Over Six `A * f32(1/(6 * e4m3_max))`), else `value(code) * f32(s_b)`.
+    Non-finite input (or an invalid A) gives NaN everywhere.
     """
     _library.require("fake_quantize")
     sr = seed is not None
+    fos = _four_over_six(four_over_six, e4m3_max)
     op = _partitioned_fake_quantize(
-        x.ndim - 1, bool(block_2d), bool(rht), sr, bool(global_scale), jnp.dtype(dtype)
+        x.ndim - 1, bool(block_2d), bool(rht), sr, bool(global_scale), jnp.dtype(dtype), fos
     )
     operands = (x, jnp.asarray(amax, _F32).reshape(()), _seed_operand(seed))
     values, _ = op(*operands)  # the stored amax only served the NaN fill

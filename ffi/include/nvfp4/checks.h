@@ -13,8 +13,10 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 
 #include "nvfp4/dtypes.h"
+#include "nvfp4/numerics.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace nvfp4 {
@@ -201,12 +203,13 @@ inline ffi::ErrorOr<CheckedArgs> CheckAmaxArgs(const ffi::AnyBuffer& x,
   return c.Finish(a);
 }
 
-// nvfp4_quantize(x, amax, key) -> codes, scales, stored_amax.
+// nvfp4_quantize(x, amax, key) -> codes, scales, stored_amax (also the operands of
+// nvfp4_quantize_4over6, whose name `target` then is).
 inline ffi::ErrorOr<CheckedArgs> CheckQuantizeArgs(
     const ffi::AnyBuffer& x, const ffi::AnyBuffer& amax, const ffi::AnyBuffer& key,
     const ffi::AnyBuffer& codes, const ffi::AnyBuffer& scales, const ffi::AnyBuffer& stored_amax,
-    bool block_2d) {
-  ArgChecker c("nvfp4_quantize");
+    bool block_2d, const char* target = "nvfp4_quantize") {
+  ArgChecker c(target);
   CheckedArgs a;
   a.x = c.Float("x", x);
   a.layout = c.Layout("x", x, block_2d);
@@ -217,11 +220,13 @@ inline ffi::ErrorOr<CheckedArgs> CheckQuantizeArgs(
   return c.Finish(a);
 }
 
-// nvfp4_fake_quantize(x, amax, key) -> result (the values), stored_amax.
+// nvfp4_fake_quantize(x, amax, key) -> result (the values), stored_amax (and of
+// nvfp4_fake_quantize_4over6).
 inline ffi::ErrorOr<CheckedArgs> CheckFakeQuantizeArgs(
     const ffi::AnyBuffer& x, const ffi::AnyBuffer& amax, const ffi::AnyBuffer& key,
-    const ffi::AnyBuffer& result, const ffi::AnyBuffer& stored_amax, bool block_2d) {
-  ArgChecker c("nvfp4_fake_quantize");
+    const ffi::AnyBuffer& result, const ffi::AnyBuffer& stored_amax, bool block_2d,
+    const char* target = "nvfp4_fake_quantize") {
+  ArgChecker c(target);
   CheckedArgs a;
   a.x = c.Float("x", x);
   a.layout = c.Layout("x", x, block_2d);
@@ -260,6 +265,41 @@ inline ffi::ErrorOr<CheckedArgs> CheckRhtArgs(const ffi::AnyBuffer& x,
   a.result = a.x;
   c.Count("result", result, a.layout.size());
   return c.Finish(a);
+}
+
+// The attributes of the Four Over Six targets (nvfp4_quantize_4over6,
+// nvfp4_fake_quantize_4over6; docs/NUMERICS.md section 13), checked.
+struct FourOverSixArgs {
+  int mode = kPlain;    // kMae or kMse
+  float six_m = k2688;  // 6M: 1536 (M = 256) or 2688 (M = 448)
+  // The target whose operands are checked.
+  const char* quantize_target = "nvfp4_quantize";
+  const char* fake_quantize_target = "nvfp4_fake_quantize";
+};
+
+// error: "mae" or "mse"; e4m3_max: 256 or 448.
+inline ffi::ErrorOr<FourOverSixArgs> CheckFourOverSixAttrs(const char* target,
+                                                           std::string_view error,
+                                                           int32_t e4m3_max) {
+  FourOverSixArgs a;
+  if (error == "mae") {
+    a.mode = kMae;
+  } else if (error == "mse") {
+    a.mode = kMse;
+  } else {
+    return ffi::Unexpected(ffi::Error::InvalidArgument(
+        std::string(target) + ": attribute error must be \"mae\" or \"mse\", got \"" +
+        std::string(error) + "\""));
+  }
+  if (e4m3_max != 256 && e4m3_max != 448) {
+    return ffi::Unexpected(ffi::Error::InvalidArgument(
+        std::string(target) + ": attribute e4m3_max must be 256 or 448, got " +
+        std::to_string(e4m3_max)));
+  }
+  a.six_m = 6.0f * static_cast<float>(e4m3_max);
+  a.quantize_target = "nvfp4_quantize_4over6";
+  a.fake_quantize_target = "nvfp4_fake_quantize_4over6";
+  return a;
 }
 
 }  // namespace nvfp4

@@ -46,6 +46,7 @@ constexpr float k2688 = 2688.0f;  // FP4_MAX * E4M3_MAX, exact in f32.
 constexpr float kFltMax = 3.40282346638528859812e+38f;
 constexpr uint32_t kRcp6Bits = 0x3E2AAAABu;     // f32(1/6)
 constexpr uint32_t kRcp2688Bits = 0x39C30C31u;  // f32(1/2688)
+constexpr uint32_t kRcp1536Bits = 0x3A2AAAABu;  // f32(1/1536): 6M for M = 256 (Four Over Six)
 constexpr uint32_t kAbsMask = 0x7FFFFFFFu;
 constexpr uint32_t kInfBits = 0x7F800000u;
 constexpr uint32_t kNanBits = 0x7FC00000u;
@@ -203,8 +204,10 @@ struct GlobalScale {
   float enc_rcp6;  // S_enc * RCP6, multiplied first as the contract says
 };
 
-NVFP4_HD GlobalScale MakeGlobalScale(float amax) {
-  float enc = MinNan(k2688 / amax, kFltMax);
+// six_m = 6M, the E4M3 max M of the global scale times 6: 2688 (M = 448) for plain NVFP4,
+// 1536 (M = 256) or 2688 under Four Over Six (section 13).
+NVFP4_HD GlobalScale MakeGlobalScale(float amax, float six_m = k2688) {
+  float enc = MinNan(six_m / amax, kFltMax);
   enc = (amax == 0.0f || enc == 0.0f) ? 1.0f : enc;
   return GlobalScale{enc, 1.0f / enc, enc * AsFloat(kRcp6Bits)};
 }
@@ -219,8 +222,11 @@ NVFP4_HD float BlockEncode(uint32_t scale, const GlobalScale& g) {
   return MinNan(1.0f / (E4m3ToF32(scale) * g.dec), kFltMax);
 }
 
-// D = A * RCP2688 (a multiplication: see docs/NUMERICS.md section 3).
-NVFP4_HD float DecodeGlobal(float amax) { return amax * AsFloat(kRcp2688Bits); }
+// D = A * RCP2688 (a multiplication: see docs/NUMERICS.md section 3); under Four Over Six
+// with M = 256, A * f32(1/1536).
+NVFP4_HD float DecodeGlobal(float amax, float six_m = k2688) {
+  return amax * AsFloat(six_m == k2688 ? kRcp2688Bits : kRcp1536Bits);
+}
 
 // Whether a tensor amax A is usable: finite and not negative (-0 counts as 0).
 NVFP4_HD bool AmaxValid(float amax) {
@@ -232,6 +238,57 @@ NVFP4_HD bool AmaxValid(float amax) {
 // (docs/NUMERICS.md section 8: then every scale is E4M3 NaN and every code 0).
 NVFP4_HD float StoredAmax(float amax, bool input_finite) {
   return (AmaxValid(amax) && input_finite) ? amax : AsFloat(kNanBits);
+}
+
+// ---------------------------------------------------------------------------
+// Four Over Six (docs/NUMERICS.md section 13): two candidate scales per block, its amax
+// mapped to 6 and to 4; the block keeps the one whose reconstruction errs less.
+
+enum FourOverSix : int { kPlain = 0, kMae = 1, kMse = 2 };
+
+struct ScalePair {
+  uint32_t s4;  // map-to-4
+  uint32_t s6;  // map-to-6
+};
+
+// base = (block_amax / 6) * S_enc, a true division; s6 = e4m3(min(base, 448)),
+// s4 = e4m3(min(base * 1.5, 448)) (448 even when M = 256).
+NVFP4_HD ScalePair FourOverSixScales(float block_amax, const GlobalScale& g) {
+  const float base = (block_amax / 6.0f) * g.enc;
+  return ScalePair{F32ToE4m3(MinNan(base * 1.5f, kE4m3Max)), F32ToE4m3(MinNan(base, kE4m3Max))};
+}
+
+// The error term of one element: |d| (MAE) or d * d (MSE).
+NVFP4_HD float ErrorTerm(float d, int mode) {
+  return mode == kMse ? d * d : AsFloat(AsBits(d) & kAbsMask);
+}
+
+// The error of the 16 values v of a block under one candidate (scale, its encode factor
+// enc): each v rounds to nearest, q = value(e2m1(v * enc)), is reconstructed as
+// val = ((q * f32(scale)) * A) / (6M), and adds ErrorTerm(val - v) to a sum that starts at
+// +0 and takes the elements in order.
+NVFP4_HD float CandidateError(const float v[kBlock], uint32_t scale, float enc, float amax,
+                              float six_m, int mode) {
+  const float s = E4m3ToF32(scale);
+  float err = 0.0f;
+  NVFP4_UNROLL
+  for (int i = 0; i < kBlock; ++i) {
+    const float value = ((E2m1ToF32(E2m1Rn(v[i] * enc)) * s) * amax) / six_m;
+    err = err + ErrorTerm(value - v[i], mode);
+  }
+  return err;
+}
+
+// The 2D tile error from its 16 rows' errors r[0..15]: a fixed tree of f32 additions.
+NVFP4_HD float TileError(const float r[kBlock]) {
+  float a[8];
+  NVFP4_UNROLL
+  for (int i = 0; i < 8; ++i) a[i] = r[i] + r[i + 8];
+  NVFP4_UNROLL
+  for (int i = 0; i < 4; ++i) a[i] = a[i] + a[i + 4];
+  NVFP4_UNROLL
+  for (int i = 0; i < 2; ++i) a[i] = a[i] + a[i + 2];
+  return a[0] + a[1];
 }
 
 // ---------------------------------------------------------------------------

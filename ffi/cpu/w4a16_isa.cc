@@ -1,0 +1,150 @@
+// The weight-only (W4A16) GEMM on the CPU, compiled once per instruction set (NVFP4_ISA).
+//
+// docs/NUMERICS.md section 9. out (m, n) f32 = x (m, k) times the frozen NVFP4 weight held in
+// its stored layout (n, k/2) codes and (n, k/16) E4M3 scales, each weight element exactly the
+// value `dequantize(W, dtype)` gives it, w = dtype(f32(value(code)) * (f32(s_b) * D)), but
+// decoded in registers: no copy of the weight in memory. The handler tabulates, for each of
+// the 256 scale bytes, the 16 weight values of the 16 codes (16 KiB, L1-resident); a block's
+// 16 codes are then one lookup (a permute) in its scale byte's row.
+//
+// Order (the same on every ISA and thread count; the threads split the columns): the
+// activations are f32 (exact from bf16, f16); element k of K goes to slot k mod 16 of the
+// output element's 16 partial sums, each slot sums its terms in ascending k from +0 with one
+// f32 multiply (x * w) and one f32 add per term (no FMA), and the slots are then added as a
+// fixed tree: s8[l] = a[l] + a[l + 8], s4[l] = s8[l] + s8[l + 4], s2[l] = s4[l] + s4[l + 2],
+// out = s2[0] + s2[1]. A NaN result is stored as the one quiet NaN (payloads are not part of
+// the contract). A 16-lane VF (cpu/simd.h) is one zmm, two ymm or four xmm: the slots are its
+// lanes on every ISA.
+//
+// As in kernels_isa.cc: nothing from the standard library, everything in the per-ISA
+// namespace or always-inline.
+#include <cstdint>
+
+#include "cpu/kernel_table.h"
+#include "cpu/simd.h"
+#include "nvfp4/dtypes.h"
+#include "nvfp4/numerics.h"
+
+#ifndef NVFP4_ISA
+#error "compile with -DNVFP4_ISA=<namespace>"
+#endif
+
+namespace nvfp4::cpu::NVFP4_ISA {
+namespace {
+
+NVFP4_VINLINE int64_t MaxI64(int64_t a, int64_t b) { return a > b ? a : b; }
+
+#if defined(NVFP4_SIMD_AVX512)
+constexpr int kMaxRows = 8;  // rows of x per pass over a column: 2 x 8 accumulators fit
+#else
+constexpr int kMaxRows = 4;
+#endif
+
+// The 16 codes of one block (8 bytes at p, element 2i in the low nibble of byte i) as 16
+// lanes; only the low 4 bits of each lane are meaningful (Lookup16 reads no others).
+NVFP4_VINLINE VI ExpandCodes(const uint8_t* p) {
+  VI r;
+#if defined(NVFP4_SIMD_AVX512)
+  __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  b = _mm_unpacklo_epi8(b, b);
+  const __m512i shifts = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
+  r.p[0] = (NI)_mm512_srlv_epi32(_mm512_cvtepu8_epi32(b), shifts);
+#elif defined(NVFP4_SIMD_AVX2)
+  __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  b = _mm_unpacklo_epi8(b, b);
+  const __m256i shifts = _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4);
+  r.p[0] = (NI)_mm256_srlv_epi32(_mm256_cvtepu8_epi32(b), shifts);
+  r.p[1] = (NI)_mm256_srlv_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8)), shifts);
+#else
+  for (int i = 0; i < 8; ++i) {
+    r.p[(2 * i) / kLanes][(2 * i) % kLanes] = p[i] & 15;
+    r.p[(2 * i + 1) / kLanes][(2 * i + 1) % kLanes] = p[i] >> 4;
+  }
+#endif
+  return r;
+}
+
+// Lane l: table[idx[l] & 15].
+NVFP4_VINLINE VF Lookup16(VF table, VI idx) {
+  VF r;
+#if defined(NVFP4_SIMD_AVX512)
+  r.p[0] = (NF)_mm512_permutexvar_ps((__m512i)idx.p[0], (__m512)table.p[0]);
+#elif defined(NVFP4_SIMD_AVX2)
+  for (int j = 0; j < 2; ++j) {
+    const __m256 lo = _mm256_permutevar8x32_ps((__m256)table.p[0], (__m256i)idx.p[j]);
+    const __m256 hi = _mm256_permutevar8x32_ps((__m256)table.p[1], (__m256i)idx.p[j]);
+    const __m256 upper = _mm256_castsi256_ps(_mm256_slli_epi32((__m256i)idx.p[j], 28));
+    r.p[j] = (NF)_mm256_blendv_ps(lo, hi, upper);
+  }
+#else
+  float t[16];
+  StoreV(t, table);
+  for (int l = 0; l < 16; ++l) r.p[l / kLanes][l % kLanes] = t[Lane(idx, l) & 15];
+#endif
+  return r;
+}
+
+// The fixed tree over the 16 slots; NaN as the one quiet NaN.
+NVFP4_VINLINE float Reduce16(VF acc) {
+  float a[16];
+  StoreV(a, acc);
+  float s8[8], s4[4], s2[2];
+  for (int l = 0; l < 8; ++l) s8[l] = a[l] + a[l + 8];
+  for (int l = 0; l < 4; ++l) s4[l] = s8[l] + s8[l + 4];
+  for (int l = 0; l < 2; ++l) s2[l] = s4[l] + s4[l + 2];
+  const float s = s2[0] + s2[1];
+  return s != s ? AsFloat(kNanBits) : s;
+}
+
+// Rows [row0, row0 + MR) of the output column j.
+template <int MR>
+NVFP4_VINLINE void Column(const W4a16Job& job, int64_t row0, int64_t j) {
+  const int64_t groups = job.k / kBlock;
+  const uint8_t* codes = job.codes + j * (job.k / 2);
+  const uint8_t* scales = job.scales + j * groups;
+  const float* x = job.x + row0 * job.k;
+  VF acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = SplatF(0.0f);
+  for (int64_t g = 0; g < groups; ++g) {
+    const VF table = LoadV<VF>(job.tables + kBlock * scales[g]);
+    const VF w = Lookup16(table, ExpandCodes(codes + 8 * g));
+    for (int r = 0; r < MR; ++r) {
+      acc[r] = acc[r] + LoadV<VF>(x + r * job.k + kBlock * g) * w;
+    }
+  }
+  for (int r = 0; r < MR; ++r) job.out[(row0 + r) * job.n + j] = Reduce16(acc[r]);
+}
+
+// Columns [begin, end) of the output, all rows: in blocks of rows whose f32 activations stay
+// in the cache while the columns' codes stream by, each column in passes of kMaxRows rows.
+void W4a16Range(const W4a16Job& job, int64_t begin, int64_t end) {
+  const int64_t block_rows = kMaxRows * MaxI64(1, (int64_t{1} << 20) / (4 * job.k * kMaxRows));
+  for (int64_t r0 = 0; r0 < job.m; r0 += block_rows) {
+    const int64_t r1 = job.m < r0 + block_rows ? job.m : r0 + block_rows;
+    for (int64_t j = begin; j < end; ++j) {
+      int64_t r = r0;
+      for (; r + kMaxRows <= r1; r += kMaxRows) Column<kMaxRows>(job, r, j);
+      switch (r1 - r) {
+#if defined(NVFP4_SIMD_AVX512)
+        case 7: Column<7>(job, r, j); break;
+        case 6: Column<6>(job, r, j); break;
+        case 5: Column<5>(job, r, j); break;
+        case 4: Column<4>(job, r, j); break;
+#endif
+        case 3: Column<3>(job, r, j); break;
+        case 2: Column<2>(job, r, j); break;
+        case 1: Column<1>(job, r, j); break;
+        default: break;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+W4a16RangeFn W4a16Kernel(FloatType x) {
+  (void)x;  // the tables hold the weights already rounded to x's dtype
+  return W4a16Range;
+}
+
+}  // namespace nvfp4::cpu::NVFP4_ISA

@@ -1,0 +1,280 @@
+"""The native weight-only (W4A16) GEMM of the CPU (`nvfp4_w4a16`, docs/NUMERICS.md section 9).
+
+`x @ dequantize(W, x.dtype)` with the weight decoded in registers: a NumPy model of the
+kernel's order (each weight element dequantize's value in x's dtype, f32 products summed in
+16 slots k mod 16 in ascending k, then a fixed tree over the slots) must give its bits on
+every ISA and thread count; against today's path (XLA's dot of the dequantized weight) the
+results agree within the f32 summation bound; the frozen layers run it on the CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import nnx
+from helpers import assert_same_bits, heavy_tailed
+
+import nvfp4_jax
+from nvfp4_jax import gemm, kernels, ops
+from nvfp4_jax.kernels import _gemm, _library
+
+pytestmark = pytest.mark.skipif(
+    not kernels.is_available("cpu") or kernels.current_platform() != "cpu",
+    reason="needs the native CPU library on a CPU platform",
+)
+
+E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+EPS32 = float(np.finfo(np.float32).eps)
+DTYPES = {"bf16": jnp.bfloat16, "f16": jnp.float16, "f32": jnp.float32}
+
+
+def weight_values(codes, scales, decode, dtype) -> np.ndarray:
+    """(N, K) f32: dequantize's `dtype(value(code) * (f32(s) * D))` of the stored weight."""
+    c = np.asarray(codes)
+    v = np.empty((c.shape[0], 2 * c.shape[1]), np.float32)
+    v[:, 0::2] = E2M1[c & 15]
+    v[:, 1::2] = E2M1[c >> 4]
+    factor = np.asarray(scales).astype(np.float32) * np.float32(decode)
+    with np.errstate(invalid="ignore", over="ignore"):
+        w = v * np.repeat(factor, 16, axis=1)
+    return w.astype(np.dtype(dtype)).astype(np.float32)
+
+
+def model(x, codes, scales, decode) -> np.ndarray:
+    """The kernel's order: slot k mod 16 sums x_k * w_k (an f32 product, an f32 add) over
+    ascending k from +0; then s8 = a[:8] + a[8:], s4, s2, out = s2[0] + s2[1]."""
+    xf = np.asarray(x).astype(np.float32)
+    w = weight_values(codes, scales, decode, np.asarray(x).dtype)
+    m, k = xf.shape
+    acc = np.zeros((m, w.shape[0], 16), np.float32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        for g in range(k // 16):
+            acc = acc + xf[:, None, 16 * g : 16 * g + 16] * w[None, :, 16 * g : 16 * g + 16]
+        s8 = acc[..., :8] + acc[..., 8:]
+        s4 = s8[..., :4] + s8[..., 4:]
+        s2 = s4[..., :2] + s4[..., 2:]
+        return s2[..., 0] + s2[..., 1]
+
+
+def weight(k, n, seed, **kw):
+    """An (in, out) = (k, n) weight quantized along in: stored (n, k)."""
+    w = heavy_tailed((k, n), seed=seed) * np.float32(k**-0.5)
+    return nvfp4_jax.quantize(jnp.asarray(w), axis=0, **kw)
+
+
+def activations(m, k, seed, dtype):
+    return jnp.asarray(heavy_tailed((m, k), seed=seed)).astype(dtype)
+
+
+def native(x, q):
+    return jax.jit(_gemm.w4a16)(x, q.codes, q.scales, q.global_scale)
+
+
+def modelled(x, q):
+    return model(x, q.codes, q.scales, np.float32(q.global_scale))
+
+
+SHAPES = [(1, 1, 16), (1, 37, 160), (3, 45, 16 * 9), (8, 33, 4096), (13, 100, 256), (21, 7, 48)]
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("m,n,k", SHAPES, ids=[f"{m}x{n}x{k}" for m, n, k in SHAPES])
+def test_matches_the_model_of_its_summation_order(m, n, k, dtype):
+    q, x = weight(k, n, seed=m + n), activations(m, k, seed=k, dtype=DTYPES[dtype])
+    assert_same_bits(native(x, q), modelled(x, q), f"{m}x{n}x{k} {dtype}")
+
+
+def test_an_imported_decode_scale_and_2d_blocks():
+    q = weight(64, 48, seed=1, block_2d=True)
+    q = dataclasses.replace(q, decode_scale=jnp.float32(q.global_scale) * np.float32(1 + 2**-20))
+    x = activations(2, 64, seed=2, dtype=jnp.bfloat16)
+    assert_same_bits(native(x, q), modelled(x, q), "decode_scale")
+
+
+def test_zero_rows_and_one_row():
+    q = weight(32, 9, seed=3)
+    assert native(jnp.zeros((0, 32), jnp.bfloat16), q).shape == (0, 9)
+    x = activations(1, 32, seed=4, dtype=jnp.bfloat16)
+    assert_same_bits(native(x, q), modelled(x, q), "M=1")
+    zero = native(jnp.zeros((1, 32), jnp.bfloat16), q)
+    assert not np.any(np.signbit(np.asarray(zero)))  # summed from +0
+
+
+def test_non_finite_activations():
+    q = weight(64, 20, seed=5)
+    x = np.array(activations(4, 64, seed=6, dtype=jnp.float32))
+    x[1, 3], x[2, 40], x[3, 0], x[3, 17] = np.nan, np.inf, np.inf, -np.inf
+    x = jnp.asarray(x).astype(jnp.bfloat16)
+    got = np.asarray(native(x, q))
+    assert_same_bits(got, modelled(x, q), "non-finite x")
+    assert np.isnan(got[1]).all() and np.isfinite(got[0]).all()
+    today = jnp.matmul(x, ops.dequantize(q, jnp.bfloat16), preferred_element_type=jnp.float32)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(today))
+    np.testing.assert_array_equal(np.isposinf(got), np.isposinf(today))
+
+
+def test_a_nan_scale_poisons_its_column():
+    q = weight(64, 20, seed=7)
+    s = np.asarray(q.scales).view(np.uint8).copy()
+    s[5, 2] = 0x7F
+    scales = jnp.asarray(s.view(jnp.float8_e4m3fn))
+    x = activations(3, 64, seed=8, dtype=jnp.bfloat16)
+    got = np.asarray(_gemm.w4a16(x, q.codes, scales, q.global_scale))
+    assert_same_bits(got, model(x, q.codes, scales, np.float32(q.global_scale)), "NaN scale")
+    assert np.isnan(got[:, 5]).all() and np.isfinite(np.delete(got, 5, 1)).all()
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "f32"])
+def test_within_the_summation_bound_of_todays_path(dtype):
+    """|native - XLA| <= 2 K eps32 sum_k |x_k w_k|: both sum the same exact products in f32."""
+    m, n, k = 5, 300, 16 * 37
+    q, x = weight(k, n, seed=9), activations(m, k, seed=10, dtype=DTYPES[dtype])
+    w = ops.dequantize(q, DTYPES[dtype])
+    today = np.asarray(jnp.matmul(x, w, preferred_element_type=jnp.float32))
+    got = np.asarray(native(x, q))
+    scale = np.abs(np.asarray(x, np.float32)) @ np.abs(np.asarray(w, np.float32))
+    assert np.all(np.abs(got - today) <= 2 * k * EPS32 * scale)
+
+
+@pytest.fixture(params=["baseline", "x86-64-v3", "x86-64-v4"])
+def cpu_isa(request):
+    module = _library.module("cpu")
+    if module is None or not module.set_isa(request.param):
+        pytest.skip(f"this build or CPU has no {request.param} kernels")
+    yield module
+    module.set_isa("")
+    module.set_gemm_threads(0)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_same_bits_on_every_isa_and_thread_count(cpu_isa, threads, dtype):
+    cpu_isa.set_gemm_threads(threads)
+    m, n, k = 11, 203, 16 * 50
+    q, x = weight(k, n, seed=13), activations(m, k, seed=14, dtype=DTYPES[dtype])
+    # Not jitted: a fresh call on the forced ISA (the kernel is picked at run time anyway).
+    got = _gemm.w4a16(x, q.codes, q.scales, q.global_scale)
+    assert_same_bits(got, modelled(x, q), f"threads={threads} {dtype}")
+
+
+def test_batch_dims_broadcast_and_vmap():
+    q = weight(48, 24, seed=15)
+    xs = activations(6, 48, seed=16, dtype=jnp.bfloat16).reshape(3, 2, 48)
+    got = jax.vmap(lambda x: _gemm.w4a16(x, q.codes, q.scales, q.global_scale))(xs)
+    for b in range(3):
+        assert_same_bits(got[b], modelled(xs[b], q), f"vmap x {b}")
+    qs = [weight(48, 24, seed=17 + b) for b in range(2)]
+    stacked = jax.tree.map(lambda *a: jnp.stack(a), *qs)
+    x = activations(2, 48, seed=20, dtype=jnp.bfloat16)
+    got = jax.vmap(lambda c, s, d: _gemm.w4a16(x, c, s, d))(
+        stacked.codes, stacked.scales, stacked.global_scale
+    )
+    for b in range(2):
+        assert_same_bits(got[b], modelled(x, qs[b]), f"vmap W {b}")
+
+
+def test_bad_operands_are_named():
+    q = weight(32, 8, seed=21)
+    x = activations(2, 32, seed=22, dtype=jnp.bfloat16)
+    call = jax.ffi.ffi_call("nvfp4_w4a16", jax.ShapeDtypeStruct((2, 8), jnp.float32))
+    d = jnp.float32(q.global_scale)
+    cases = [
+        ((x.astype(jnp.int32), q.codes, q.scales, d), "x of shape (2, 32) and dtype s32"),
+        ((x[:, :24], q.codes, q.scales, d), "x of shape (2, 24)"),
+        ((x, q.codes[:, :8], q.scales, d), "codes of shape (8, 8)"),
+        ((x, q.codes, q.scales.view(jnp.uint8), d), "scales of shape (8, 2) and dtype u8"),
+        ((x, q.codes, q.scales[:4], d), "scales of shape (4, 2)"),
+        ((x, q.codes, q.scales, jnp.ones((2,), jnp.float32)), "decode of shape (2,)"),
+    ]
+    for args, message in cases:
+        with pytest.raises(Exception, match=rf"nvfp4_w4a16: {__import__('re').escape(message)}"):
+            jax.block_until_ready(call(*args))
+    bad_out = jax.ffi.ffi_call("nvfp4_w4a16", jax.ShapeDtypeStruct((2, 9), jnp.float32))
+    with pytest.raises(Exception, match="nvfp4_w4a16: result of shape"):
+        jax.block_until_ready(bad_out(x, q.codes, q.scales, d))
+
+
+# --- the frozen layers -------------------------------------------------------------------------
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    calls = []
+    original = _gemm.w4a16
+
+    def counting(*args):
+        calls.append(args[0].shape)
+        return original(*args)
+
+    monkeypatch.setattr(_gemm, "w4a16", counting)
+    return calls
+
+
+def expected_layer_output(x, q, out_dtype):
+    y = model(np.asarray(x).reshape(-1, x.shape[-1]), q.codes, q.scales, np.float32(q.global_scale))
+    return jnp.asarray(y.reshape(*x.shape[:-1], -1)).astype(out_dtype)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "f16"])
+def test_nnx_linear_from_quantized_runs_the_native_kernel(spy, dtype):
+    q = weight(64, 48, seed=23)
+    layer = nvfp4_jax.nnx.Linear.from_quantized(q, dtype=DTYPES[dtype])
+    x = activations(6, 64, seed=24, dtype=jnp.float32).reshape(2, 3, 64)
+    y = layer(x)
+    assert spy == [(6, 64)]
+    assert_same_bits(y, expected_layer_output(x.astype(DTYPES[dtype]), q, DTYPES[dtype]))
+    assert_same_bits(nnx.jit(lambda m, v: m(v))(layer, x), y, "jit")
+    # W4A4: the fake-quantized activations through the same kernel.
+    w4a4 = nvfp4_jax.nnx.Linear.from_quantized(
+        q, input_scale=jnp.float32(0.01), activations="nvfp4", dtype=DTYPES[dtype]
+    )
+    x_q = ops.fake_quantize_with_data_amax(
+        x.astype(DTYPES[dtype]), jnp.float32(0.01) * 2688, dtype=DTYPES[dtype]
+    )
+    assert_same_bits(w4a4(x), expected_layer_output(x_q, q, DTYPES[dtype]), "W4A4")
+
+
+def test_linen_dense_with_an_nvfp4_kernel_runs_the_native_kernel(spy):
+    q = weight(64, 32, seed=25)
+    x = activations(4, 64, seed=26, dtype=jnp.bfloat16)
+    frozen = {"params": {"kernel": q, "bias": jnp.zeros(32, jnp.bfloat16)}}
+    y = nvfp4_jax.linen.Dense(32).apply(frozen, x)
+    assert spy == [(4, 64)]
+    assert_same_bits(y, expected_layer_output(x, q, jnp.bfloat16))
+
+
+def test_the_xla_path_where_the_kernel_does_not_apply(spy):
+    q = weight(64, 32, seed=27)
+    layer = nvfp4_jax.nnx.Linear.from_quantized(q, dtype=jnp.bfloat16)
+    many = activations(gemm.WEIGHT_ONLY_MAX_ROWS + 1, 64, seed=28, dtype=jnp.bfloat16)
+    assert_same_bits(layer(many), jnp.matmul(many, ops.dequantize(q, jnp.bfloat16)), "many rows")
+    f32 = nvfp4_jax.nnx.Linear.from_quantized(q, dtype=jnp.float32)
+    x = activations(2, 64, seed=29, dtype=jnp.float32)
+    assert_same_bits(f32(x), jnp.matmul(x, ops.dequantize(q, jnp.float32)), "f32 activations")
+    ref = gemm.weight_only_matmul(x.astype(jnp.bfloat16), q, implementation="reference")
+    assert_same_bits(ref, jnp.matmul(x.astype(jnp.bfloat16), ops.dequantize(q, jnp.bfloat16)))
+    assert spy == []
+
+
+def test_an_imported_checkpoint_layer_runs_the_native_kernel(spy):
+    """A ModelOpt-style weight (its own decode scale, as load_hf_checkpoint gives it)."""
+    q = weight(64, 32, seed=30)
+    imported = dataclasses.replace(
+        q, decode_scale=jnp.float32(float(q.global_scale) * (1 + 2**-20))
+    )
+    layer = nvfp4_jax.nnx.Linear.from_quantized(imported, dtype=jnp.bfloat16)
+    x = activations(1, 64, seed=31, dtype=jnp.bfloat16)
+    assert_same_bits(layer(x), expected_layer_output(x, imported, jnp.bfloat16))
+    assert spy == [(1, 64)]
+
+
+def test_bf16_weights_round_as_dequantize_does():
+    """Each weight element is dequantize's bf16 value: the model's weights are those bits."""
+    q = weight(32, 16, seed=32)
+    w = weight_values(q.codes, q.scales, np.float32(q.global_scale), ml_dtypes.bfloat16)
+    assert_same_bits(w.T, np.asarray(ops.dequantize(q, jnp.bfloat16), np.float32), "weights")
