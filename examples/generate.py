@@ -1,0 +1,575 @@
+"""Generates text with the example Llama in JAX, with a KV cache, in bf16 and in NVFP4.
+
+    python examples/generate.py                                  # a random model, for timing
+    python examples/generate.py --checkpoint runs/train_lm --prompt "def f(x):" --tokens 200
+    python examples/generate.py --hf out/llama-nvfp4             # an exported/ModelOpt folder
+    python examples/generate.py --width 1024 --depth 8 --heads 8 # a larger random model
+
+The model is `lm_model.TransformerLM` (a `train_lm.py` run folder or one of its checkpoint
+folders, a Hugging Face / ModelOpt NVFP4 checkpoint read by `nvfp4_jax.load_hf_checkpoint`, or
+random weights of the example's default size). Decoding is greedy (or sampled with
+`--temperature`): the prompt is prefilled in one call, then one token per step with a jitted
+step over (weights, cache, token, position) and a bf16 KV cache preallocated to the prompt's
+length plus `--tokens`, updated in place (`jax.lax.dynamic_update_slice`). The math is
+lm_model's (its own modules compute every layer; only attention reads the cache).
+
+Two precisions of the same weights:
+
+* bf16: every linear kernel cast to bf16 (embeddings and norms stay f32, as in training).
+* nvfp4: the linears frozen as NVFP4 weight-only (W4A16, `nvfp4_jax.nnx.Linear.
+  from_quantized`, whose CPU path is the native `nvfp4_w4a16` kernel up to 32 rows): each
+  kernel quantized along its input axis with the tensor amax of its fused group (q/k/v,
+  gate/up), as `export_hf_checkpoint` does; the output head, embeddings, norms and an MoE's
+  experts and router stay as in bf16. A train_lm NVFP4 run's layers trained in bf16 (and
+  their groups) stay bf16. With `--hf`, the checkpoint's NVFP4 weights are used as they are,
+  and bf16 runs their dequantized values.
+
+Prints, per precision, the prefill time, the decode tokens/s (median step after the first,
+which compiles; times `--batch`) and the text, then how often NVFP4's tokens equal bf16's.
+Every flag is checked before anything runs: a bad value exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import pathlib
+import platform
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from lm_model import LMConfig, MoE, TransformerLM, from_params
+
+import nvfp4_jax
+from nvfp4_jax import gemm, kernels
+
+PRECISIONS = ("bf16", "nvfp4")
+DEFAULT_PROMPT = "The "
+# Fused groups: engines load them all quantized or all not, with one tensor amax.
+GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+MAX_TOKENS = 1 << 16
+
+
+class UsageError(Exception):
+    """A command-line problem found after parsing (a checkpoint); exits like argparse."""
+
+
+def _integer(low: int, high: int | None = None):
+    """An argparse `type`: an integer in [low, high]."""
+    what = f"an integer from {low} to {high}" if high is not None else f"an integer >= {low}"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {value}")
+        return value
+
+    return parse
+
+
+def _non_negative_float(text: str) -> float:
+    """An argparse `type`: a finite number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}") from None
+    if not (np.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def _folder(text: str) -> pathlib.Path:
+    """An argparse `type`: an existing folder."""
+    path = pathlib.Path(text)
+    if not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is not a folder")
+    return path
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line; each flag's `type` checks its own value."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    source = p.add_mutually_exclusive_group()
+    source.add_argument(
+        "--checkpoint",
+        type=_folder,
+        default=None,
+        metavar="DIR",
+        help="a train_lm.py --out folder, or one of its checkpoints/<recipe> folders",
+    )
+    source.add_argument(
+        "--hf", type=_folder, default=None, metavar="DIR", help="a Hugging Face / ModelOpt folder"
+    )
+    p.add_argument(
+        "--run",
+        choices=("nvfp4", "bf16"),
+        default=None,
+        help="which run of a --checkpoint folder holding both (default: nvfp4)",
+    )
+    p.add_argument("--prompt", default=DEFAULT_PROMPT, help="the prompt, read as UTF-8 bytes")
+    p.add_argument("--tokens", type=_integer(1, MAX_TOKENS), default=128, help="new tokens")
+    p.add_argument("--batch", type=_integer(1, 1024), default=1, help="copies of the prompt")
+    p.add_argument("--precision", choices=(*PRECISIONS, "both"), default="both")
+    p.add_argument(
+        "--temperature",
+        type=_non_negative_float,
+        default=0.0,
+        help="0 (the default): greedy; else sample from softmax(logits / temperature)",
+    )
+    p.add_argument(
+        "--seed", type=_integer(0, 2**32 - 1), default=0, help="random weights, sampling"
+    )
+    # The random model's shape (neither --checkpoint nor --hf); None: lm_model's defaults.
+    p.add_argument("--width", type=_integer(16), default=None, help="random model only")
+    p.add_argument("--depth", type=_integer(1), default=None, help="random model only")
+    p.add_argument("--heads", type=_integer(1), default=None, help="random model only")
+    return p
+
+
+def parse_args(argv=None, parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
+    """Parses and checks the command line; bad values exit with a message naming the flag."""
+    p = build_parser() if parser is None else parser
+    args = p.parse_args(argv)
+    loaded = args.checkpoint is not None or args.hf is not None
+    for name in ("width", "depth", "heads"):
+        if loaded and getattr(args, name) is not None:
+            p.error(f"--{name} sets the random model's shape: not with --checkpoint or --hf")
+    if args.run is not None and args.checkpoint is None:
+        p.error("--run picks a run of a --checkpoint folder: it needs --checkpoint")
+    if not args.prompt.encode("utf-8"):
+        p.error("--prompt must not be empty (the first token needs a context)")
+    if not loaded:
+        try:
+            random_config(args)
+        except ValueError as error:
+            p.error(f"--width/--depth/--heads make no working model: {error}")
+    return args
+
+
+# --- the weights -------------------------------------------------------------------------------
+
+
+def random_config(args) -> LMConfig:
+    """The random model's shape: lm_model's defaults, changed by --width/--depth/--heads."""
+    shape = {k: getattr(args, k) for k in ("width", "depth", "heads") if getattr(args, k)}
+    return LMConfig(**shape)
+
+
+def _plain(tree):
+    """A restored nnx state as nested dicts of arrays: `value` wrappers dropped, int keys."""
+    if isinstance(tree, dict):
+        if set(tree) == {"value"}:
+            return tree["value"]
+        return {
+            (int(k) if isinstance(k, str) and k.isdigit() else k): _plain(v)
+            for k, v in tree.items()
+        }
+    return tree
+
+
+PARAM_NAMES = ("kernel", "scale", "embedding", "bias")
+
+
+def _params_only(tree):
+    """The parameters of a model state (kernels, norm scales, embeddings), without the
+    NVFP4 layers' calibration amaxes and random streams; marks NVFP4-trained linears."""
+    out, trained = {}, set()
+
+    def walk(node, path, dst):
+        for key, value in node.items():
+            if isinstance(value, dict):
+                if "input_amax" in value and "kernel" in value:
+                    trained.add((*path, key))
+                dst[key] = {}
+                walk(value, (*path, key), dst[key])
+                if not dst[key]:
+                    del dst[key]
+            elif key in PARAM_NAMES:
+                dst[key] = np.asarray(value)
+
+    walk(tree, (), out)
+    return out, trained
+
+
+def _checkpoint_folder(folder: pathlib.Path, run: str | None) -> pathlib.Path:
+    """The orbax folder of one run: `folder/checkpoints/<run>`, or `folder` itself."""
+    if (folder / "checkpoints").is_dir():
+        runs = [r for r in ("nvfp4", "bf16") if (folder / "checkpoints" / r).is_dir()]
+        if run is not None:
+            runs = [r for r in runs if r == run]
+        if not runs:
+            want = f"a {run} run" if run else "no run"
+            raise UsageError(f"--checkpoint {folder}: {want} in {folder / 'checkpoints'}")
+        return folder / "checkpoints" / runs[0]
+    if run is not None:
+        raise UsageError(f"--run {run}: --checkpoint {folder} is one run's folder already")
+    return folder
+
+
+def load_train_lm(folder: pathlib.Path, run: str | None) -> tuple[LMConfig, dict, set]:
+    """(shape, parameters as nested dicts, NVFP4-trained linears) of a train_lm checkpoint."""
+    import orbax.checkpoint as ocp  # noqa: PLC0415
+
+    folder = _checkpoint_folder(folder, run)
+    manager = ocp.CheckpointManager(
+        folder.resolve(), options=ocp.CheckpointManagerOptions(create=False)
+    )
+    step = manager.latest_step()
+    if step is None:
+        raise UsageError(f"--checkpoint {folder}: no orbax checkpoint in it")
+    restored = manager.restore(
+        step,
+        args=ocp.args.Composite(state=ocp.args.StandardRestore(), config=ocp.args.JsonRestore()),
+    )
+    flags = restored["config"]
+    cfg = LMConfig(
+        width=flags["width"],
+        depth=flags["depth"],
+        heads=flags["heads"],
+        max_len=flags["seq_len"],
+        experts=flags.get("experts", 0),
+        top_k=flags.get("top_k", 2),
+        expert_intermediate=flags.get("expert_intermediate"),
+    )
+    params, trained = _params_only(_plain(restored["state"]["model"]))
+    print(f"checkpoint: {folder} step {step}", flush=True)
+    return cfg, params, trained
+
+
+def _linears(params: dict):
+    """(path, its dict) of every 2-D linear of the model (not the experts, not the router)."""
+    for i in sorted(k for k in params.get("layers", {})):
+        layer = params["layers"][i]
+        for block, names in (
+            ("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
+            ("mlp", ("gate_proj", "up_proj", "down_proj")),
+        ):
+            for name in names:
+                node = layer.get(block, {}).get(name)
+                if isinstance(node, dict) and np.ndim(node.get("kernel")) == 2:
+                    yield ("layers", i, block, name), node
+
+
+def quantize_params(params: dict, trained: set | None = None) -> dict:
+    """The parameters with every layer's linears frozen as NVFP4 `(in, out)` kernels quantized
+    along `in`, each fused group (q/k/v, gate/up) with its group's tensor amax (as
+    `export_hf_checkpoint` writes them). `trained`: when given (a train_lm NVFP4 run), only
+    those linears, and only groups wholly in it. The output head is not quantized."""
+    out = jax.tree.map(lambda x: x, params)
+    linears = dict(_linears(out))
+    for path in list(linears):
+        if trained is not None and path not in trained:
+            del linears[path]
+    amaxes = {}
+    for path in linears:
+        group = next((g for g in GROUPS if path[-1] in g), (path[-1],))
+        members = [(*path[:-1], name) for name in group]
+        if all(m in linears for m in members):
+            amaxes[path] = max(float(np.max(np.abs(linears[m]["kernel"]))) for m in members)
+    for path, amax in amaxes.items():
+        node = linears[path]
+        node["kernel"] = nvfp4_jax.quantize(
+            jnp.asarray(node["kernel"], jnp.float32), axis=0, amax=jnp.float32(amax)
+        )
+    return out
+
+
+def dequantize_params(params: dict) -> dict:
+    """The parameters with every NVFP4 kernel decoded to bf16 (and no `input_scale`)."""
+
+    def walk(node):
+        if not isinstance(node, dict):
+            return node
+        return {
+            k: (nvfp4_jax.dequantize(v, jnp.bfloat16) if nvfp4_jax.is_nvfp4_array(v) else walk(v))
+            for k, v in node.items()
+            if k != "input_scale"
+        }
+
+    return walk(params)
+
+
+def build_model(cfg: LMConfig, params: dict) -> TransformerLM:
+    """The example model holding `params` (NVFP4Array kernels frozen weight-only), computing
+    in bf16, with every high-precision linear kernel stored in bf16."""
+    model = from_params(cfg, params, dtype=jnp.bfloat16)
+    for _, module in nnx.iter_modules(model):
+        if type(module) is nnx.Linear:
+            module.kernel = nnx.Param(module.kernel[...].astype(jnp.bfloat16))
+    return model
+
+
+def load_weights(args) -> tuple[LMConfig, dict[str, dict], str]:
+    """(shape, {precision: parameter tree}, a line saying where the weights came from)."""
+    if args.hf is not None:
+        if not (args.hf / "config.json").is_file():
+            raise UsageError(f"--hf {args.hf}: no config.json, not a Hugging Face checkpoint")
+        config = json.loads((args.hf / "config.json").read_text())
+        try:
+            cfg = LMConfig.from_hf_config(config)
+            tree = nvfp4_jax.load_hf_checkpoint(args.hf)
+        except (KeyError, ValueError, OSError) as error:
+            raise UsageError(f"--hf {args.hf}: cannot load it ({error})") from None
+        quantized = any(
+            nvfp4_jax.is_nvfp4_array(x)
+            for x in jax.tree.leaves(tree, is_leaf=nvfp4_jax.is_nvfp4_array)
+        )
+        nvfp4 = tree if quantized else quantize_params(tree)
+        return cfg, {"bf16": dequantize_params(tree), "nvfp4": nvfp4}, f"--hf {args.hf}"
+    if args.checkpoint is not None:
+        try:
+            cfg, params, trained = load_train_lm(args.checkpoint, args.run)
+        except (FileNotFoundError, KeyError, ValueError) as error:
+            raise UsageError(f"--checkpoint {args.checkpoint}: cannot load it ({error})") from None
+        nvfp4 = quantize_params(params, trained if trained else None)
+        return cfg, {"bf16": params, "nvfp4": nvfp4}, f"--checkpoint {args.checkpoint}"
+    cfg = random_config(args)
+    model = TransformerLM(cfg, nnx.Rngs(params=args.seed))
+    params, _ = _params_only(_plain(nnx.to_pure_dict(nnx.state(model))))
+    what = f"random weights (seed {args.seed})"
+    return cfg, {"bf16": params, "nvfp4": quantize_params(params)}, what
+
+
+# --- decoding ----------------------------------------------------------------------------------
+
+
+def rotary_at(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """`lm_model.rotary` of (B, T, heads, E) at absolute `positions` (T,)."""
+    e = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, e, 2, dtype=jnp.float32) / e))
+    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    angles = jnp.concatenate([freqs, freqs], axis=-1)[None, :, None, :]
+    xf = x.astype(jnp.float32)
+    rotated = jnp.concatenate([-xf[..., e // 2 :], xf[..., : e // 2]], axis=-1)
+    return (xf * jnp.cos(angles) + rotated * jnp.sin(angles)).astype(x.dtype)
+
+
+def empty_cache(cfg: LMConfig, batch: int, length: int) -> dict:
+    """The bf16 KV cache: keys and values (depth, B, length, G, E), zeros."""
+    shape = (cfg.depth, batch, length, cfg.kv_heads, cfg.head_dim)
+    return {"k": jnp.zeros(shape, jnp.bfloat16), "v": jnp.zeros(shape, jnp.bfloat16)}
+
+
+def forward_cached(model: TransformerLM, cache: dict, tokens: jax.Array, pos: jax.Array):
+    """Logits (B, T, V) f32 of `tokens` (B, T) at positions pos..pos+T-1, reading and writing
+    the cache; lm_model's forward with attention over the cached keys and values."""
+    cfg = model.cfg
+    b, t = tokens.shape
+    length = cache["k"].shape[2]
+    positions = pos + jnp.arange(t, dtype=jnp.int32)
+    # Query i (at pos + i) sees the cached positions j <= pos + i.
+    mask = (jnp.arange(length, dtype=jnp.int32)[None, :] <= positions[:, None])[None, None]
+    x = model.embed_tokens(tokens)
+    keys, values = [], []
+    for i, layer in enumerate(model.layers):
+        attn = layer.self_attn
+        h = layer.input_layernorm(x)
+        q = attn.q_proj(h).reshape(b, t, cfg.heads, cfg.head_dim)
+        k = attn.k_proj(h).reshape(b, t, cfg.kv_heads, cfg.head_dim)
+        v = attn.v_proj(h).reshape(b, t, cfg.kv_heads, cfg.head_dim)
+        q, k = rotary_at(q, positions, cfg.rope_theta), rotary_at(k, positions, cfg.rope_theta)
+        start = (0, pos, 0, 0)
+        k_all = jax.lax.dynamic_update_slice(cache["k"][i], k.astype(jnp.bfloat16), start)
+        v_all = jax.lax.dynamic_update_slice(cache["v"][i], v.astype(jnp.bfloat16), start)
+        keys.append(k_all)
+        values.append(v_all)
+        attended = jax.nn.dot_product_attention(
+            q, k_all.astype(q.dtype), v_all.astype(q.dtype), mask=mask
+        )
+        x = x + attn.o_proj(attended.reshape(b, t, cfg.heads * cfg.head_dim)).astype(x.dtype)
+        y = layer.mlp(layer.post_attention_layernorm(x))
+        y = y[0] if isinstance(layer.mlp, MoE) else y
+        x = x + y.astype(x.dtype)
+    logits = model.lm_head(model.norm(x)).astype(jnp.float32)
+    return logits, {"k": jnp.stack(keys), "v": jnp.stack(values)}
+
+
+def _pick(logits: jax.Array, temperature: float, key: jax.Array) -> jax.Array:
+    """The next token (B,) int32 of the last position's logits (B, V)."""
+    if temperature == 0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return jax.random.categorical(key, logits / temperature, axis=-1).astype(jnp.int32)
+
+
+class Decoder:
+    """Jitted prefill and decode step of one model; the weights are a jit argument."""
+
+    def __init__(self, model: TransformerLM, temperature: float = 0.0):
+        self.cfg = model.cfg
+        self.graphdef, self.state = nnx.split(model)
+        graphdef = self.graphdef
+
+        def prefill(state, cache, tokens, key):
+            model = nnx.merge(graphdef, state)
+            logits, cache = forward_cached(model, cache, tokens, jnp.int32(0))
+            return _pick(logits[:, -1], temperature, key), logits, cache
+
+        def step(state, cache, token, pos, key):
+            model = nnx.merge(graphdef, state)
+            logits, cache = forward_cached(model, cache, token[:, None], pos)
+            return _pick(logits[:, -1], temperature, key), logits[:, -1], cache
+
+        self.prefill = jax.jit(prefill, donate_argnums=1)
+        self.step = jax.jit(step, donate_argnums=1)
+
+
+def generate(decoder: Decoder, prompt: np.ndarray, new_tokens: int, seed: int = 0) -> dict:
+    """Decodes `new_tokens` after `prompt` (B, P); returns the tokens (B, new_tokens), every
+    step's logits (new_tokens, B, V) and the timings (seconds)."""
+    b, p = prompt.shape
+    tokens = jnp.asarray(prompt, jnp.int32)
+    keys = jax.random.split(jax.random.key(seed), new_tokens)
+    length = p + new_tokens
+
+    def prefill():
+        cache = empty_cache(decoder.cfg, b, length)
+        begin = time.perf_counter()
+        out = jax.block_until_ready(decoder.prefill(decoder.state, cache, tokens, keys[0]))
+        return out, time.perf_counter() - begin
+
+    _, prefill_first = prefill()  # compiles
+    (token, logits, cache), prefill_seconds = prefill()
+    out, all_logits, steps = [token], [logits[:, -1]], []
+    for i in range(1, new_tokens):
+        begin = time.perf_counter()
+        token, step_logits, cache = decoder.step(
+            decoder.state, cache, token, jnp.int32(p + i - 1), keys[i]
+        )
+        token = jax.block_until_ready(token)
+        steps.append(time.perf_counter() - begin)
+        out.append(token)
+        all_logits.append(step_logits)
+    steady = steps[1:] or steps
+    step_seconds = float(np.median(steady)) if steady else float("nan")
+    return {
+        "tokens": np.stack([np.asarray(t) for t in out], axis=1),
+        "logits": np.stack([np.asarray(x) for x in all_logits]),
+        "prefill_first_seconds": prefill_first,
+        "prefill_seconds": prefill_seconds,
+        "first_step_seconds": steps[0] if steps else float("nan"),
+        "step_seconds": step_seconds,
+        "tokens_per_second": b / step_seconds if steady else float("nan"),
+    }
+
+
+# --- reporting ---------------------------------------------------------------------------------
+
+
+def host_line() -> str:
+    """The machine: CPU, the native kernels' ISA variant, cores, load, jax."""
+    isa = "n/a (no native library)"
+    with contextlib.suppress(Exception):
+        module = kernels._library.module("cpu")
+        if module is not None:
+            for name in ("x86-64-v4", "x86-64-v3", "baseline"):
+                if module.set_isa(name):
+                    isa = name
+                    break
+            module.set_isa("")
+    model, vnni = "unknown CPU", ""
+    with contextlib.suppress(OSError, StopIteration):
+        flags = open("/proc/cpuinfo").read()
+        vnni = " avx512_vnni" if "avx512_vnni" in flags else " (no avx512_vnni)"
+        model = next(x for x in flags.splitlines() if x.startswith("model name")).split(":", 1)[1]
+    load = os.getloadavg()
+    return (
+        f"host: {model.strip()} ({platform.machine()}), kernel ISA {isa}{vnni}, "
+        f"{os.cpu_count()} cpus, load {load[0]:.2f}, jax {jax.__version__} on "
+        f"{jax.default_backend()}"
+    )
+
+
+def text_of(tokens: np.ndarray) -> str:
+    """Byte tokens as text (undecodable bytes replaced)."""
+    return bytes(int(t) & 0xFF for t in tokens).decode("utf-8", errors="replace")
+
+
+def _native_line(state, batch: int) -> str:
+    """Whether the frozen NVFP4 layers run the native W4A16 kernel at decode."""
+    kernels_ = [
+        x
+        for x in jax.tree.leaves(state, is_leaf=nvfp4_jax.is_nvfp4_array)
+        if nvfp4_jax.is_nvfp4_array(x)
+    ]
+    if not kernels_:
+        return "no NVFP4 layer"
+    q = kernels_[0]
+    native = gemm.uses_native_weight_only((batch, 1, q.shape[0]), jnp.bfloat16, q)
+    how = "native nvfp4_w4a16 kernel" if native else "dequantize + XLA dot"
+    return f"{len(kernels_)} frozen NVFP4 linears, weight-only, decode GEMMs: {how}"
+
+
+def run(args) -> dict:
+    """`main` after parsing: loads the weights, decodes in each precision, prints."""
+    print(host_line(), flush=True)
+    cfg, trees, source = load_weights(args)
+    prompt_bytes = np.frombuffer(args.prompt.encode("utf-8"), np.uint8)
+    if int(prompt_bytes.max()) >= cfg.vocab:
+        raise UsageError(f"--prompt has bytes >= the model's vocabulary of {cfg.vocab}")
+    prompt = np.tile(prompt_bytes.astype(np.int32), (args.batch, 1))
+    print(
+        f"model: {source}; width {cfg.width}, depth {cfg.depth}, heads {cfg.heads}/"
+        f"{cfg.kv_heads}, MLP {cfg.intermediate}, vocab {cfg.vocab}"
+        + (f", {cfg.experts} experts" if cfg.experts else ""),
+        flush=True,
+    )
+    print(
+        f"prompt {len(prompt_bytes)} bytes, batch {args.batch}, {args.tokens} new tokens, "
+        + ("greedy" if args.temperature == 0 else f"temperature {args.temperature}"),
+        flush=True,
+    )
+    names = PRECISIONS if args.precision == "both" else (args.precision,)
+    results = {}
+    for name in names:
+        model = build_model(cfg, trees[name])
+        decoder = Decoder(model, args.temperature)
+        if name == "nvfp4":
+            print(f"[nvfp4] {_native_line(decoder.state, args.batch)}", flush=True)
+        result = generate(decoder, prompt, args.tokens, args.seed)
+        results[name] = result
+        print(
+            f"[{name}] prefill {1e3 * result['prefill_seconds']:.1f} ms "
+            f"(first call, compiling: {result['prefill_first_seconds']:.2f} s); decode "
+            f"{result['tokens_per_second']:.1f} tokens/s ({1e3 * result['step_seconds']:.2f} "
+            f"ms/step, first step {result['first_step_seconds']:.2f} s)",
+            flush=True,
+        )
+        print(f"[{name}] text: {args.prompt!r} + {text_of(result['tokens'][0])!r}", flush=True)
+    if len(results) == 2:
+        a, b = results["bf16"]["tokens"], results["nvfp4"]["tokens"]
+        same = a == b
+        differ = np.nonzero(~same.all(axis=0))[0]
+        first = f"first difference at new token {differ[0]}" if differ.size else "identical"
+        ratio = results["nvfp4"]["tokens_per_second"] / results["bf16"]["tokens_per_second"]
+        print(
+            f"nvfp4 vs bf16: {same.mean():.1%} of the tokens agree ({first}); decode speed "
+            f"{ratio:.2f}x bf16's",
+            flush=True,
+        )
+        results["agreement"] = float(same.mean())
+    return results
+
+
+def main(argv=None) -> dict:
+    """Parses the flags, decodes, prints; a problem with the flags exits with status 2."""
+    parser = build_parser()
+    args = parse_args(argv, parser)
+    try:
+        return run(args)
+    except UsageError as error:
+        parser.error(str(error))
+
+
+if __name__ == "__main__":
+    main()
