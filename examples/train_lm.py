@@ -11,6 +11,9 @@ With `--experts`, every MLP is a dropless mixture of experts: an f32 router (nev
 picks `--top-k` experts per token, the experts' grouped GEMMs follow the same rules as the
 linear layers (`--bf16-first/--bf16-last/--keep-bf16/--rules` keep them in bf16 too), and a
 load-balancing loss (`--aux-loss-coef`) is added to the training loss and reported apart.
+`--high-precision-final F` runs the last fraction F of the NVFP4 run's steps with the forward
+GEMMs (or, with `--high-precision-final-gemms all`, every GEMM) in high precision; a resumed
+run continues in the recipe of its step.
 The output folder gets `results.json`, `curves.png` and orbax checkpoints (`--resume`).
 Every flag is checked before anything runs: a bad value or combination exits with status 2
 and a message naming the flag.
@@ -19,6 +22,7 @@ and a message naming the flag.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import math
@@ -45,7 +49,9 @@ from lm_model import LMConfig, TransformerLM, loss_fn, train_loss_fn
 import nvfp4_jax
 
 RECIPES = ("nvfp4", "bf16")
-SWITCHES = ("weight_2d", "wgrad_rht", "stochastic_rounding")
+# The NVFP4Recipe switches --disable and --rules may turn off (fprop, dgrad, wgrad: that GEMM
+# in high precision for the whole run).
+SWITCHES = ("weight_2d", "wgrad_rht", "stochastic_rounding", "fprop", "dgrad", "wgrad")
 EVAL_BATCHES = 8
 # optax counts optimizer steps in int32.
 MAX_STEPS = 2**31 - 1
@@ -77,9 +83,21 @@ RESUME_FLAGS = (
     "top_k",
     "expert_intermediate",
     "aux_loss_coef",
+    "high_precision_final",
+    "high_precision_final_gemms",
 )
 # What a checkpoint made before a flag existed was made with (it records no value for it).
-RESUME_DEFAULTS = {"experts": 0, "top_k": 2, "expert_intermediate": None, "aux_loss_coef": 0.01}
+RESUME_DEFAULTS = {
+    "experts": 0,
+    "top_k": 2,
+    "expert_intermediate": None,
+    "aux_loss_coef": 0.01,
+    "high_precision_final": 0.0,
+    "high_precision_final_gemms": "fprop",
+}
+# --high-precision-final-gemms: the GEMMs of the NVFP4 layers run in high precision after the
+# switch (the forward alone, or all three).
+HIGH_PRECISION_GEMMS = {"fprop": ("fprop",), "all": ("fprop", "dgrad", "wgrad")}
 # The MoE's defaults: experts per token, the load-balancing loss's weight (Switch's 0.01).
 DEFAULT_TOP_K = 2
 DEFAULT_AUX_LOSS_COEF = 0.01
@@ -189,6 +207,17 @@ def _share(text: str) -> float:
     return value
 
 
+def _fraction_below_one(text: str) -> float:
+    """An argparse `type`: a number F with 0 <= F < 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be a number from 0 to below 1, got {text}")
+    return value
+
+
 def _rules_file(text: str) -> tuple:
     """An argparse `type`: a JSON rules file, as a tuple of (pattern, recipe switches or None)."""
     try:
@@ -284,6 +313,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="turn off a switch of the NVFP4 recipe (repeatable)",
     )
     p.add_argument(
+        "--high-precision-final",
+        type=_fraction_below_one,
+        default=0.0,
+        help="run the last fraction F of the steps (0 <= F < 1; default 0: none) of the NVFP4 "
+        "run with the GEMMs --high-precision-final-gemms names in high precision (bf16)",
+    )
+    p.add_argument(
+        "--high-precision-final-gemms",
+        choices=tuple(HIGH_PRECISION_GEMMS),
+        default=None,
+        help="which GEMMs --high-precision-final puts in high precision: the forward (fprop, "
+        "the default; the backward stays NVFP4) or all three",
+    )
+    p.add_argument(
         "--experts",
         type=_integer(0),
         default=0,
@@ -353,6 +396,14 @@ def _check_moe_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> No
         args.aux_loss_coef = DEFAULT_AUX_LOSS_COEF
 
 
+def _check_high_precision_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--high-precision-final-gemms needs --high-precision-final; fills in its default."""
+    if args.high_precision_final_gemms is None:
+        args.high_precision_final_gemms = "fprop"
+    elif not args.high_precision_final:
+        p.error("--high-precision-final-gemms needs --high-precision-final F > 0")
+
+
 def parse_args(argv=None, parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
     """Parses and checks the command line; bad values exit with a message naming the flag."""
     p = build_parser() if parser is None else parser
@@ -360,6 +411,7 @@ def parse_args(argv=None, parser: argparse.ArgumentParser | None = None) -> argp
     if args.width % args.heads:
         p.error(f"--heads {args.heads} must divide --width {args.width}")
     _check_moe_flags(p, args)
+    _check_high_precision_flags(p, args)
     if args.bf16_first + args.bf16_last > args.depth + 1:
         p.error(
             f"--bf16-first {args.bf16_first} plus --bf16-last {args.bf16_last} is more than the "
@@ -486,6 +538,45 @@ def model_rules(args) -> list[nvfp4_jax.Rule]:
             )
         )
     return [*rules, nvfp4_jax.Rule(".*", recipe)]
+
+
+def high_precision_steps(args) -> int:
+    """How many of the last steps the NVFP4 run takes in high precision (--high-precision-final)."""
+    return int(math.floor(args.high_precision_final * args.steps + 0.5))
+
+
+def switch_step(args) -> int | None:
+    """The last step of the NVFP4 run in NVFP4 before --high-precision-final switches; None
+    when it never switches. Steps after it run with `switched_rules`."""
+    final = high_precision_steps(args)
+    return args.steps - final if final else None
+
+
+def switched_rules(rules, gemms: str) -> list[nvfp4_jax.Rule]:
+    """`rules` with the GEMMs `gemms` names (--high-precision-final-gemms) in high precision in
+    every NVFP4 recipe; the rules of high-precision layers stay as they are."""
+    off = {name: False for name in HIGH_PRECISION_GEMMS[gemms]}
+    return [
+        rule
+        if rule.recipe is None
+        else nvfp4_jax.Rule(rule.pattern, dataclasses.replace(rule.recipe, **off))
+        for rule in rules
+    ]
+
+
+def switch_precision(model, args, rules) -> None:
+    """Puts the NVFP4 run's model in its --high-precision-final recipe, in place.
+
+    `quantize_model` with `switched_rules`: the parameter variables stay the same objects (the
+    optimizer state is unaffected); the NVFP4 layers get the switched recipe and fresh
+    stochastic-rounding streams forked from a key of the seed and the switch step, so that a
+    resumed run (which restores those streams from its checkpoint) and an uninterrupted one
+    take the same steps.
+    """
+    key = jax.random.fold_in(jax.random.key(args.seed), switch_step(args))
+    nvfp4_jax.quantize_model(
+        model, switched_rules(rules, args.high_precision_final_gemms), rngs=nnx.Rngs(quantize=key)
+    )
 
 
 def check_model_shape(args) -> str | None:
@@ -766,11 +857,22 @@ def start(recipe_name: str, args, model, optimizer, checkpoints, console) -> tup
     return step, history
 
 
+def _resume_switch(recipe_name: str, args, model, rules, checkpoints) -> int | None:
+    """The NVFP4 run's `switch_step` (None for none); switches the model's precision now when
+    --resume continues from a checkpoint made after the switch (it holds the switched state)."""
+    switch = switch_step(args) if recipe_name == "nvfp4" else None
+    if switch is not None and args.resume and (checkpoints.latest_step() or 0) >= switch:
+        switch_precision(model, args, rules)
+    return switch
+
+
 def run(recipe_name: str, args, train, val, config: dict, console: Console, rules=None) -> dict:
     """Trains one recipe; returns its history of train and validation losses."""
+    rules = model_rules(args) if recipe_name == "nvfp4" and rules is None else rules
     model = make_model(args, recipe_name, rules)
     optimizer = make_optimizer(model, args)
     checkpoints = Checkpoints(checkpoint_folder(args, recipe_name), args.save_every)
+    switch = _resume_switch(recipe_name, args, model, rules, checkpoints)
     start_step, history = start(recipe_name, args, model, optimizer, checkpoints, console)
     last = args.steps if args.stop_after is None else args.stop_after
     if start_step >= last:
@@ -787,6 +889,16 @@ def run(recipe_name: str, args, train, val, config: dict, console: Console, rule
         task = progress.add_task("", total=args.steps, completed=start_step, info="compiling")
         tick = time.perf_counter()
         for step in range(start_step + 1, last + 1):
+            if switch is not None and step == switch + 1:
+                switch_precision(model, args, rules)
+                step_fn = nnx.cached_partial(train_step, model, optimizer)
+                history["high_precision_from"] = step
+                _say(
+                    console,
+                    recipe_name,
+                    f"step {step}: {args.high_precision_final_gemms} GEMMs in high precision "
+                    "from here on (--high-precision-final)",
+                )
             batch = batch_at(train, step, args.batch, args.seq_len, args.seed)
             begin = time.perf_counter()
             loss, aux = step_fn(batch)

@@ -11,7 +11,11 @@ factors. This is what Blackwell's block-scaled tensor cores compute, up to summa
     wgrad  dW = q(x; RHT along M)^T @ q(dy; RHT along M, SR)   (the rotations cancel)
 
 The forward saves only quantized residuals: W as used by dgrad and x quantized along the
-tokens (with the RHT), both as packed `NVFP4Array`s; never the high-precision inputs.
+tokens (with the RHT), both as packed `NVFP4Array`s; never the high-precision inputs. A GEMM
+the recipe puts in high precision (`fprop`, `dgrad` or `wgrad` False) runs
+`jax.lax.dot_general` on the unquantized operands with f32 accumulation (the backward ones as
+its autodiff computes them); then the forward saves W itself for a high-precision dgrad, x
+itself for a high-precision wgrad, and only the packed residuals the NVFP4 GEMMs still need.
 
 Batch dimensions (B, e.g. MoE experts) run as `jax.vmap` of this custom_vjp: B independent
 GEMMs, each operand of each element its own tensor (amax, padding, SR key `fold_in(key, b)`).
@@ -96,48 +100,108 @@ def _fprop(x, w, recipe: NVFP4Recipe):
     return gemm.matmul(qx, w_operand), qw
 
 
+# --- the GEMMs a recipe puts in high precision (`fprop`, `dgrad` or `wgrad` False) -------------
+
+_MATMUL_DIMS = (((1,), (0,)), ((), ()))
+
+
+def _high_precision(x, w, out_dtype):
+    """The high-precision fprop: y = x W (M, N), f32 accumulation, in `out_dtype`."""
+    y = jax.lax.dot_general(x, w, _MATMUL_DIMS, preferred_element_type=_F32)
+    return y.astype(out_dtype)
+
+
+def _high_precision_dgrad(dy, w, x_shape, x_dtype, out_dtype):
+    """The high-precision dgrad: dx = dy W^T as `_high_precision`'s autodiff (needs W)."""
+    x_struct = jax.ShapeDtypeStruct(x_shape, x_dtype)
+    (dx,) = jax.linear_transpose(lambda x: _high_precision(x, w, out_dtype), x_struct)(dy)
+    return dx
+
+
+def _high_precision_wgrad(dy, x, w_shape, w_dtype, out_dtype):
+    """The high-precision wgrad: dW = x^T dy as `_high_precision`'s autodiff (needs x)."""
+    w_struct = jax.ShapeDtypeStruct(w_shape, w_dtype)
+    (dw,) = jax.linear_transpose(lambda w: _high_precision(x, w, out_dtype), w_struct)(dy)
+    return dw
+
+
+def _forward(x, w, recipe: NVFP4Recipe, out_dtype):
+    """The forward: y in `out_dtype`, and the fprop's quantized W (None in high precision)."""
+    if not recipe.fprop:
+        return _high_precision(x, w, out_dtype), None
+    y, qw = _fprop(x, w, recipe)
+    return y.astype(out_dtype), qw
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def _nvfp4_matmul(x, w, key, recipe, out_dtype):
-    return _fprop(x, w, recipe)[0].astype(out_dtype)
+    return _forward(x, w, recipe, out_dtype)[0]
 
 
 def _nvfp4_matmul_fwd(x, w, key, recipe, out_dtype):
-    y, qw = _fprop(x, w, recipe)
-    if not recipe.weight_2d:
+    """The forward and the residuals, each only where a backward GEMM needs it.
+
+    For an NVFP4 dgrad the packed W it multiplies (the fprop's when 2D), for a
+    high-precision one W itself; for an NVFP4 wgrad the packed x along the tokens, for a
+    high-precision one x itself.
+    """
+    y, qw = _forward(x, w, recipe, out_dtype)
+    w_res = x_res = None
+    if not recipe.dgrad:
+        w_res = w
+    elif not recipe.weight_2d:
         # 1x16 blocks along K cannot serve dgrad, which contracts over N: quantize along N.
-        qw = ops_quantize(w, axis=1, implementation=recipe.implementation)  # stored (K, N)
-    qx_tokens = ops_quantize(
-        pad_tokens(x), axis=0, rht=recipe.wgrad_rht, implementation=recipe.implementation
-    )  # stored (K, M)
-    return y.astype(out_dtype), (qw, qx_tokens, key)
+        w_res = ops_quantize(w, axis=1, implementation=recipe.implementation)  # stored (K, N)
+    else:
+        w_res = _quantize_weight(w, recipe) if qw is None else qw  # stored (N, K)
+    if not recipe.wgrad:
+        x_res = x
+    else:
+        x_res = ops_quantize(
+            pad_tokens(x), axis=0, rht=recipe.wgrad_rht, implementation=recipe.implementation
+        )  # stored (K, M)
+    return y, (w_res, x_res, key)
 
 
 def _nvfp4_matmul_bwd(recipe, out_dtype, residuals, dy):
-    del out_dtype
     qw, qx_tokens, key = residuals
-    sr = recipe.stochastic_rounding
+    m, n = dy.shape
+    k = qw.shape[0]  # W, or its NVFP4Array: the logical shape (K, N) either way
+    sr = recipe.stochastic_rounding and (recipe.dgrad or recipe.wgrad)
     if key is None and sr:
         key = _gradient_key(dy)
     dgrad_key, wgrad_key = jax.random.split(key) if sr else (None, None)
     backend = recipe.gemm_backend
+    x_dtype, w_dtype = qx_tokens.dtype, qw.dtype
 
     # dgrad: dx (M, K) = dy (M, N) @ W^T, both operands quantized along N.
-    dy_n = _operand(dy, recipe, axis=-1, stochastic_rounding=sr, key=dgrad_key)
-    if recipe.weight_2d and backend == "scaled_matmul":
-        qw = gemm.transpose_2d_blocks(qw)  # stored (K, N)
-    w_n = _array_operand(qw, recipe)
-    if recipe.weight_2d and backend != "scaled_matmul":
-        # The tile values are the same either way round: contract the (N, K) values over N.
-        w_n = gemm.Operand(w_n.data.T, w_n.decode)
-    dx = gemm.matmul(dy_n, w_n)
+    if not recipe.dgrad:
+        dx = _high_precision_dgrad(dy, qw, (m, k), x_dtype, out_dtype)
+    else:
+        dy_n = _operand(dy, recipe, axis=-1, stochastic_rounding=sr, key=dgrad_key)
+        if recipe.weight_2d and backend == "scaled_matmul":
+            qw = gemm.transpose_2d_blocks(qw)  # stored (K, N)
+        w_n = _array_operand(qw, recipe)
+        if recipe.weight_2d and backend != "scaled_matmul":
+            # The tile values are the same either way round: contract the (N, K) values over N.
+            w_n = gemm.Operand(w_n.data.T, w_n.decode)
+        dx = gemm.matmul(dy_n, w_n)
 
     # wgrad: dW (K, N) = x^T dy, both operands quantized along the tokens M (with the RHT).
-    dy_m = _operand(
-        pad_tokens(dy), recipe, axis=0, rht=recipe.wgrad_rht, stochastic_rounding=sr, key=wgrad_key
-    )  # stored (N, M)
-    x_m = _array_operand(qx_tokens, recipe)  # stored (K, M)
-    dw = gemm.matmul(x_m, dy_m)
-    return dx.astype(qx_tokens.dtype), dw.astype(qw.dtype), None
+    if not recipe.wgrad:
+        dw = _high_precision_wgrad(dy, qx_tokens, (k, n), w_dtype, out_dtype)
+    else:
+        dy_m = _operand(
+            pad_tokens(dy),
+            recipe,
+            axis=0,
+            rht=recipe.wgrad_rht,
+            stochastic_rounding=sr,
+            key=wgrad_key,
+        )  # stored (N, M)
+        x_m = _array_operand(qx_tokens, recipe)  # stored (K, M)
+        dw = gemm.matmul(x_m, dy_m)
+    return dx.astype(x_dtype), dw.astype(w_dtype), None
 
 
 _nvfp4_matmul.defvjp(_nvfp4_matmul_fwd, _nvfp4_matmul_bwd)

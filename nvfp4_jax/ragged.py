@@ -32,6 +32,11 @@ are quantized with the public ops under `vmap` and the RHT is `nvfp4_jax.apply_r
 `jax.lax.ragged_dot_general` on the block values in `recipe.gemm_dtype` with f32
 accumulation, scaled per group by `alpha = D_a * D_b`: the emulated GEMM of section 9, on
 every `gemm_backend` (a native grouped block-scaled GEMM is not wired yet).
+
+A GEMM the recipe puts in high precision (`fprop`, `dgrad` or `wgrad` False) is
+`jax.lax.ragged_dot` on the unquantized operands with f32 accumulation (the backward ones as
+its autodiff computes them), over the same clamped groups; the forward then saves W itself
+for a high-precision dgrad and x itself for a high-precision wgrad, as `dot_general` does.
 """
 
 from __future__ import annotations
@@ -408,57 +413,102 @@ def _fprop(x, w, groups: _Groups, recipe: NVFP4Recipe):
     return _row_scale(product, decode_scale(amax_x) * d_w, groups, g), qw
 
 
+# --- the GEMMs a recipe puts in high precision (`fprop`, `dgrad` or `wgrad` False) -------------
+
+
+def _high_precision(x, w, sizes, out_dtype):
+    """`jax.lax.ragged_dot` on the unquantized operands, f32 accumulation, in `out_dtype`.
+
+    `sizes` are the clamped group sizes (`_Groups.sizes`: none negative, summing to at most
+    M), so the rows in no group are zero, as in the NVFP4 GEMMs.
+    """
+    y = jax.lax.ragged_dot(x, w, sizes, preferred_element_type=_F32)
+    return y.astype(out_dtype)
+
+
+def _forward(x, w, groups: _Groups, recipe: NVFP4Recipe, out_dtype):
+    """The forward: y in `out_dtype`, and the fprop's quantized weights (None if high precision)."""
+    if not recipe.fprop:
+        return _high_precision(x, w, groups.sizes, out_dtype), None
+    y, qw = _fprop(x, w, groups, recipe)
+    return y.astype(out_dtype), qw
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def _ragged_matmul(x, w, group_sizes, key, recipe, out_dtype):
     groups = _groups(group_sizes, x.shape[0])
-    return _fprop(x, w, groups, recipe)[0].astype(out_dtype)
+    return _forward(x, w, groups, recipe, out_dtype)[0]
 
 
 def _ragged_matmul_fwd(x, w, group_sizes, key, recipe, out_dtype):
+    """The forward and its residuals, chosen as `dot_general` chooses them.
+
+    W itself for a high-precision dgrad, x itself for a high-precision wgrad, else the
+    packed operands the NVFP4 GEMMs need.
+    """
     groups = _groups(group_sizes, x.shape[0])
-    y, qw = _fprop(x, w, groups, recipe)
-    if not recipe.weight_2d:
+    y, qw = _forward(x, w, groups, recipe, out_dtype)
+    if not recipe.dgrad:
+        qw = w
+    elif not recipe.weight_2d:
         qw = _quantize_weights(w, recipe, axis=1)  # 1x16 along N for dgrad, stored (G, K, N)
-    qx_tokens, amax_x = _quantize_tokens(x, groups, w.shape[0], recipe)  # stored (K, Mp)
+    elif qw is None:
+        qw = _quantize_weights(w, recipe, axis=0)  # stored (G, N, K), as in fprop
+    if not recipe.wgrad:
+        x_res, d_x_tokens = x, None
+    else:
+        qx_tokens, amax_x = _quantize_tokens(x, groups, w.shape[0], recipe)  # stored (K, Mp)
+        x_res, d_x_tokens = _pack(qx_tokens), decode_scale(amax_x)
     x_dtype = jnp.zeros((0,), x.dtype)  # dx's dtype, as a residual
-    residuals = (qw, _pack(qx_tokens), decode_scale(amax_x), group_sizes, key, x_dtype)
-    return y.astype(out_dtype), residuals
+    residuals = (qw, x_res, d_x_tokens, group_sizes, key, x_dtype)
+    return y, residuals
 
 
 def _ragged_matmul_bwd(recipe, out_dtype, residuals, dy):
-    del out_dtype
     qw, qx_tokens, d_x_tokens, group_sizes, key, x_dtype = residuals
     m, n = dy.shape
-    g = qw.global_scale.shape[0]
+    g = qw.shape[0] if not recipe.dgrad else qw.global_scale.shape[0]
     groups = _groups(group_sizes, m)
-    sr = recipe.stochastic_rounding
+    sr = recipe.stochastic_rounding and (recipe.dgrad or recipe.wgrad)
     dgrad_words = wgrad_words = None
     if sr:
         keys = jax.vmap(jax.random.split)(_group_keys(key, dy, groups, g))  # (G, 2)
         dgrad_words, wgrad_words = _key_words(keys[:, 0]), _key_words(keys[:, 1])
 
     # dgrad: dx (M, K) = dy (M, N) @ W[g]^T, both operands quantized along N.
-    q_dy, amax_dy = _quantize_rows(dy, groups, g, recipe, dgrad_words)
-    w_values, d_w = _weight_values(qw, recipe)  # 2D: (G, N, K) as in fprop; 1D: (G, K, N)
-    w_contract = 1 if recipe.weight_2d else 2
-    product = _grouped(
-        _block_values(q_dy, recipe.gemm_dtype), w_values, groups.sizes, 1, w_contract, 0
-    )
-    dx = _row_scale(product, decode_scale(amax_dy) * d_w, groups, g)
+    if not recipe.dgrad:
+        x_struct = jax.ShapeDtypeStruct((m, qw.shape[1]), x_dtype.dtype)
+        hp = functools.partial(_high_precision, w=qw, sizes=groups.sizes, out_dtype=out_dtype)
+        (dx,) = jax.linear_transpose(hp, x_struct)(dy)
+    else:
+        q_dy, amax_dy = _quantize_rows(dy, groups, g, recipe, dgrad_words)
+        w_values, d_w = _weight_values(qw, recipe)  # 2D: (G, N, K) as in fprop; 1D: (G, K, N)
+        w_contract = 1 if recipe.weight_2d else 2
+        product = _grouped(
+            _block_values(q_dy, recipe.gemm_dtype), w_values, groups.sizes, 1, w_contract, 0
+        )
+        dx = _row_scale(product, decode_scale(amax_dy) * d_w, groups, g)
 
     # wgrad: dW[g] (K, N) = x_g^T dy_g, both quantized along group g's (padded) tokens.
-    q_dy_tokens, amax_dy_tokens = _quantize_tokens(dy, groups, g, recipe, wgrad_words)
-    x_values = _block_values(_unpack(qx_tokens), recipe.gemm_dtype).T  # (Mp, K)
-    dy_values = _block_values(q_dy_tokens, recipe.gemm_dtype).T  # (Mp, N)
-    dims = jax.lax.RaggedDotDimensionNumbers(
-        dot_dimension_numbers=(((0,), (0,)), ((), ())),
-        lhs_ragged_dimensions=[0],
-        rhs_group_dimensions=[],
-    )
-    product = jax.lax.ragged_dot_general(
-        x_values, dy_values, groups.padded_sizes, dims, preferred_element_type=_F32
-    )  # (G, K, N)
-    dw = product * (d_x_tokens * decode_scale(amax_dy_tokens))[:, None, None]
+    if not recipe.wgrad:
+        x = qx_tokens  # the unquantized x (M, K)
+        w_struct = jax.ShapeDtypeStruct((g, x.shape[1], n), qw.dtype)
+        (dw,) = jax.linear_transpose(
+            lambda w: _high_precision(x, w, groups.sizes, out_dtype), w_struct
+        )(dy)
+    else:
+        q_dy_tokens, amax_dy_tokens = _quantize_tokens(dy, groups, g, recipe, wgrad_words)
+        x_values = _block_values(_unpack(qx_tokens), recipe.gemm_dtype).T  # (Mp, K)
+        dy_values = _block_values(q_dy_tokens, recipe.gemm_dtype).T  # (Mp, N)
+        dims = jax.lax.RaggedDotDimensionNumbers(
+            dot_dimension_numbers=(((0,), (0,)), ((), ())),
+            lhs_ragged_dimensions=[0],
+            rhs_group_dimensions=[],
+        )
+        product = jax.lax.ragged_dot_general(
+            x_values, dy_values, groups.padded_sizes, dims, preferred_element_type=_F32
+        )  # (G, K, N)
+        dw = product * (d_x_tokens * decode_scale(amax_dy_tokens))[:, None, None]
     return dx.astype(x_dtype.dtype), dw.astype(qw.dtype), None, None
 
 

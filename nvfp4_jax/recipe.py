@@ -29,6 +29,12 @@ class NVFP4Recipe:
     Every switch is on by default; with all of them off every operand is still quantized
     (1x16, round to nearest). Hashable, so it can be a static argument of `jax.jit`.
 
+    `fprop`, `dgrad` and `wgrad` choose each GEMM's precision (a precision schedule, e.g. a
+    high-precision forward late in training): True runs it in NVFP4 as above, False in high
+    precision, on the unquantized operands in their own dtypes with f32 accumulation, as
+    `jax.lax.dot_general(..., preferred_element_type=float32)` and its autodiff compute it
+    (docs/NUMERICS.md section 9). The other switches only concern the GEMMs in NVFP4.
+
     Example:
       >>> NVFP4Recipe(stochastic_rounding=False).weight_2d
       True
@@ -48,9 +54,13 @@ class NVFP4Recipe:
     # "scaled_matmul" (`jax.nn.scaled_matmul` on Blackwell; an error elsewhere), or None:
     # "scaled_matmul" on CUDA devices of compute capability >= 10, else "emulated".
     gemm_backend: GemmBackend | None = None
+    # Each GEMM in NVFP4 (True) or in high precision (False): y = x W, dx = dy W^T, dW = x^T dy.
+    fprop: bool = True
+    dgrad: bool = True
+    wgrad: bool = True
 
     def __post_init__(self):
-        for name in ("weight_2d", "wgrad_rht", "stochastic_rounding"):
+        for name in ("weight_2d", "wgrad_rht", "stochastic_rounding", "fprop", "dgrad", "wgrad"):
             formats.check_flag(getattr(self, name), "NVFP4Recipe", name)
         dtype = formats.check_dtype(self.gemm_dtype, "NVFP4Recipe", "gemm_dtype")
         object.__setattr__(self, "gemm_dtype", dtype)

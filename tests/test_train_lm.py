@@ -297,3 +297,78 @@ def test_rules_file_and_diagnostics_are_written(tmp_path):
     assert report["layers"] and (out / "diagnostics.png").stat().st_size > 0
     patterns = [pattern for pattern, _ in results["config"]["rules"]]
     assert patterns[0].startswith("^layers/") and "mlp" in patterns and patterns[-1] == ".*"
+
+
+def test_high_precision_final_resumes_exactly_across_the_switch(tmp_path, capsys):
+    # 6 steps, F = 0.5: steps 1-3 in NVFP4, steps 4-6 with the forward in high precision.
+    flags = ["--recipe", "nvfp4", "--steps", "6", "--eval-every", "3", "--save-every", "1"]
+    flags += ["--high-precision-final", "0.5"]
+    straight = _run(tmp_path / "straight", *flags)["histories"]["nvfp4"]
+    assert straight["high_precision_from"] == 4
+    assert "[nvfp4] step 4: fprop GEMMs in high precision" in capsys.readouterr().out
+    plain = _run(tmp_path / "plain", *flags[:-2], "--stop-after", "4")["histories"]["nvfp4"]
+    # The switch changes the training from step 4 on, not before.
+    assert plain["train_loss"][:3] == straight["train_loss"][:3]
+    assert plain["train_loss"][3] != straight["train_loss"][3]
+    for stop in ("2", "5"):  # resumed before the switch, and after it
+        folder = tmp_path / f"resumed{stop}"
+        _run(folder, *flags, "--stop-after", stop)
+        resumed = _run(folder, *flags, "--resume")["histories"]["nvfp4"]
+        assert resumed["step"] == straight["step"] == list(range(1, 7))
+        assert resumed["train_loss"] == straight["train_loss"], stop
+        assert resumed["val_loss"] == straight["val_loss"], stop
+        assert resumed["high_precision_from"] == 4
+
+
+def test_high_precision_final_switches_the_rules():
+    args = train_lm.parse_args(
+        [*TINY, "--steps", "10", "--high-precision-final", "0.2", "--keep-bf16", "head"]
+    )
+    assert args.high_precision_final_gemms == "fprop"
+    assert train_lm.high_precision_steps(args) == 2 and train_lm.switch_step(args) == 8
+    rules = train_lm.model_rules(args)
+    fprop = train_lm.switched_rules(rules, "fprop")
+    every = train_lm.switched_rules(rules, "all")
+    assert [r.pattern for r in fprop] == [r.pattern for r in rules]
+    assert fprop[0].recipe is None and every[0].recipe is None  # bf16 layers stay bf16
+    assert fprop[-1].recipe == nvfp4_jax.NVFP4Recipe(fprop=False)
+    assert every[-1].recipe == nvfp4_jax.NVFP4Recipe(fprop=False, dgrad=False, wgrad=False)
+    # --disable takes the GEMM switches too (that GEMM in high precision for the whole run).
+    disabled = train_lm.parse_args([*TINY, "--disable", "wgrad", "--disable", "dgrad"])
+    assert train_lm.nvfp4_recipe(disabled) == nvfp4_jax.NVFP4Recipe(dgrad=False, wgrad=False)
+    no_switch = train_lm.parse_args([*TINY, "--steps", "10"])
+    assert train_lm.switch_step(no_switch) is None
+    # A fraction too small for one step never switches.
+    assert (
+        train_lm.switch_step(train_lm.parse_args([*TINY, "--high-precision-final", "0.0001"]))
+        is None
+    )
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (
+            ["--high-precision-final", "1"],
+            "argument --high-precision-final: must be a number from 0",
+        ),
+        (["--high-precision-final", "-0.1"], "argument --high-precision-final: must be a number"),
+        (["--high-precision-final", "nan"], "argument --high-precision-final: must be a number"),
+        (["--high-precision-final", "x"], "argument --high-precision-final: must be a number"),
+        (
+            ["--high-precision-final-gemms", "dgrad"],
+            "argument --high-precision-final-gemms: invalid",
+        ),
+        (["--high-precision-final-gemms", "all"], "--high-precision-final-gemms needs --high-prec"),
+    ],
+)
+def test_bad_high_precision_final_flags(flags, message, capsys):
+    err = _exits_with_usage_error(capsys, train_lm.parse_args, [*TINY, *flags])
+    assert message in err, err
+
+
+def test_resume_refuses_another_high_precision_final(stopped_run, tmp_path, capsys):
+    err = _exits_with_usage_error(
+        capsys, _run, stopped_run, *RESUME_FLAGS, "--high-precision-final", "0.5"
+    )
+    assert "--high-precision-final 0.0 (now 0.5)" in err, err
