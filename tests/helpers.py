@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
+import pathlib
+import shutil
+import subprocess
 
 import jax
 import jax.numpy as jnp
@@ -193,3 +197,25 @@ def assert_same_q(actual, expected, what=""):
     if hasattr(expected, "axis") and hasattr(actual, "axis"):
         meta = ("dtype", "axis", "block_2d", "rht")
         assert [getattr(actual, m) for m in meta] == [getattr(expected, m) for m in meta], what
+
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+def build_host_check(source: str, binary: pathlib.Path, *flags: str) -> pathlib.Path:
+    """Compiles `tests/<source>` (plain C++ against ffi/include) with the host compiler.
+
+    Skips the test when there is no C++ compiler; fails with the compiler's output when the
+    program does not build (warnings are errors).
+    """
+    names = (os.environ.get("CXX", ""), "c++", "g++", "clang++")
+    found = next((name for name in names if name and shutil.which(name)), None)
+    if found is None:
+        pytest.skip("no host C++ compiler")
+    command = [found, "-std=c++17", "-O1", *flags, "-Wall", "-Wextra", "-Werror"]
+    command += ["-I", str(REPO / "ffi" / "include"), str(REPO / "tests" / source)]
+    build = subprocess.run(
+        [*command, "-o", str(binary)], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert build.returncode == 0, build.stderr
+    return binary

@@ -8,45 +8,13 @@ once). This test builds that program with the host C++ compiler and runs it.
 
 from __future__ import annotations
 
-import os
-import pathlib
-import shutil
 import subprocess
 
-import pytest
-
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-
-
-def compiler() -> str:
-    for name in (os.environ.get("CXX", ""), "c++", "g++", "clang++"):
-        if name and shutil.which(name):
-            return name
-    pytest.skip("no host C++ compiler")
+from helpers import build_host_check
 
 
 def test_launch_geometry(tmp_path):
-    binary = tmp_path / "cuda_launch_check"
-    build = subprocess.run(
-        [
-            compiler(),
-            "-std=c++17",
-            "-O1",
-            "-Wall",
-            "-Wextra",
-            "-Werror",
-            "-I",
-            str(ROOT / "ffi" / "include"),
-            str(ROOT / "tests" / "cuda_launch_check.cc"),
-            "-o",
-            str(binary),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert build.returncode == 0, build.stderr
+    binary = build_host_check("cuda_launch_check.cc", tmp_path / "cuda_launch_check")
     run = subprocess.run([binary], capture_output=True, text=True, timeout=60, check=False)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "FAIL" not in run.stdout

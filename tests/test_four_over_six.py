@@ -13,9 +13,6 @@ pairwise sums) decide differently.
 from __future__ import annotations
 
 import itertools
-import os
-import pathlib
-import shutil
 import subprocess
 
 import jax
@@ -26,6 +23,7 @@ import pytest
 from helpers import (
     assert_same_bits,
     assert_same_q,
+    build_host_check,
     heavy_tailed,
     make_impl,
     with_underflow_block,
@@ -39,7 +37,6 @@ from nvfp4_jax.kernels import _library
 
 F32 = np.float32
 KEY = jax.random.key(11)
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 MODES = ("mae", "mse")
 MAXES = (256, 448)
 
@@ -343,36 +340,10 @@ def test_every_cpu_isa(cpu_isa):
 # --- the CUDA kernels' arithmetic, on the host --------------------------------------------------
 
 
-def compiler() -> str:
-    for name in (os.environ.get("CXX", ""), "c++", "g++", "clang++"):
-        if name and shutil.which(name):
-            return name
-    pytest.skip("no host C++ compiler")
-
-
 def test_cuda_arithmetic_on_the_host(tmp_path):
-    binary = tmp_path / "four_over_six_check"
-    build = subprocess.run(
-        [
-            compiler(),
-            "-std=c++17",
-            "-O1",
-            "-ffp-contract=off",
-            "-Wall",
-            "-Wextra",
-            "-Werror",
-            "-I",
-            str(ROOT / "ffi" / "include"),
-            str(ROOT / "tests" / "four_over_six_check.cc"),
-            "-o",
-            str(binary),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
+    binary = build_host_check(
+        "four_over_six_check.cc", tmp_path / "four_over_six_check", "-ffp-contract=off"
     )
-    assert build.returncode == 0, build.stderr
     a = F32(10.0)
     ties = near_ties(tie_units(200, 16, a, seed=9), "mae", 256, a)
     cases = [

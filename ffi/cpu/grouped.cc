@@ -14,7 +14,6 @@
 // or negative (a non-finite group) gets codes 0 and E4M3 NaN scales (section 8). The group
 // bounds are data: bounds outside x are an error, never an out-of-bounds access.
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -22,6 +21,7 @@
 
 #include "cpu/kernel_table.h"
 #include "cpu/parallel.h"
+#include "cpu/run.h"
 #include "nvfp4/checks.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -31,7 +31,6 @@ namespace {
 namespace ffi = xla::ffi;
 
 constexpr const char* kTarget = "nvfp4_grouped_quantize";
-constexpr int64_t kGrainElements = 1 << 17;
 
 struct GroupedArgs {
   RowLayout layout;
@@ -59,19 +58,6 @@ ffi::ErrorOr<GroupedArgs> CheckGroupedArgs(const ffi::AnyBuffer& x, const ffi::A
 
 int64_t ElementBytes(FloatType t) { return t == FloatType::kF32 ? 4 : 2; }
 
-// Quantizes one group's tensor on the pool; returns whether its input was finite.
-bool RunGroup(ffi::ThreadPool& pool, QuantizeRangeFn fn, const QuantizeJob& job) {
-  std::atomic<uint32_t> seen{0};
-  const int64_t grain = std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, job.cols));
-  ParallelFor(pool, job.rows, grain, [&](int64_t begin, int64_t end) {
-    const uint32_t bits = fn(job, begin, end, nullptr);  // 1x16 blocks: no scratch
-    uint32_t cur = seen.load(std::memory_order_relaxed);
-    while (bits > cur && !seen.compare_exchange_weak(cur, bits)) {
-    }
-  });
-  return seen.load() < kInfBits;
-}
-
 // The group's codes and scales, in a (rows, cols) tensor of its own, quantized as
 // nvfp4_quantize would; returns false for a non-finite group (then the outputs are the
 // non-finite fill).
@@ -93,7 +79,7 @@ bool QuantizeGroup(ffi::ThreadPool& pool, QuantizeRangeFn fn, const void* x, int
     job.counter_offset = 0;  // the group's own tensor, numbered from its first element
     job.codes = codes;
     job.scales = scales;
-    finite = RunGroup(pool, fn, job);
+    finite = RunQuantize(pool, fn, job);
   }
   if (!finite && size > 0) {
     std::memset(codes, 0, size / 2);

@@ -20,6 +20,7 @@
 
 #include "cpu/kernel_table.h"
 #include "cpu/parallel.h"
+#include "cpu/run.h"
 #include "nvfp4/checks.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -187,15 +188,9 @@ inline ffi::ErrorOr<W4a16Shape> CheckW4a16Args(const ffi::AnyBuffer& x, const ff
 namespace nvfp4::cpu {
 namespace {
 
-// About this many elements per parallel chunk: large enough to amortize waking a pool
-// thread (tens of microseconds), which the vectorized kernels spend on ~100K elements.
-// The amax kernel without the RHT reads about 4x faster than the others process.
-constexpr int64_t kGrainElements = 1 << 17;
+// The amax kernel without the RHT reads about 4x faster than the others process
+// (kGrainElements, GrainItems: cpu/run.h).
 constexpr int64_t kAmaxGrainElements = 1 << 19;
-
-int64_t GrainItems(int64_t elements_per_item, int64_t grain = kGrainElements) {
-  return std::max<int64_t>(1, grain / std::max<int64_t>(1, elements_per_item));
-}
 
 int Index(FloatType t) { return static_cast<int>(t); }
 
@@ -218,22 +213,6 @@ void AdviseHugePages(void* data, int64_t bytes) {
 
 float* F32Data(ffi::AnyBuffer b) { return static_cast<float*>(b.untyped_data()); }
 
-void AtomicMax(std::atomic<uint32_t>& a, uint32_t v) {
-  uint32_t cur = a.load(std::memory_order_relaxed);
-  while (v > cur && !a.compare_exchange_weak(cur, v)) {
-  }
-}
-
-// Runs a quantize-like kernel over the whole tensor; returns whether all input was finite.
-bool RunQuantize(ffi::ThreadPool& pool, QuantizeRangeFn fn, const QuantizeJob& job) {
-  std::atomic<uint32_t> seen{0};
-  ParallelFor(pool, job.rows / job.rows_per_item(), GrainItems(job.rows_per_item() * job.cols),
-              [&](int64_t begin, int64_t end) {
-                std::vector<uint32_t> scratch(job.scratch_words());
-                AtomicMax(seen, fn(job, begin, end, scratch.data()));
-              });
-  return seen.load() < kInfBits;
-}
 
 // The job of quantize and fake quantize, without its outputs (`fos`: Four Over Six or not).
 QuantizeJob MakeJob(const ffi::AnyBuffer& x, const RowLayout& layout, float amax,
