@@ -85,6 +85,9 @@ RESUME_FLAGS = (
     "aux_loss_coef",
     "high_precision_final",
     "high_precision_final_gemms",
+    "four_over_six",
+    "four_over_six_error",
+    "four_over_six_e4m3_max",
 )
 # What a checkpoint made before a flag existed was made with (it records no value for it).
 RESUME_DEFAULTS = {
@@ -94,7 +97,14 @@ RESUME_DEFAULTS = {
     "aux_loss_coef": 0.01,
     "high_precision_final": 0.0,
     "high_precision_final_gemms": "fprop",
+    "four_over_six": [],
+    "four_over_six_error": "mse",
+    "four_over_six_e4m3_max": 256,
 }
+# --four-over-six: the operand classes of the NVFP4 GEMMs quantized with Four Over Six, and
+# those quantized with it when the flag is not given.
+FOUR_OVER_SIX_CLASSES = ("weight", "activation", "gradient")
+DEFAULT_FOUR_OVER_SIX = ("none",)
 # --high-precision-final-gemms: the GEMMs of the NVFP4 layers run in high precision after the
 # switch (the forward alone, or all three).
 HIGH_PRECISION_GEMMS = {"fprop": ("fprop",), "all": ("fprop", "dgrad", "wgrad")}
@@ -327,6 +337,27 @@ def build_parser() -> argparse.ArgumentParser:
         "the default; the backward stays NVFP4) or all three",
     )
     p.add_argument(
+        "--four-over-six",
+        action="append",
+        default=None,
+        choices=(*FOUR_OVER_SIX_CLASSES, "all", "none"),
+        help="quantize this operand class of the NVFP4 GEMMs with Four Over Six (repeatable; "
+        "weight: W, activation: x, gradient: dy; all: the three; none: plain NVFP4)",
+    )
+    p.add_argument(
+        "--four-over-six-error",
+        choices=("mae", "mse"),
+        default="mse",
+        help="Four Over Six's candidate error (default mse)",
+    )
+    p.add_argument(
+        "--four-over-six-e4m3-max",
+        type=int,
+        choices=(256, 448),
+        default=256,
+        help="the E4M3 maximum of the global scale under Four Over Six (default 256)",
+    )
+    p.add_argument(
         "--experts",
         type=_integer(0),
         default=0,
@@ -396,6 +427,22 @@ def _check_moe_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> No
         args.aux_loss_coef = DEFAULT_AUX_LOSS_COEF
 
 
+def _check_four_over_six_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--four-over-six: "all" and "none" alone; the classes sorted, without repeats."""
+    named = set(args.four_over_six or DEFAULT_FOUR_OVER_SIX)
+    for word in ("all", "none"):
+        if word in named and len(named) > 1:
+            p.error(f"--four-over-six {word} cannot be combined with other classes")
+    if "all" in named:
+        named = set(FOUR_OVER_SIX_CLASSES)
+    args.four_over_six = sorted(named - {"none"})
+    if args.experts and set(args.four_over_six) - {"weight"}:
+        p.error(
+            "--four-over-six activation/gradient is not implemented for --experts (the grouped "
+            "GEMMs quantize each expert's tokens with their own amax); use --four-over-six weight"
+        )
+
+
 def _check_high_precision_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """--high-precision-final-gemms needs --high-precision-final; fills in its default."""
     if args.high_precision_final_gemms is None:
@@ -430,6 +477,7 @@ def parse_args(argv=None, parser: argparse.ArgumentParser | None = None) -> argp
         elif value > args.steps:
             p.error(f"--{name.replace('_', '-')} {value} is more than --steps {args.steps}")
     args.disable = sorted(set(args.disable))
+    _check_four_over_six_flags(p, args)
     size = text_size(args.data)
     longest = longest_seq_len(size)
     if args.seq_len > longest:
@@ -500,9 +548,22 @@ def batch_at(data: np.ndarray, step: int, batch: int, seq_len: int, seed: int) -
     return jnp.asarray(np.stack([data[s : s + seq_len + 1] for s in starts]).astype(np.int32))
 
 
+def four_over_six_fields(args) -> dict:
+    """The `NVFP4Recipe` Four Over Six fields --four-over-six and its options ask for."""
+    classes = getattr(args, "four_over_six", [])
+    error = getattr(args, "four_over_six_error", "mse")
+    return {
+        f"{kind}_four_over_six": error if kind in classes else None
+        for kind in FOUR_OVER_SIX_CLASSES
+    } | {"four_over_six_e4m3_max": getattr(args, "four_over_six_e4m3_max", 256)}
+
+
 def nvfp4_recipe(args) -> nvfp4_jax.NVFP4Recipe:
-    """The NVFP4 training recipe, all switches on but those `--disable` names."""
-    return nvfp4_jax.NVFP4Recipe(**{name: False for name in args.disable})
+    """The NVFP4 training recipe, all switches on but those `--disable` names, with Four Over
+    Six on the operand classes --four-over-six names."""
+    return nvfp4_jax.NVFP4Recipe(
+        **{name: False for name in args.disable}, **four_over_six_fields(args)
+    )
 
 
 def model_config(args, recipe_name: str) -> LMConfig:
@@ -534,7 +595,10 @@ def model_rules(args) -> list[nvfp4_jax.Rule]:
     for pattern, switches in args.rules or ():
         rules.append(
             nvfp4_jax.Rule(
-                pattern, None if switches is None else nvfp4_jax.NVFP4Recipe(**dict(switches))
+                pattern,
+                None
+                if switches is None
+                else nvfp4_jax.NVFP4Recipe(**dict(switches), **four_over_six_fields(args)),
             )
         )
     return [*rules, nvfp4_jax.Rule(".*", recipe)]

@@ -207,17 +207,26 @@ def operand_stats(
     stochastic_rounding: bool = False,
     key: jax.Array | None = None,
     implementation=None,
+    four_over_six: str | None = None,
+    four_over_six_e4m3_max: int = formats.FOUR_OVER_SIX_DEFAULT_E4M3_MAX,
 ) -> dict[str, jax.Array]:
     """The `OperandStats` numbers (as f32 scalars) of `x` quantized as `nvfp4_jax.quantize`.
 
-    Takes `quantize`'s arguments; see the module docstring for the definitions.
+    Takes `quantize`'s arguments (Four Over Six's too); see the module docstring for the
+    definitions.
 
     Example:
       >>> stats = operand_stats(jnp.linspace(-1.0, 1.0, 64).reshape(4, 16), axis=-1)
       >>> sorted(stats)
       ['amax', 'rel_error', 'saturated', 'underflow']
     """
-    flags = dict(block_2d=block_2d, rht=rht, implementation=implementation)
+    flags = dict(
+        block_2d=block_2d,
+        rht=rht,
+        implementation=implementation,
+        four_over_six=four_over_six,
+        four_over_six_e4m3_max=four_over_six_e4m3_max,
+    )
     q = ops.quantize(x, axis=axis, stochastic_rounding=stochastic_rounding, key=key, **flags)
     rel_error = _relative(ops.dequantize(q, _F32, implementation=implementation), x)
     stored = jnp.moveaxis(x, axis, -1)
@@ -226,7 +235,7 @@ def operand_stats(
     blocks = jnp.abs(stored.astype(_F32)).reshape(*q.scales.shape, formats.BLOCK_SIZE)
     scales = q.scales.astype(_F32)
     underflow = (scales == 0) & (jnp.max(blocks, axis=-1) > 0)
-    s_dec = _F32(1) / reference.encode_scale(q.amax)
+    s_dec = _F32(1) / reference.encode_scale(q.amax, q.e4m3_max)
     encode = jnp.minimum(_F32(1) / (scales * s_dec), _F32(formats.FLT_MAX))
     clipped = (blocks * encode[..., None] > formats.FP4_MAX) & (scales > 0)[..., None]
     return dict(
@@ -249,16 +258,17 @@ def _operands(x, w, dy, key, recipe: NVFP4Recipe) -> dict[str, dict[str, jax.Arr
     # The keys `nvfp4_jax.dot_general` gives dgrad's and wgrad's dy.
     dgrad_key, wgrad_key = jax.random.split(key) if sr else (None, None)
     rht = recipe.wgrad_rht
+    fos_w, fos_x, fos_dy = (recipe.four_over_six(k) for k in ("weight", "activation", "gradient"))
     return {
-        "x": operand_stats(x, axis=1, implementation=impl),
-        "w": operand_stats(w, axis=0, block_2d=recipe.weight_2d, implementation=impl),
+        "x": operand_stats(x, axis=1, implementation=impl, **fos_x),
+        "w": operand_stats(w, axis=0, block_2d=recipe.weight_2d, implementation=impl, **fos_w),
         "dy": operand_stats(
-            dy, axis=1, stochastic_rounding=sr, key=dgrad_key, implementation=impl
+            dy, axis=1, stochastic_rounding=sr, key=dgrad_key, implementation=impl, **fos_dy
         ),
-        "x_wgrad": operand_stats(pad_tokens(x), axis=0, rht=rht, implementation=impl),
+        "x_wgrad": operand_stats(pad_tokens(x), axis=0, rht=rht, implementation=impl, **fos_x),
         "dy_wgrad": operand_stats(
             pad_tokens(dy), axis=0, rht=rht, stochastic_rounding=sr, key=wgrad_key,
-            implementation=impl,
+            implementation=impl, **fos_dy,
         ),
     }  # fmt: skip
 

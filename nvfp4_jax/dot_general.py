@@ -88,14 +88,23 @@ def _array_operand(q, recipe: NVFP4Recipe) -> gemm.Operand:
     )
 
 
-def _quantize_weight(w, recipe: NVFP4Recipe):
-    """W (K, N) quantized along K, stored (N, K): the fprop operand, packed for reuse."""
-    return ops_quantize(w, axis=0, block_2d=recipe.weight_2d, implementation=recipe.implementation)
+def _quantize_weight(w, recipe: NVFP4Recipe, axis: int = 0):
+    """W (K, N) quantized along K, stored (N, K): the fprop operand, packed for reuse.
+
+    `axis=1`: along N (1x16 blocks only), stored (K, N), for a 1x16 recipe's dgrad.
+    """
+    return ops_quantize(
+        w,
+        axis=axis,
+        block_2d=recipe.weight_2d and axis == 0,
+        implementation=recipe.implementation,
+        **recipe.four_over_six("weight"),
+    )
 
 
 def _fprop(x, w, recipe: NVFP4Recipe):
     qw = _quantize_weight(w, recipe)
-    qx = _operand(x, recipe, axis=-1)  # stored (M, K)
+    qx = _operand(x, recipe, axis=-1, **recipe.four_over_six("activation"))  # stored (M, K)
     w_operand = _array_operand(qw, recipe)
     return gemm.matmul(qx, w_operand), qw
 
@@ -151,14 +160,18 @@ def _nvfp4_matmul_fwd(x, w, key, recipe, out_dtype):
         w_res = w
     elif not recipe.weight_2d:
         # 1x16 blocks along K cannot serve dgrad, which contracts over N: quantize along N.
-        w_res = ops_quantize(w, axis=1, implementation=recipe.implementation)  # stored (K, N)
+        w_res = _quantize_weight(w, recipe, axis=1)  # stored (K, N)
     else:
         w_res = _quantize_weight(w, recipe) if qw is None else qw  # stored (N, K)
     if not recipe.wgrad:
         x_res = x
     else:
         x_res = ops_quantize(
-            pad_tokens(x), axis=0, rht=recipe.wgrad_rht, implementation=recipe.implementation
+            pad_tokens(x),
+            axis=0,
+            rht=recipe.wgrad_rht,
+            implementation=recipe.implementation,
+            **recipe.four_over_six("activation"),
         )  # stored (K, M)
     return y, (w_res, x_res, key)
 
@@ -178,7 +191,14 @@ def _nvfp4_matmul_bwd(recipe, out_dtype, residuals, dy):
     if not recipe.dgrad:
         dx = _high_precision_dgrad(dy, qw, (m, k), x_dtype, out_dtype)
     else:
-        dy_n = _operand(dy, recipe, axis=-1, stochastic_rounding=sr, key=dgrad_key)
+        dy_n = _operand(
+            dy,
+            recipe,
+            axis=-1,
+            stochastic_rounding=sr,
+            key=dgrad_key,
+            **recipe.four_over_six("gradient"),
+        )
         if recipe.weight_2d and backend == "scaled_matmul":
             qw = gemm.transpose_2d_blocks(qw)  # stored (K, N)
         w_n = _array_operand(qw, recipe)
@@ -198,6 +218,7 @@ def _nvfp4_matmul_bwd(recipe, out_dtype, residuals, dy):
             rht=recipe.wgrad_rht,
             stochastic_rounding=sr,
             key=wgrad_key,
+            **recipe.four_over_six("gradient"),
         )  # stored (N, M)
         x_m = _array_operand(qx_tokens, recipe)  # stored (K, M)
         dw = gemm.matmul(x_m, dy_m)

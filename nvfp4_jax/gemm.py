@@ -33,7 +33,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from nvfp4_jax import backends, formats, kernels, layout, ops, reference
+from nvfp4_jax import backends, formats, kernels, layout, ops
 from nvfp4_jax.array import NVFP4Array
 from nvfp4_jax.backends import Implementation
 from nvfp4_jax.recipe import GEMM_BACKENDS, GemmBackend
@@ -216,21 +216,35 @@ def quantize_operand(
     stochastic_rounding: bool = False,
     key: jax.Array | SRSeed | None = None,
     implementation: Implementation | None = None,
+    four_over_six: str | None = None,
+    four_over_six_e4m3_max: int = formats.FOUR_OVER_SIX_DEFAULT_E4M3_MAX,
 ) -> Operand:
     """Quantizes `x` along its contraction `axis` into a GEMM operand (stored layout).
 
     The emulated backend never packs: `fake_quantize(global_scale=False)` gives the block
     values directly, with the tensor amax computed once for both them and `D`. That amax is
     data (NaN for a NaN/inf `x`): the operand is NaN eagerly as under `jit`, never an error.
+    With `four_over_six` the blocks are Four Over Six's and `D = amax * f32(1/(6M))`,
+    `M = four_over_six_e4m3_max` (docs/NUMERICS.md section 13).
     """
-    flags = dict(block_2d=block_2d, rht=rht, stochastic_rounding=stochastic_rounding, key=key)
+    mode, e4m3_max = formats.check_four_over_six(
+        four_over_six, four_over_six_e4m3_max, "quantize_operand"
+    )
+    flags = dict(
+        block_2d=block_2d,
+        rht=rht,
+        stochastic_rounding=stochastic_rounding,
+        key=key,
+        four_over_six=mode,
+        four_over_six_e4m3_max=e4m3_max,
+    )
     if backend == "scaled_matmul":
         q = ops.quantize(x, axis=axis, implementation=implementation, **flags)
         return Operand(q, q.global_scale)
     amax = ops.tensor_amax(x, axis=axis, rht=rht, implementation=implementation)
     if uses_native_gemm(backend, implementation):
         q = ops.quantize_with_data_amax(x, amax, axis=axis, implementation=implementation, **flags)
-        return Operand(NativeBlocks(q, jnp.dtype(dtype)), reference.decode_scale(amax))
+        return Operand(NativeBlocks(q, jnp.dtype(dtype)), formats.decode_scale(amax, e4m3_max))
     values = ops.fake_quantize_with_data_amax(
         x,
         amax,
@@ -240,7 +254,7 @@ def quantize_operand(
         implementation=implementation,
         **flags,
     )
-    return Operand(jnp.moveaxis(values, axis, -1), reference.decode_scale(amax))
+    return Operand(jnp.moveaxis(values, axis, -1), formats.decode_scale(amax, e4m3_max))
 
 
 def array_operand(

@@ -373,7 +373,11 @@ def _quantize_weights(w, recipe: NVFP4Recipe, axis: int):
     block_2d = recipe.weight_2d and axis == 0
     return jax.vmap(
         lambda w_g: nvfp4_ops.quantize(
-            w_g, axis=axis, block_2d=block_2d, implementation=recipe.implementation
+            w_g,
+            axis=axis,
+            block_2d=block_2d,
+            implementation=recipe.implementation,
+            **recipe.four_over_six("weight"),
         )
     )(w)
 
@@ -594,6 +598,10 @@ def ragged_dot(
     with f32 accumulation, times each group's `alpha` (the emulated GEMM, for every
     `gemm_backend`).
 
+    Four Over Six: `recipe.weight_four_over_six` quantizes each expert's weight with it; the
+    activations' and gradients' (`activation_four_over_six`, `gradient_four_over_six`) are
+    not implemented for the grouped GEMMs and raise NotImplementedError.
+
     Args:
       lhs: (M, K) activations, bf16/f16/f32; K a multiple of 16.
       rhs: (G, K, N) weights, bf16/f16/f32; N a multiple of 16.
@@ -623,6 +631,14 @@ def ragged_dot(
         )
     if not isinstance(recipe, NVFP4Recipe):
         raise TypeError(f"ragged_dot: recipe must be an NVFP4Recipe, got {recipe!r}")
+    for operand in ("activation", "gradient"):
+        if getattr(recipe, f"{operand}_four_over_six") is not None:
+            raise NotImplementedError(
+                f"ragged_dot: recipe.{operand}_four_over_six="
+                f"{getattr(recipe, f'{operand}_four_over_six')!r}: Four Over Six on the "
+                "grouped GEMMs' activations and gradients (one tensor amax per group) is not "
+                "implemented; weight_four_over_six is (each expert's weight is its own tensor)"
+            )
     # Validated as `dot_general` validates it; the grouped GEMM is emulated on every backend.
     backend = gemm.resolve_gemm_backend(recipe.gemm_backend, "ragged_dot")
     recipe = dataclasses.replace(recipe, gemm_backend=backend)

@@ -13,6 +13,8 @@ from nvfp4_jax.backends import Implementation
 # The GEMM backends of `nvfp4_jax.gemm`: emulated anywhere, or `jax.nn.scaled_matmul`.
 GemmBackend = Literal["emulated", "scaled_matmul"]
 GEMM_BACKENDS = ("emulated", "scaled_matmul")
+# The operand classes Four Over Six is chosen for: W, x and dy.
+FOUR_OVER_SIX_OPERANDS = ("weight", "activation", "gradient")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -28,6 +30,12 @@ class NVFP4Recipe:
 
     Every switch is on by default; with all of them off every operand is still quantized
     (1x16, round to nearest). Hashable, so it can be a static argument of `jax.jit`.
+
+    Four Over Six (docs/NUMERICS.md section 13) per operand class: `weight_four_over_six`
+    (W, both its GEMMs), `activation_four_over_six` (x, in fprop and wgrad) and
+    `gradient_four_over_six` (dy, in dgrad and wgrad), each None (plain NVFP4), "mae" or
+    "mse", with the global scale's E4M3 maximum `four_over_six_e4m3_max` (256 or 448). Under
+    4/6 a stochastically rounded dy keeps SR inside the chosen candidate (section 13).
 
     `fprop`, `dgrad` and `wgrad` choose each GEMM's precision (a precision schedule, e.g. a
     high-precision forward late in training): True runs it in NVFP4 as above, False in high
@@ -58,12 +66,25 @@ class NVFP4Recipe:
     fprop: bool = True
     dgrad: bool = True
     wgrad: bool = True
+    # Four Over Six per operand class: None, "mae" or "mse"; and the E4M3 maximum M of the
+    # global scale of every operand quantized with it (256 leaves room for the map-to-4).
+    weight_four_over_six: str | None = None
+    activation_four_over_six: str | None = None
+    gradient_four_over_six: str | None = None
+    four_over_six_e4m3_max: int = formats.FOUR_OVER_SIX_DEFAULT_E4M3_MAX
 
     def __post_init__(self):
         for name in ("weight_2d", "wgrad_rht", "stochastic_rounding", "fprop", "dgrad", "wgrad"):
             formats.check_flag(getattr(self, name), "NVFP4Recipe", name)
         dtype = formats.check_dtype(self.gemm_dtype, "NVFP4Recipe", "gemm_dtype")
         object.__setattr__(self, "gemm_dtype", dtype)
+        for kind in FOUR_OVER_SIX_OPERANDS:
+            name = f"{kind}_four_over_six"
+            formats.check_four_over_six(getattr(self, name), 256, f"NVFP4Recipe.{name}")
+        _, e4m3_max = formats.check_four_over_six(
+            "mse", self.four_over_six_e4m3_max, "NVFP4Recipe", "four_over_six_e4m3_max"
+        )
+        object.__setattr__(self, "four_over_six_e4m3_max", e4m3_max)
         names = (None, *backends.REGISTRY)
         if self.implementation is not None and self.implementation not in backends.REGISTRY:
             raise ValueError(
@@ -74,3 +95,24 @@ class NVFP4Recipe:
                 f"NVFP4Recipe.gemm_backend must be one of {(None, *GEMM_BACKENDS)}, got "
                 f"{self.gemm_backend!r}"
             )
+
+    def four_over_six(self, operand: str) -> dict:
+        """The `quantize` arguments of Four Over Six for an operand class.
+
+        `operand` is "weight", "activation" or "gradient"; returns `four_over_six` and
+        `four_over_six_e4m3_max` (`four_over_six` None: plain NVFP4).
+        """
+        if operand not in FOUR_OVER_SIX_OPERANDS:
+            raise ValueError(
+                f"NVFP4Recipe.four_over_six: operand must be one of {FOUR_OVER_SIX_OPERANDS}, "
+                f"got {operand!r}"
+            )
+        return dict(
+            four_over_six=getattr(self, f"{operand}_four_over_six"),
+            four_over_six_e4m3_max=self.four_over_six_e4m3_max,
+        )
+
+    @property
+    def uses_four_over_six(self) -> bool:
+        """True when any operand class is quantized with Four Over Six."""
+        return any(getattr(self, f"{k}_four_over_six") for k in FOUR_OVER_SIX_OPERANDS)

@@ -490,6 +490,42 @@ def test_modelopt_decode_of_the_export_equals_dequantize(exports, flavour, sourc
         assert_same_but_zero_sign(decoded, np.asarray(nvfp4_jax.dequantize(q)).T, module)
 
 
+@pytest.mark.parametrize("mode, e4m3_max", [("mse", 256), ("mae", 448)])
+def test_four_over_six_export_is_plain_nvfp4_that_engines_decode(tmp_path, source, mode, e4m3_max):
+    """`four_over_six=`: each kernel quantized with 4/6 at its group's amax; the files are
+    ModelOpt NVFP4 (the decode scale `amax / (6M)` as weight_scale_2), ModelOpt's formula and
+    `load_hf_checkpoint` give exactly the 4/6 values."""
+    hf.export_hf_checkpoint(
+        tmp_path / "fos", flax_tree_from_hf(source), quant_algo="W4A16_NVFP4",
+        config=model_config(), four_over_six=mode, four_over_six_e4m3_max=e4m3_max,
+    )  # fmt: skip
+    tensors = hf.read_safetensors(tmp_path / "fos" / "model.safetensors")
+    loaded = hf.load_hf_checkpoint(tmp_path / "fos")
+    group_of = {m: group for group in GROUPS for m in group}
+    changed = 0
+    for module in LINEARS:
+        members = group_of.get(module, [module])
+        amax = max(np.abs(source[f"{m}.weight"].astype(np.float32)).max() for m in members)
+        kernel = jnp.asarray(source[f"{module}.weight"]).T
+        flags = dict(axis=0, block_2d=True, amax=jnp.float32(amax))
+        q = nvfp4_jax.quantize(kernel, four_over_six=mode, four_over_six_e4m3_max=e4m3_max, **flags)
+        scale_2 = tensors[f"{module}.weight_scale_2"]
+        assert_same_bits(scale_2, np.float32(amax) * (np.float32(1) / np.float32(6 * e4m3_max)))
+        decoded = modelopt_decode(
+            *(tensors[f"{module}.{s}"] for s in ("weight", "weight_scale", "weight_scale_2"))
+        )
+        assert_same_but_zero_sign(decoded, np.asarray(nvfp4_jax.dequantize(q)).T, module)
+        assert_same_but_zero_sign(
+            nvfp4_jax.dequantize(leaf(loaded, module)), nvfp4_jax.dequantize(q), module
+        )
+        plain = nvfp4_jax.quantize(kernel, **flags)
+        changed += not np.array_equal(np.asarray(plain.scales), np.asarray(q.scales))
+    assert changed  # some blocks chose map-to-4: the option took effect
+    with pytest.raises(ValueError, match="four_over_six"):
+        hf.export_hf_checkpoint(tmp_path / "bad", flax_tree_from_hf(source),
+                                config=model_config(), four_over_six="max")  # fmt: skip
+
+
 def test_sharded_layout_and_index(exports):
     directory = exports["sharded"]
     report = exports["sharded/report"]

@@ -372,3 +372,55 @@ def test_resume_refuses_another_high_precision_final(stopped_run, tmp_path, caps
         capsys, _run, stopped_run, *RESUME_FLAGS, "--high-precision-final", "0.5"
     )
     assert "--high-precision-final 0.0 (now 0.5)" in err, err
+
+
+def test_four_over_six_flags_build_the_recipe():
+    fields = ("weight_four_over_six", "activation_four_over_six", "gradient_four_over_six")
+    every = train_lm.nvfp4_recipe(train_lm.parse_args([*TINY, "--four-over-six", "all"]))
+    assert all(getattr(every, f) == "mse" for f in fields)
+    assert every.four_over_six_e4m3_max == 256
+    some = train_lm.parse_args(
+        [*TINY, "--four-over-six", "weight", "--four-over-six", "gradient", "--four-over-six",
+         "weight", "--four-over-six-error", "mae", "--four-over-six-e4m3-max", "448"]
+    )  # fmt: skip
+    assert some.four_over_six == ["gradient", "weight"]
+    recipe = train_lm.nvfp4_recipe(some)
+    assert (recipe.weight_four_over_six, recipe.activation_four_over_six) == ("mae", None)
+    assert recipe.gradient_four_over_six == "mae" and recipe.four_over_six_e4m3_max == 448
+    none = train_lm.nvfp4_recipe(train_lm.parse_args([*TINY, "--four-over-six", "none"]))
+    assert not none.uses_four_over_six
+    # Every NVFP4 rule takes the 4/6 fields (--rules too); the high-precision finish keeps them.
+    rules = train_lm.model_rules(some)
+    assert rules[-1].recipe == recipe
+    switched = train_lm.switched_rules(rules, "fprop")[-1].recipe
+    assert switched.weight_four_over_six == "mae" and not switched.fprop
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--four-over-six", "all", "--four-over-six", "weight"], "cannot be combined"),
+        (["--four-over-six", "none", "--four-over-six", "weight"], "cannot be combined"),
+        (["--four-over-six", "bias"], "argument --four-over-six: invalid choice"),
+        (["--four-over-six-e4m3-max", "300"], "argument --four-over-six-e4m3-max: invalid"),
+        (["--four-over-six-error", "l1"], "argument --four-over-six-error: invalid"),
+        (
+            ["--experts", "2", "--four-over-six", "activation"],
+            "--four-over-six activation/gradient is not implemented for --experts",
+        ),
+    ],
+)
+def test_bad_four_over_six_flags(flags, message, capsys):
+    err = _exits_with_usage_error(capsys, train_lm.parse_args, [*TINY, *flags])
+    assert message in err, err
+
+
+def test_four_over_six_run_resumes_exactly(tmp_path):
+    flags = ["--recipe", "nvfp4", "--steps", "4", "--eval-every", "2", "--save-every", "1"]
+    flags += ["--four-over-six", "all"]
+    straight = _run(tmp_path / "straight", *flags)["histories"]["nvfp4"]
+    _run(tmp_path / "resumed", *flags, "--stop-after", "2")
+    resumed = _run(tmp_path / "resumed", *flags, "--resume")["histories"]["nvfp4"]
+    assert resumed["train_loss"] == straight["train_loss"]
+    plain = _run(tmp_path / "plain", *flags[:-2])["histories"]["nvfp4"]
+    assert plain["train_loss"][0] != straight["train_loss"][0]

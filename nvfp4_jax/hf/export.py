@@ -748,7 +748,8 @@ def _check_equal_scales(members) -> None:
 # --- export: the units --------------------------------------------------------------------
 
 
-def _quantized_unit(t: _Tensor, amax, input_scale, block_2d, implementation) -> _Unit:
+def _quantized_unit(t: _Tensor, amax, input_scale, flags: dict, implementation) -> _Unit:
+    """The unit of a quantized linear; `flags`: `quantize`'s block_2d and 4/6 arguments."""
     rows, cols = t.shape[::-1]  # the stored (out, in) of an (in, out) kernel
     specs = [
         (f"{t.module}.weight", "U8", (rows, cols // 2)),
@@ -761,9 +762,7 @@ def _quantized_unit(t: _Tensor, amax, input_scale, block_2d, implementation) -> 
     def produce() -> dict[str, np.ndarray]:
         q = t.kernel
         if amax is not None:
-            q = quantize(
-                q, axis=0, block_2d=block_2d, amax=jnp.float32(amax), implementation=implementation
-            )
+            q = quantize(q, axis=0, amax=jnp.float32(amax), implementation=implementation, **flags)
         arrays = [q.codes, q.scales, np.float32(to_host(q.global_scale)), input_scale]
         return {name: to_host(a) for (name, _, _), a in zip(specs, arrays, strict=False)}
 
@@ -795,12 +794,12 @@ def _dense_unit(t: _Tensor, dtype) -> _Unit:
     return _Unit(((t.hf, _ST_NAMES[target], shape),), produce)
 
 
-def _units(tensors, amaxes, input_scales, block_2d, dtype, implementation) -> list[_Unit]:
+def _units(tensors, amaxes, input_scales, flags, dtype, implementation) -> list[_Unit]:
     units = []
     for t in tensors:
         if t.quantized:
             scale = input_scales.get(t.module)
-            units.append(_quantized_unit(t, amaxes[t.module], scale, block_2d, implementation))
+            units.append(_quantized_unit(t, amaxes[t.module], scale, flags, implementation))
         else:
             units.append(_dense_unit(t, dtype))
     owners: dict[str, str] = {}
@@ -1153,6 +1152,8 @@ def export_hf_checkpoint(
     config: Mapping[str, Any] | None = None,
     fused_groups: Sequence[Sequence[str]] = DEFAULT_FUSED_GROUPS,
     block_2d: bool = True,
+    four_over_six: str | None = None,
+    four_over_six_e4m3_max: int = formats.FOUR_OVER_SIX_DEFAULT_E4M3_MAX,
     dtype=jnp.bfloat16,
     max_shard_size: int | str = "5GB",
     skip: Sequence[str] = (),
@@ -1228,6 +1229,13 @@ def export_hf_checkpoint(
       fused_groups: names of sibling linears engines fuse into one layer.
       block_2d: quantize weights in 16x16 blocks (the training recipe's; the forward pass of a
         model trained with `NVFP4Recipe()` sees these values), else 1x16.
+      four_over_six: None, "mae" or "mse": quantize the float kernels with Four Over Six
+        (docs/NUMERICS.md section 13), with the global scale's E4M3 maximum
+        `four_over_six_e4m3_max` (256 or 448). The files are plain NVFP4 (`weight_scale_2`
+        is the 4/6 decode scale `amax / (6M)`); engines load them unchanged. A fused group
+        shares its amax, hence its decode scale, as without 4/6. `NVFP4Array` kernels are
+        written as they are, whatever they were quantized with.
+      four_over_six_e4m3_max: M under Four Over Six: 256 (the default) or 448.
       dtype: the dtype of every float tensor not quantized (None keeps each leaf's).
       max_shard_size: bytes (or "5GB", "500MiB") per safetensors file; above it the weights
         are split into `model-0000N-of-0000M.safetensors` with an index.
@@ -1266,6 +1274,14 @@ def export_hf_checkpoint(
         )
     if input_amax and quant_algo != "NVFP4":
         raise ValueError("export_hf_checkpoint: input_amax is for quant_algo='NVFP4' (W4A4) only")
+    mode, e4m3_max = formats.check_four_over_six(
+        four_over_six, four_over_six_e4m3_max, "export_hf_checkpoint"
+    )
+    flags = dict(
+        block_2d=formats.check_flag(block_2d, "export_hf_checkpoint", "block_2d"),
+        four_over_six=mode,
+        four_over_six_e4m3_max=e4m3_max,
+    )
     directory = os.path.abspath(os.fspath(directory))
     max_size = _parse_size(max_shard_size)
     collective(
@@ -1287,7 +1303,7 @@ def export_hf_checkpoint(
     model_config = _check_config_against(model_config, tensors, dtype)
     scales = _input_scales(tensors, leaves, input_amax) if quant_algo == "NVFP4" else {}
     amaxes = _weight_amaxes(tensors, implementation)
-    units = _units(tensors, amaxes, scales, block_2d, dtype, implementation)
+    units = _units(tensors, amaxes, scales, flags, dtype, implementation)
     model_config["quantization_config"] = _quantization_config(quant_algo, ignore)
 
     def write(tmp: str, units: list[_Unit] = units):
