@@ -3,6 +3,7 @@
     python examples/study_gap.py                       # everything (about 45 minutes on 2 cores)
     python examples/study_gap.py --only width-128 policy-suggested
     python examples/study_gap.py --plot-only           # redraw from the saved runs
+    python examples/study_gap.py --study accuracy      # Four Over Six, the finish (~60 min)
 
 Each study point is one `examples/train_lm.py` run (NVFP4 and bf16 from the same initial
 weights and batches) in its own folder under `--out`; a point already run is read back, not
@@ -53,6 +54,125 @@ POINTS = {
     ),
     "policy-suggested": ("policy", "diagnostics (worst 10%)", ["--suggest-share", "0.1"]),
 }
+
+
+# The accuracy tools (`--study accuracy`): Four Over Six per operand class, the
+# high-precision finish, bf16 first/last blocks, and their combinations, at the example's
+# width (128) and at 256. Every point pins the plain recipe's flags (PLAIN) and adds its own,
+# so that the study means the same whatever train_lm's defaults are; the first point of each
+# width trains bf16 too, the others NVFP4 only and compare with it.
+PLAIN = ["--bf16-first", "0", "--bf16-last", "2", "--high-precision-final", "0"]
+WIDTHS = {128: [], 256: ["--width", "256", "--heads", "4", "--lr", "1.5e-3"]}
+TOOLS = {
+    "plain": ("plain NVFP4 (last block + head in bf16)", []),
+    "fos-weight": ("4/6 on W", ["--four-over-six", "weight"]),
+    "fos-activation": ("4/6 on x", ["--four-over-six", "activation"]),
+    "fos-gradient": ("4/6 on dy", ["--four-over-six", "gradient"]),
+    "fos-all": ("4/6 on W, x, dy", ["--four-over-six", "all"]),
+    "finish-0.1": ("finish: last 10% forward in bf16", ["--high-precision-final", "0.1"]),
+    "finish-0.2": ("finish: last 20% forward in bf16", ["--high-precision-final", "0.2"]),
+    "fos-all+finish-0.2": (
+        "4/6 on W, x, dy + finish 20%",
+        ["--four-over-six", "all", "--high-precision-final", "0.2"],
+    ),
+    "first-last": ("first block in bf16 too", ["--bf16-first", "1"]),
+    "first-last+finish-0.2": (
+        "first block in bf16 + finish 20%",
+        ["--bf16-first", "1", "--high-precision-final", "0.2"],
+    ),
+}
+# Width 256 (4x the GEMM work per step) takes the combinations that matter.
+TOOLS_AT = {
+    128: tuple(TOOLS),
+    256: ("plain", "fos-all", "finish-0.2", "fos-all+finish-0.2", "first-last+finish-0.2"),
+}
+ACCURACY_POINTS = {
+    f"acc{width}-{tool}": (width, TOOLS[tool][0], [*WIDTHS[width], *TOOLS[tool][1]])
+    for width, tools in TOOLS_AT.items()
+    for tool in tools
+}
+
+
+def accuracy_flags(name: str) -> list[str]:
+    """The train_lm flags of an accuracy point: PLAIN, then the point's own."""
+    flags = [*PLAIN, *ACCURACY_POINTS[name][2]]
+    if "--four-over-six" not in flags:
+        flags += ["--four-over-six", "none"]
+    return flags
+
+
+def run_accuracy_point(name: str, out: pathlib.Path, common: list[str]) -> dict:
+    """The results of one accuracy point (NVFP4 against its width's plain point's bf16)."""
+    width = ACCURACY_POINTS[name][0]
+    base_name = f"acc{width}-plain"
+    folder = out / name
+    if not (folder / "results.json").exists():
+        recipe = [] if name == base_name else ["--recipe", "nvfp4"]
+        train_lm.main([*common, *recipe, *accuracy_flags(name), "--out", str(folder)])
+    results = json.loads((folder / "results.json").read_text())
+    if "bf16" not in results["histories"]:
+        base = run_accuracy_point(base_name, out, common)
+        results["histories"]["bf16"] = base["histories"]["bf16"]
+        results["results"]["bf16"] = base["results"]["bf16"]
+        val = results["results"]["nvfp4"]["final_val_loss"]
+        ref = base["results"]["bf16"]["final_val_loss"]
+        results["results"]["nvfp4"]["relative_val_gap"] = (val - ref) / ref
+    return results
+
+
+def plot_accuracy(study: dict, path: pathlib.Path) -> None:
+    """One panel per width: the relative gap of every accuracy point."""
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    widths = sorted({p["width"] for p in study["points"].values()})
+    fig, axes = plt.subplots(1, len(widths), figsize=(7 * len(widths), 4.5), squeeze=False)
+    for ax, width in zip(axes[0], widths, strict=True):
+        points = [p for p in study["points"].values() if p["width"] == width]
+        ax.barh([p["label"] for p in points], [p["gap_percent"] for p in points])
+        ax.invert_yaxis()
+        ax.axvline(1.0, color="gray", ls=":", lw=1)
+        ax.set(xlabel="relative validation-loss gap (%)", title=f"width {width}")
+        ax.grid(alpha=0.3)
+    fig.suptitle("NVFP4 accuracy tools on the example Llama: (val_nvfp4 - val_bf16) / val_bf16")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def accuracy_main(args, common: list[str]) -> dict:
+    """`--study accuracy`: runs (or reads back) the accuracy points, writes accuracy.json/png."""
+    names = [n for n in ACCURACY_POINTS if not args.only or n in args.only]
+    if args.plot_only:
+        names = [n for n in names if (args.out / n / "results.json").exists()]
+    points = {}
+    for name in names:
+        width, label, _ = ACCURACY_POINTS[name]
+        rows = run_accuracy_point(name, args.out, common)["results"]
+        points[name] = {
+            "width": width,
+            "label": label,
+            "flags": accuracy_flags(name),
+            "val_nvfp4": rows["nvfp4"]["final_val_loss"],
+            "val_bf16": rows["bf16"]["final_val_loss"],
+            "gap_percent": 100 * rows["nvfp4"]["relative_val_gap"],
+            "ms_per_step_nvfp4": rows["nvfp4"]["step_ms"],
+        }
+    if not points:
+        raise SystemExit(f"no accuracy point has been run under {args.out}")
+    study = {"steps": args.steps, "points": points}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "accuracy.json").write_text(json.dumps(study, indent=1))
+    plot_accuracy(study, args.out / "accuracy.png")
+    for name, p in points.items():
+        print(
+            f"{name:>28}: gap {p['gap_percent']:+.2f}%  (nvfp4 {p['val_nvfp4']:.4f}, bf16 "
+            f"{p['val_bf16']:.4f})"
+        )
+    print(f"wrote {args.out / 'accuracy.json'} and {args.out / 'accuracy.png'}")
+    return study
 
 
 # The policy points differ from width-128 only in the NVFP4 run's rules: their bf16 run would
@@ -123,14 +243,27 @@ def plot(study: dict, path: pathlib.Path) -> None:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs/study_gap"))
-    parser.add_argument("--only", nargs="+", choices=sorted(POINTS), default=sorted(POINTS))
+    parser.add_argument(
+        "--study",
+        choices=("gap", "accuracy"),
+        default="gap",
+        help="gap: width, bf16 layers and steps; accuracy: Four Over Six and the "
+        "high-precision finish (writes accuracy.json and accuracy.png)",
+    )
+    parser.add_argument(
+        "--only", nargs="+", choices=sorted([*POINTS, *ACCURACY_POINTS]), default=None
+    )
     parser.add_argument("--plot-only", action="store_true", help="redraw from saved runs")
     parser.add_argument(
         "--steps", type=int, default=600, help="steps of every point (train_lm's default)"
     )
     args = parser.parse_args(argv)
     common = ["--steps", str(args.steps), "--eval-every", "100"]
-    names = args.only
+    if args.study == "accuracy":
+        return accuracy_main(args, common)
+    # The plain recipe whatever train_lm's defaults (a point's own flags come after these).
+    common += ["--bf16-first", "0", "--high-precision-final", "0"]
+    names = args.only or sorted(POINTS)
     if args.plot_only:
         names = [
             n

@@ -15,10 +15,11 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples")
 import train_lm
 
 # --bf16-last 0: every layer of the one-block model in NVFP4 (the default keeps the last
-# block and the head in bf16, which is all of it).
+# block and the head in bf16, which is all of it); --high-precision-final 0: NVFP4 to the
+# end (the default finishes in bf16).
 TINY = [
     *("--width", "32", "--depth", "1", "--heads", "2", "--batch", "8", "--seq-len", "32"),
-    *("--bf16-last", "0"),
+    *("--bf16-last", "0", "--high-precision-final", "0"),
 ]
 
 
@@ -216,6 +217,20 @@ def test_defaults_fit_short_runs():
     assert (args.eval_every, args.save_every, args.warmup) == (10, 10, 1)
     args = train_lm.parse_args([])
     assert (args.eval_every, args.save_every, args.warmup) == (100, 100, 30)
+
+
+def test_the_default_recipe_is_the_accuracy_studys_best():
+    """First block, last block and head in bf16, the last 20% of the steps with a bf16
+    forward; a model too shallow for a bf16 first block keeps its blocks in NVFP4."""
+    args = train_lm.parse_args([])
+    assert (args.bf16_first, args.bf16_last, args.high_precision_final) == (1, 2, 0.2)
+    assert args.high_precision_final_gemms == "fprop" and args.four_over_six == []
+    assert train_lm.switch_step(args) == 480
+    patterns = [rule.pattern for rule in train_lm.model_rules(args) if rule.recipe is None]
+    assert patterns == ["^layers/(0|3)/", "^lm_head$"]
+    assert train_lm.parse_args(["--depth", "3"]).bf16_first == 1  # blocks 0, 2 bf16; 1 NVFP4
+    assert train_lm.parse_args(["--depth", "2"]).bf16_first == 0
+    assert train_lm.parse_args(["--depth", "2", "--bf16-last", "0"]).bf16_first == 1
 
 
 def test_text_too_short_for_the_sequence(tmp_path, capsys):
