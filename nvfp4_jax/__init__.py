@@ -21,6 +21,7 @@ from nvfp4_jax import (
     layout,
     linen,
     nnx,
+    ptq,
     reference,
     rules,
 )
@@ -48,6 +49,7 @@ from nvfp4_jax.layout import (
     unswizzle_scales,
 )
 from nvfp4_jax.ops import apply_rht, dequantize, fake_quantize, quantize, tensor_amax
+from nvfp4_jax.ptq import PTQReport, quantize_for_export
 from nvfp4_jax.ragged import ragged_dot
 from nvfp4_jax.recipe import NVFP4Recipe
 from nvfp4_jax.reference import (
@@ -110,7 +112,10 @@ __all__ = [
     "NVFP4Recipe",
     "packed_shape",
     "pad_to_alignment",
+    "ptq",
+    "PTQReport",
     "quantize",
+    "quantize_for_export",
     "quantize_linen",
     "quantize_master_weights",
     "quantize_model",
