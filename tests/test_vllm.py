@@ -144,7 +144,12 @@ def same_but_zero_sign(a: np.ndarray, b: np.ndarray) -> int:
 
 def test_vllm_holds_our_weights_bit_for_bit(served):
     exports, _, doc, weights, _ = served
-    ours = nvfp4_jax.load_hf_checkpoint(exports["NVFP4"])
+    assert_vllm_holds(exports["NVFP4"], doc, weights)
+
+
+def assert_vllm_holds(export, doc, weights) -> None:
+    """vLLM's dequantized weights of every NVFP4 module equal ours, bit for bit."""
+    ours = nvfp4_jax.load_hf_checkpoint(export)
     flat = {
         "/".join(str(getattr(k, "key", k)) for k in path): leaf
         for path, leaf in jax.tree_util.tree_flatten_with_path(
@@ -297,3 +302,31 @@ def test_serve_script_generates_from_text(served_with_rules):
     generated = bytes(doc["prompts"][0]["generated_token_ids"]).decode("utf-8", "replace")
     print("serve_vllm.py generate:", repr(run.stdout.split("--- prompt")[-1]))
     assert f"{text}{generated}\n" in run.stdout, (run.stdout[-2000:], generated)
+
+
+@pytest.fixture(scope="module", params=["four_over_six", "gptq"])
+def served_ptq(request, trained, tmp_path_factory):
+    """The trained model quantized for export by `quantize_for_export` (W4A4, calibrated on
+    training batches) with Four Over Six or GPTQ; vLLM's view of the export."""
+    model, val = trained
+    train, _ = train_lm.split_text(train_lm.load_text(None), SEQ)
+    batches = [train_lm.batch_at(train, 20_000 + i, BATCH, SEQ, 0)[:, :-1] for i in range(4)]
+    frozen, report = nvfp4_jax.quantize_for_export(
+        model, batches, method=request.param, activations="nvfp4"
+    )
+    assert len(report.paths("nvfp4")) == 7 * CFG.depth
+    folder = tmp_path_factory.mktemp(f"vllm_{request.param}")
+    export = folder / "NVFP4"
+    nvfp4_jax.export_hf_checkpoint(
+        export, nnx.state(frozen), quant_algo=report.quant_algo, config=CFG.hf_config()
+    )
+    prompts = [val[i : i + PROMPT].astype(int).tolist() for i in (0, 5000)]
+    return request.param, export, prompts, *run_vllm(export, prompts, folder / "vllm.json")
+
+
+def test_vllm_serves_post_training_quantized_exports(served_ptq, record_property):
+    """The stored format of 4/6 (a decode scale amax / 1536) and of GPTQ is plain NVFP4: vLLM
+    loads it unchanged, holds our weights bit for bit and computes our model's numbers."""
+    method, export, prompts, doc, weights, logprobs = served_ptq
+    assert_vllm_holds(export, doc, weights)
+    check_logprobs(export, prompts, logprobs, record_property, f" ({method})")
