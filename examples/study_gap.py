@@ -75,6 +75,11 @@ TOOLS = {
         "4/6 on W, x, dy + finish 20%",
         ["--four-over-six", "all", "--high-precision-final", "0.2"],
     ),
+    "rn-gradients": (
+        "dy rounded to nearest (no SR)",
+        ["--disable", "stochastic_rounding"],
+    ),
+    "weights-1x16": ("1x16 weight blocks (not 16x16)", ["--disable", "weight_2d"]),
     "first-last": ("first block in bf16 too", ["--bf16-first", "1"]),
     "first-last+finish-0.2": (
         "first block in bf16 + finish 20%",
@@ -101,22 +106,34 @@ def accuracy_flags(name: str) -> list[str]:
     return flags
 
 
-def run_accuracy_point(name: str, out: pathlib.Path, common: list[str]) -> dict:
-    """The results of one accuracy point (NVFP4 against its width's plain point's bf16)."""
+def point_folder(out: pathlib.Path, name: str, seed: int) -> pathlib.Path:
+    """Where a point's run of one seed lives: `name` for seed 0, `name@seedN` otherwise."""
+    return out / (name if seed == 0 else f"{name}@seed{seed}")
+
+
+def run_accuracy_point(name: str, seed: int, out: pathlib.Path, common: list[str]) -> dict:
+    """The results of one accuracy point and seed (NVFP4 against the bf16 run of its width's
+    plain point of the same seed)."""
     width = ACCURACY_POINTS[name][0]
     base_name = f"acc{width}-plain"
-    folder = out / name
+    folder = point_folder(out, name, seed)
     if not (folder / "results.json").exists():
         recipe = [] if name == base_name else ["--recipe", "nvfp4"]
-        train_lm.main([*common, *recipe, *accuracy_flags(name), "--out", str(folder)])
+        flags = [*common, *recipe, *accuracy_flags(name), "--seed", str(seed)]
+        train_lm.main([*flags, "--out", str(folder)])
     results = json.loads((folder / "results.json").read_text())
     if "bf16" not in results["histories"]:
-        base = run_accuracy_point(base_name, out, common)
-        results["histories"]["bf16"] = base["histories"]["bf16"]
-        results["results"]["bf16"] = base["results"]["bf16"]
-        val = results["results"]["nvfp4"]["final_val_loss"]
-        ref = base["results"]["bf16"]["final_val_loss"]
-        results["results"]["nvfp4"]["relative_val_gap"] = (val - ref) / ref
+        with_baseline(results, run_accuracy_point(base_name, seed, out, common))
+    return results
+
+
+def with_baseline(results: dict, base: dict) -> dict:
+    """An NVFP4-only run's results with the bf16 run of `base` (same model, same batches)."""
+    results["histories"]["bf16"] = base["histories"]["bf16"]
+    results["results"]["bf16"] = base["results"]["bf16"]
+    val = results["results"]["nvfp4"]["final_val_loss"]
+    ref = base["results"]["bf16"]["final_val_loss"]
+    results["results"]["nvfp4"]["relative_val_gap"] = (val - ref) / ref
     return results
 
 
@@ -131,7 +148,12 @@ def plot_accuracy(study: dict, path: pathlib.Path) -> None:
     fig, axes = plt.subplots(1, len(widths), figsize=(7 * len(widths), 4.5), squeeze=False)
     for ax, width in zip(axes[0], widths, strict=True):
         points = [p for p in study["points"].values() if p["width"] == width]
-        ax.barh([p["label"] for p in points], [p["gap_percent"] for p in points])
+        labels = [p["label"] for p in points]
+        ax.barh(labels, [p["gap_percent"] for p in points], label="mean over seeds")
+        for i, p in enumerate(points):
+            ax.plot(p["gaps_percent"], [i] * len(p["gaps_percent"]), "k.", ms=5)
+        ax.plot([], [], "k.", label="each seed")
+        ax.legend(loc="lower right", fontsize=8)
         ax.invert_yaxis()
         ax.axvline(1.0, color="gray", ls=":", lw=1)
         ax.set(xlabel="relative validation-loss gap (%)", title=f"width {width}")
@@ -143,35 +165,53 @@ def plot_accuracy(study: dict, path: pathlib.Path) -> None:
 
 
 def accuracy_main(args, common: list[str]) -> dict:
-    """`--study accuracy`: runs (or reads back) the accuracy points, writes accuracy.json/png."""
+    """`--study accuracy`: runs (or reads back) the accuracy points of every seed in
+    `--seeds`, writes accuracy.json/png: each point's gap per seed and their mean."""
     names = [n for n in ACCURACY_POINTS if not args.only or n in args.only]
-    if args.plot_only:
-        names = [n for n in names if (args.out / n / "results.json").exists()]
     points = {}
     for name in names:
         width, label, _ = ACCURACY_POINTS[name]
-        rows = run_accuracy_point(name, args.out, common)["results"]
+        seeds = [
+            seed
+            for seed in args.seeds
+            if not args.plot_only or (point_folder(args.out, name, seed) / "results.json").exists()
+        ]
+        rows = [run_accuracy_point(name, seed, args.out, common)["results"] for seed in seeds]
+        if not rows:
+            continue
+        gaps = [100 * r["nvfp4"]["relative_val_gap"] for r in rows]
         points[name] = {
             "width": width,
             "label": label,
             "flags": accuracy_flags(name),
-            "val_nvfp4": rows["nvfp4"]["final_val_loss"],
-            "val_bf16": rows["bf16"]["final_val_loss"],
-            "gap_percent": 100 * rows["nvfp4"]["relative_val_gap"],
-            "ms_per_step_nvfp4": rows["nvfp4"]["step_ms"],
+            "seeds": seeds,
+            "gaps_percent": gaps,
+            "gap_percent": float(sum(gaps) / len(gaps)),
+            "val_nvfp4": rows[0]["nvfp4"]["final_val_loss"],
+            "val_bf16": rows[0]["bf16"]["final_val_loss"],
+            "ms_per_step_nvfp4": rows[0]["nvfp4"]["step_ms"],
         }
     if not points:
         raise SystemExit(f"no accuracy point has been run under {args.out}")
-    study = {"steps": args.steps, "points": points}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "accuracy.json").write_text(json.dumps(study, indent=1))
-    plot_accuracy(study, args.out / "accuracy.png")
-    for name, p in points.items():
+    return write_study({"steps": args.steps, "points": points}, args.out, "accuracy", plot_accuracy)
+
+
+def write_study(study: dict, out: pathlib.Path, stem: str, draw) -> dict:
+    """Writes `stem`.json and `stem`.png (drawn by `draw`) under `out`; prints every point."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(study, indent=1))
+    draw(study, out / f"{stem}.png")
+    for name, p in study["points"].items():
         print(
             f"{name:>28}: gap {p['gap_percent']:+.2f}%  (nvfp4 {p['val_nvfp4']:.4f}, bf16 "
-            f"{p['val_bf16']:.4f})"
+            f"{p['val_bf16']:.4f}"
+            + (
+                f"; per seed {', '.join(f'{g:+.2f}%' for g in p['gaps_percent'])})"
+                if "gaps_percent" in p
+                else ")"
+            )
         )
-    print(f"wrote {args.out / 'accuracy.json'} and {args.out / 'accuracy.png'}")
+    print(f"wrote {out / f'{stem}.json'} and {out / f'{stem}.png'}")
     return study
 
 
@@ -192,14 +232,7 @@ def run_point(name: str, out: pathlib.Path, common: list[str]) -> dict:
         train_lm.main([*common, *recipe, *POINTS[name][2], "--out", str(folder)])
     results = json.loads(results.read_text())
     if "bf16" not in results["histories"]:
-        base = run_point(BASELINE, out, common)
-        results["histories"]["bf16"] = base["histories"]["bf16"]
-        results["results"]["bf16"] = base["results"]["bf16"]
-        val, ref = (
-            results["results"]["nvfp4"]["final_val_loss"],
-            base["results"]["bf16"]["final_val_loss"],
-        )
-        results["results"]["nvfp4"]["relative_val_gap"] = (val - ref) / ref
+        with_baseline(results, run_point(BASELINE, out, common))
     return results
 
 
@@ -257,6 +290,13 @@ def main(argv=None) -> dict:
     parser.add_argument(
         "--steps", type=int, default=600, help="steps of every point (train_lm's default)"
     )
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="--study accuracy: train every point with each of these seeds (default 0)",
+    )
     args = parser.parse_args(argv)
     common = ["--steps", str(args.steps), "--eval-every", "100"]
     if args.study == "accuracy":
@@ -290,16 +330,7 @@ def main(argv=None) -> dict:
             steps, gaps = train_lm.relative_gaps(results["histories"]) or ([], [])
             curves[f"{name}"] = {"steps": steps, "gaps": gaps}
     study = {"steps": args.steps, "points": points, "curves": curves}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "study.json").write_text(json.dumps(study, indent=1))
-    plot(study, args.out / "study.png")
-    for name, p in points.items():
-        print(
-            f"{name:>20}: gap {p['gap_percent']:+.2f}%  (nvfp4 {p['val_nvfp4']:.4f}, bf16 "
-            f"{p['val_bf16']:.4f})"
-        )
-    print(f"wrote {args.out / 'study.json'} and {args.out / 'study.png'}")
-    return study
+    return write_study(study, args.out, "study", plot)
 
 
 if __name__ == "__main__":

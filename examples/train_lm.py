@@ -101,6 +101,8 @@ RESUME_DEFAULTS = {
     "four_over_six_error": "mse",
     "four_over_six_e4m3_max": 256,
 }
+# The Four Over Six fields a --rules recipe may set (null, "mae" or "mse"), over the flags'.
+RULE_FOUR_OVER_SIX = ("weight_four_over_six", "activation_four_over_six", "gradient_four_over_six")
 # --four-over-six: the operand classes of the NVFP4 GEMMs quantized with Four Over Six, and
 # those quantized with it when the flag is not given.
 FOUR_OVER_SIX_CLASSES = ("weight", "activation", "gradient")
@@ -250,9 +252,16 @@ def _rules_file(text: str) -> tuple:
                 f"{text}: rule {i} must be {{'pattern': regex, 'recipe': null or switches}}"
             )
         recipe = rule.get("recipe")
-        if recipe is not None and (not isinstance(recipe, dict) or set(recipe) - set(SWITCHES)):
+        fields = (*SWITCHES, *RULE_FOUR_OVER_SIX)
+        if recipe is not None and (
+            not isinstance(recipe, dict)
+            or set(recipe) - set(fields)
+            or any(not isinstance(recipe[k], bool) for k in set(recipe) & set(SWITCHES))
+            or any(recipe[k] not in (None, "mae", "mse") for k in set(recipe) - set(SWITCHES))
+        ):
             raise argparse.ArgumentTypeError(
-                f"{text}: rule {i}: recipe must be null or a dict of {SWITCHES} to booleans"
+                f"{text}: rule {i}: recipe must be null or a dict of {SWITCHES} to booleans "
+                f"and of {RULE_FOUR_OVER_SIX} to null, 'mae' or 'mse'"
             )
         rules.append(
             (_regex(rule["pattern"]), None if recipe is None else tuple(sorted(recipe.items())))
@@ -314,7 +323,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=_rules_file,
         default=None,
         metavar="FILE",
-        help='a JSON list of {"pattern": regex, "recipe": null | {switch: bool}} rules, '
+        help='a JSON list of {"pattern": regex, "recipe": null | {switch: bool}} rules (a '
+        'recipe may also set weight/activation/gradient_four_over_six: null, "mae", "mse"), '
         "first match wins, after --keep-bf16/--bf16-first/--bf16-last",
     )
     p.add_argument(
@@ -613,7 +623,7 @@ def model_rules(args) -> list[nvfp4_jax.Rule]:
                 pattern,
                 None
                 if switches is None
-                else nvfp4_jax.NVFP4Recipe(**dict(switches), **four_over_six_fields(args)),
+                else nvfp4_jax.NVFP4Recipe(**(four_over_six_fields(args) | dict(switches))),
             )
         )
     return [*rules, nvfp4_jax.Rule(".*", recipe)]

@@ -439,3 +439,24 @@ def test_four_over_six_run_resumes_exactly(tmp_path):
     assert resumed["train_loss"] == straight["train_loss"]
     plain = _run(tmp_path / "plain", *flags[:-2])["histories"]["nvfp4"]
     assert plain["train_loss"][0] != straight["train_loss"][0]
+
+
+def test_a_rules_file_sets_four_over_six_per_layer(tmp_path, capsys):
+    rules = tmp_path / "rules.json"
+    rules.write_text(
+        json.dumps(
+            [
+                {"pattern": "mlp", "recipe": {"gradient_four_over_six": "mae"}},
+                {"pattern": "attn", "recipe": {"weight_four_over_six": None, "wgrad_rht": False}},
+            ]
+        )
+    )
+    args = train_lm.parse_args([*TINY, "--rules", str(rules), "--four-over-six", "weight"])
+    mlp, attn, rest = train_lm.model_rules(args)
+    assert mlp.recipe.gradient_four_over_six == "mae" and mlp.recipe.weight_four_over_six == "mse"
+    assert attn.recipe.weight_four_over_six is None and not attn.recipe.wgrad_rht
+    assert rest.recipe.weight_four_over_six == "mse"
+    for bad in ({"weight_four_over_six": "max"}, {"fprop": "yes"}, {"four_over_six": "mse"}):
+        rules.write_text(json.dumps([{"pattern": "mlp", "recipe": bad}]))
+        err = _exits_with_usage_error(capsys, train_lm.parse_args, [*TINY, "--rules", str(rules)])
+        assert "recipe must be null or a dict of" in err, err
