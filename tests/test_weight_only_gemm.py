@@ -4,12 +4,15 @@
 kernel's order (each weight element dequantize's value in x's dtype, f32 products summed in
 16 slots k mod 16 in ascending k, then a fixed tree over the slots) must give its bits on
 every ISA and thread count; against today's path (XLA's dot of the dequantized weight) the
-results agree within the f32 summation bound; the frozen layers run it on the CPU.
+results agree within the f32 summation bound; the frozen layers run it on the CPU. Sharded on
+8 CPU devices (rows of x, N of the weight, K gathered) it runs on each device's shard and
+gives the unsharded bits.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +21,8 @@ import numpy as np
 import pytest
 from flax import nnx
 from helpers import assert_same_bits, heavy_tailed
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import nvfp4_jax
 from nvfp4_jax import gemm, kernels, ops
@@ -278,3 +283,133 @@ def test_bf16_weights_round_as_dequantize_does():
     q = weight(32, 16, seed=32)
     w = weight_values(q.codes, q.scales, np.float32(q.global_scale), ml_dtypes.bfloat16)
     assert_same_bits(w.T, np.asarray(ops.dequantize(q, jnp.bfloat16), np.float32), "weights")
+
+
+# --- sharded: the kernel on each device's shard, the unsharded bits ----------------------------
+
+needs_8_devices = pytest.mark.skipif(jax.device_count("cpu") < 8, reason="needs 8 CPU devices")
+B, M, N, K = 4, 8, 64, 256  # the unsharded problem of every layout below
+
+
+def mesh():
+    """2 x 4: "data" for the rows of x, "model" for the weight's N (tensor parallelism)."""
+    types = (AxisType.Auto, AxisType.Auto)
+    return jax.make_mesh((2, 4), ("data", "model"), axis_types=types, devices=jax.devices("cpu"))
+
+
+def put(a, spec):
+    return jax.device_put(a, NamedSharding(mesh(), spec))
+
+
+def batched_weight(batch, seed):
+    """codes (batch, N, K/2), scales (batch, N, K/16), decode (batch,) of `batch` weights."""
+    qs = [weight(K, N, seed=seed + b) for b in range(batch)]
+    stack = jax.tree.map(lambda *a: jnp.stack(a), *qs)
+    return stack.codes, stack.scales, jnp.stack([jnp.float32(q.global_scale) for q in qs])
+
+
+# name -> (x's batch, the weight's batch (None: 2-D operands), x's spec, the weight's spec (its
+# codes and scales), the result's spec (None: either operand may keep the axis), all-gathers)
+SHARDED_CASES = {
+    "rows": (None, None, P("data"), P(), P("data", None), 0),
+    "n": (None, None, P(), P("model"), P(None, "model"), 0),
+    "rows_and_n": (None, None, P("data"), P("model"), P("data", "model"), 0),
+    "rows_on_both_axes": (None, None, P(("data", "model")), P(), P(("data", "model")), 0),
+    "rows_and_n_on_one_axis": (None, None, P("model"), P("model"), None, 1),
+    "k_of_x": (None, None, P(None, "model"), P(), P(), 1),
+    "k_of_the_weight": (None, None, P(), P(None, "model"), P(), 2),  # codes and scales
+    "n_and_k_of_both": (None, None, P(None, "data"), P("model", "data"), P(None, "model"), 3),
+    "batch_rows_and_n": (B, B, P("data"), P("data", "model"), P("data", None, "model"), 0),
+    "batch_m": (B, B, P(None, "data"), P(), P(None, "data", None), 0),
+    "batch_of_the_weight_x_broadcast": (1, B, P(None, "data"), P("model"), P("model", "data"), 0),
+    "batch_of_x_weight_broadcast": (B, 1, P("data"), P(None, "model"), P("data", None, "model"), 0),
+}
+
+
+def sharded_operands(case):
+    x_batch, w_batch, _, _, _, _ = SHARDED_CASES[case]
+    x = activations((x_batch or 1) * M, K, seed=40, dtype=jnp.bfloat16)
+    if w_batch is None:
+        q = weight(K, N, seed=41)
+        return x, q.codes, q.scales, jnp.float32(q.global_scale)
+    return (x.reshape(x_batch, M, K), *batched_weight(w_batch, seed=42))
+
+
+def call_operand_shapes(hlo: str) -> list[str]:
+    """The operand shapes of the (one) `nvfp4_w4a16` custom call in compiled HLO text."""
+    calls = [line for line in hlo.splitlines() if 'custom_call_target="nvfp4_w4a16"' in line]
+    assert len(calls) == 1, calls
+    return re.findall(r"\w+\[[\d,]*\]", calls[0].split("operand_layout_constraints=")[1])
+
+
+@needs_8_devices
+@pytest.mark.parametrize("case", list(SHARDED_CASES))
+def test_sharded_equals_unsharded(case):
+    _, _, x_spec, w_spec, out_spec, gathers = SHARDED_CASES[case]
+    x, codes, scales, decode = sharded_operands(case)
+    expected = jax.jit(_gemm.w4a16)(x, codes, scales, decode)  # one device
+    args = (put(x, x_spec), put(codes, w_spec), put(scales, w_spec), decode)
+    fn = jax.jit(_gemm.w4a16)
+    got = fn(*args)
+    assert_same_bits(got, expected, case)
+    if out_spec is not None:
+        want = NamedSharding(mesh(), out_spec)
+        assert got.sharding.is_equivalent_to(want, got.ndim), (got.sharding, want)
+    hlo = fn.lower(*args).compile().as_text()
+    assert len(re.findall(r"\ball-gather\(", hlo)) == gathers, hlo
+    # The kernel sees each device's shard: x's rows and the weight's N as the result has them.
+    local = got.addressable_shards[0].data.shape
+    x_shape, codes_shape, *_ = call_operand_shapes(hlo)
+    assert codes_shape.startswith("u8[") and x_shape.startswith("bf16["), (x_shape, codes_shape)
+    assert x_shape.endswith(f"{local[-2]},{K}]") and codes_shape.endswith(f"{local[-1]},{K // 2}]")
+
+
+@needs_8_devices
+def test_the_n_sharded_weight_is_never_gathered():
+    """Tensor parallelism: each device decodes its N/4 rows of the weight, nothing moves."""
+    x, codes, scales, decode = sharded_operands("n")
+    args = (put(x, P()), put(codes, P("model")), put(scales, P("model")), decode)
+    hlo = jax.jit(_gemm.w4a16).lower(*args).compile().as_text()
+    assert call_operand_shapes(hlo)[1:3] == [
+        f"u8[{N // 4},{K // 2}]",
+        f"f8e4m3fn[{N // 4},{K // 16}]",
+    ]
+    collectives = ("all-gather(", "all-reduce(", "all-to-all(", "collective-permute(")
+    assert not [line for line in hlo.splitlines() if any(c in line for c in collectives)]
+
+
+@needs_8_devices
+def test_vmap_under_a_mesh():
+    q = weight(K, N, seed=43)
+    xs = activations(B * M, K, seed=44, dtype=jnp.float16).reshape(B, M, K)
+    fn = jax.jit(jax.vmap(lambda x: _gemm.w4a16(x, q.codes, q.scales, q.global_scale)))
+    got = fn(put(xs, P("data")))
+    for b in range(B):
+        assert_same_bits(got[b], modelled(xs[b], q), f"vmap {b}")
+
+
+def tensor_parallel(q):
+    """`q` with its kernel sharded over the output features: the stored rows (N)."""
+    tp = P("model", None)
+    return dataclasses.replace(q, codes=put(q.codes, tp), scales=put(q.scales, tp))
+
+
+@needs_8_devices
+def test_weight_only_matmul_and_a_frozen_layer_with_a_sharded_kernel(spy):
+    q = weight(K, N, seed=45)
+    x = activations(2 * 12, K, seed=46, dtype=jnp.bfloat16).reshape(2, 12, K)  # 24 rows
+    expected = expected_layer_output(x, q, jnp.bfloat16)
+    x_rows, kernel = put(x, P("data")), tensor_parallel(q)
+    matmul = jax.jit(gemm.weight_only_matmul)
+    got = matmul(x_rows, kernel)
+    assert spy == [(24, K)]  # the native kernel
+    assert_same_bits(got, expected, "weight_only_matmul")
+    want = NamedSharding(mesh(), P("data", None, "model"))
+    assert got.sharding.is_equivalent_to(want, 3), got.sharding
+    assert "all-gather(" not in matmul.lower(x_rows, kernel).compile().as_text()
+    layer = nvfp4_jax.nnx.Linear.from_quantized(kernel, dtype=jnp.bfloat16)
+    spy.clear()
+    y = nnx.jit(lambda m, v: m(v))(layer, x_rows)
+    assert spy == [(24, K)]
+    assert_same_bits(y, expected, "nnx.Linear.from_quantized")
+    assert y.sharding.is_equivalent_to(want, 3), y.sharding

@@ -4,7 +4,7 @@ Every function takes the *stored layout* (the quantized axis last, C a multiple 
 arguments the public ops (`nvfp4_jax.ops`) have already checked; each raises a ValueError
 saying why when the native library cannot run on the current platform. One module per
 target: `_amax`, `_quantize` (with fake quantize), `_dequantize`, `_rht`, `_gemm` (the NVFP4
-GEMM, CPU only), `_grouped` (ragged_dot's grouped quantize, CPU only).
+GEMM and the weight-only GEMM, CPU only), `_grouped` (ragged_dot's grouped quantize, CPU only).
 """
 
 from nvfp4_jax.kernels._amax import amax
