@@ -85,11 +85,23 @@ TOOLS = {
         "first block in bf16 + finish 20%",
         ["--bf16-first", "1", "--high-precision-final", "0.2"],
     ),
+    "first-last+finish-0.2+fos-all": (
+        "first block in bf16 + finish 20% + 4/6 on W, x, dy",
+        ["--bf16-first", "1", "--high-precision-final", "0.2", "--four-over-six", "all"],
+    ),
 }
 # Width 256 (4x the GEMM work per step) takes the combinations that matter.
 TOOLS_AT = {
     128: tuple(TOOLS),
-    256: ("plain", "fos-all", "finish-0.2", "fos-all+finish-0.2", "first-last+finish-0.2"),
+    256: (
+        "plain",
+        "fos-all",
+        "rn-gradients",
+        "finish-0.2",
+        "fos-all+finish-0.2",
+        "first-last+finish-0.2",
+        "first-last+finish-0.2+fos-all",
+    ),
 }
 ACCURACY_POINTS = {
     f"acc{width}-{tool}": (width, TOOLS[tool][0], [*WIDTHS[width], *TOOLS[tool][1]])

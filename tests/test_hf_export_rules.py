@@ -268,3 +268,45 @@ def test_byte_level_tokenizer(tmp_path, example):
         )
     with pytest.raises(ValueError, match="tokenizer must be None or 'bytes'"):
         hf.export_hf_checkpoint(tmp_path / "z", model, config=config, tokenizer="gpt2")
+
+
+@pytest.mark.parametrize("given", ["model", "report", "rules", "state", "none"])
+def test_export_quantizes_the_weights_as_the_forward_pass_did(tmp_path, example, given):
+    """The example trains with Four Over Six on its weights (M = 256): given the model, its
+    QuantizeReport or its rules, the export writes the kernels the forward pass multiplied
+    (`four_over_six="model"`, the default); a bare state carries no recipe (plain NVFP4), and
+    `four_over_six=None` asks for plain NVFP4."""
+    args, model, report, _ = example
+    cfg = train_lm.model_config(args, "nvfp4")
+    pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    params, kwargs = {
+        "model": (model, {}),
+        "report": (pure, {"rules": report}),
+        "rules": (pure, {"rules": train_lm.model_rules(args)}),
+        "state": (nnx.state(model), {}),
+        "none": (model, {"four_over_six": None}),
+    }[given]
+    out = tmp_path / given
+    hf.export_hf_checkpoint(out, params, quant_algo="W4A16_NVFP4", config=cfg.hf_config(), **kwargs)
+    tensors = hf.read_safetensors(out / hf.WEIGHTS_NAME)
+    follows = given in ("model", "report", "rules")
+    assert model.layers[0].mlp.up_proj.recipe.weight_four_over_six == "mse"
+    for name in ("gate_proj", "up_proj"):
+        layer = getattr(model.layers[0].mlp, name)
+        members = [model.layers[0].mlp.gate_proj, model.layers[0].mlp.up_proj]
+        amax = max(float(jnp.max(jnp.abs(m.kernel[...].astype(jnp.float32)))) for m in members)
+        flags = {"four_over_six": "mse", "four_over_six_e4m3_max": 256} if follows else {}
+        q = nvfp4_jax.quantize(
+            layer.kernel[...], axis=0, block_2d=True, amax=jnp.float32(amax), **flags
+        )
+        module = f"model.layers.0.mlp.{name}"
+        np.testing.assert_array_equal(
+            tensors[f"{module}.weight_scale_2"], np.asarray(q.global_scale)
+        )
+        loaded = hf.load_hf_checkpoint(out)["layers"][0]["mlp"][name]["kernel"]
+        np.testing.assert_array_equal(
+            np.asarray(nvfp4_jax.dequantize(loaded)), np.asarray(nvfp4_jax.dequantize(q))
+        )
+    if follows:
+        scale = float(tensors["model.layers.0.mlp.up_proj.weight_scale_2"])
+        assert scale == pytest.approx(amax / 1536, rel=1e-6)

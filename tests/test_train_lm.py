@@ -1,5 +1,6 @@
 """The example training loop: a tiny configuration learns, resumes exactly, rejects bad flags."""
 
+import dataclasses
 import json
 import math
 import pathlib
@@ -221,10 +222,17 @@ def test_defaults_fit_short_runs():
 
 def test_the_default_recipe_is_the_accuracy_studys_best():
     """First block, last block and head in bf16, the last 20% of the steps with a bf16
-    forward; a model too shallow for a bf16 first block keeps its blocks in NVFP4."""
+    forward, Four Over Six on W, x and dy; a model too shallow for a bf16 first block keeps
+    its blocks in NVFP4."""
     args = train_lm.parse_args([])
     assert (args.bf16_first, args.bf16_last, args.high_precision_final) == (1, 2, 0.2)
-    assert args.high_precision_final_gemms == "fprop" and args.four_over_six == []
+    assert args.high_precision_final_gemms == "fprop"
+    assert args.four_over_six == ["activation", "gradient", "weight"]
+    recipe = train_lm.nvfp4_recipe(args)
+    assert recipe.weight_four_over_six == recipe.gradient_four_over_six == "mse"
+    assert recipe.four_over_six_e4m3_max == 256
+    # The grouped GEMMs take 4/6 on their weights only.
+    assert train_lm.parse_args(["--experts", "4"]).four_over_six == ["weight"]
     assert train_lm.switch_step(args) == 480
     patterns = [rule.pattern for rule in train_lm.model_rules(args) if rule.recipe is None]
     assert patterns == ["^layers/(0|3)/", "^lm_head$"]
@@ -346,11 +354,13 @@ def test_high_precision_final_switches_the_rules():
     every = train_lm.switched_rules(rules, "all")
     assert [r.pattern for r in fprop] == [r.pattern for r in rules]
     assert fprop[0].recipe is None and every[0].recipe is None  # bf16 layers stay bf16
-    assert fprop[-1].recipe == nvfp4_jax.NVFP4Recipe(fprop=False)
-    assert every[-1].recipe == nvfp4_jax.NVFP4Recipe(fprop=False, dgrad=False, wgrad=False)
+    recipe = train_lm.nvfp4_recipe(args)  # (Four Over Six on every operand: the default)
+    assert recipe.uses_four_over_six
+    assert fprop[-1].recipe == dataclasses.replace(recipe, fprop=False)
+    assert every[-1].recipe == dataclasses.replace(recipe, fprop=False, dgrad=False, wgrad=False)
     # --disable takes the GEMM switches too (that GEMM in high precision for the whole run).
     disabled = train_lm.parse_args([*TINY, "--disable", "wgrad", "--disable", "dgrad"])
-    assert train_lm.nvfp4_recipe(disabled) == nvfp4_jax.NVFP4Recipe(dgrad=False, wgrad=False)
+    assert train_lm.nvfp4_recipe(disabled) == dataclasses.replace(recipe, dgrad=False, wgrad=False)
     no_switch = train_lm.parse_args([*TINY, "--steps", "10"])
     assert train_lm.switch_step(no_switch) is None
     # A fraction too small for one step never switches.
@@ -437,7 +447,8 @@ def test_four_over_six_run_resumes_exactly(tmp_path):
     _run(tmp_path / "resumed", *flags, "--stop-after", "2")
     resumed = _run(tmp_path / "resumed", *flags, "--resume")["histories"]["nvfp4"]
     assert resumed["train_loss"] == straight["train_loss"]
-    plain = _run(tmp_path / "plain", *flags[:-2])["histories"]["nvfp4"]
+    plain = _run(tmp_path / "plain", *flags[:-2], "--four-over-six", "none")
+    plain = plain["histories"]["nvfp4"]
     assert plain["train_loss"][0] != straight["train_loss"][0]
 
 

@@ -310,6 +310,9 @@ def _exclude(tensors, exclude) -> set[str]:
 
 # --- export: the model's own decisions ---------------------------------------------------
 
+# `four_over_six="model"`: quantize each kernel as the training recipe did.
+FOLLOW_MODEL = "model"
+
 
 def _experts_recipes(model: nnx.Module) -> dict[str, bool]:
     """`{Flax path: computes in NVFP4}` of every `nvfp4_jax.nnx.Experts` layer of `model`.
@@ -322,6 +325,66 @@ def _experts_recipes(model: nnx.Module) -> dict[str, bool]:
         for path, node in nnx.iter_graph(model)
         if isinstance(node, nvfp4_nnx.Experts)
     }
+
+
+def _model_four_over_six(model: nnx.Module) -> dict[str, tuple[str | None, int]]:
+    """`{Flax path: (weight_four_over_six, four_over_six_e4m3_max)}` of the NVFP4 layers.
+
+    Every `nvfp4_jax.nnx.Linear` and `Experts` of `model` with a recipe.
+    """
+    out = {}
+    for path, node in nnx.iter_graph(model):
+        recipe = getattr(node, "recipe", None)
+        if isinstance(node, (nvfp4_nnx.Linear, nvfp4_nnx.Experts)) and recipe is not None:
+            out["/".join(str(key) for key in path)] = (
+                recipe.weight_four_over_six,
+                recipe.four_over_six_e4m3_max,
+            )
+    return out
+
+
+def _rules_four_over_six(rules, t: _Tensor) -> tuple[str | None, int] | None:
+    """The weight Four Over Six `rules` (a QuantizeReport or Rules) give `t`'s layer, or None."""
+    recipe = None
+    decisions = getattr(rules, "layers", None)
+    if isinstance(decisions, Mapping):
+        recipe = getattr(decisions.get(t.flax_module), "recipe", None)
+    else:
+        for rule in rules:
+            if re.search(rule.pattern, t.flax_module):
+                recipe = rule.recipe
+                break
+    if recipe is None:
+        return None
+    return recipe.weight_four_over_six, recipe.four_over_six_e4m3_max
+
+
+def _four_over_six_of(four_over_six, e4m3_max, model_fos, rules, tensors) -> Callable:
+    """`fos(t)`: (mode, M) of a quantized kernel, the argument's or the training recipe's.
+
+    With `four_over_six="model"`: `rules` first, else the model's layers, else plain NVFP4.
+    The members of a fused group must agree: they share one amax and are one layer to engines.
+    """
+    if four_over_six != FOLLOW_MODEL:
+        mode, m = formats.check_four_over_six(four_over_six, e4m3_max, "export_hf_checkpoint")
+        return lambda t: (mode, m)
+
+    def own(t: _Tensor) -> tuple[str | None, int]:
+        found = _rules_four_over_six(rules, t) if rules is not None else None
+        plain = (None, formats.FOUR_OVER_SIX_DEFAULT_E4M3_MAX)  # (M is ignored when plain)
+        found = found or model_fos.get(t.flax_module) or plain
+        return found if found[0] is not None else plain
+
+    chosen = {t.module: own(t) for t in tensors if t.quantized}
+    for members in _quantized_sets(tensors):
+        kinds = {chosen[t.module] for t in members}
+        if len(kinds) > 1:
+            raise ValueError(
+                f"export_hf_checkpoint: the fused group {[t.module for t in members]} was "
+                f"trained with different weight Four Over Six settings {sorted(kinds, key=str)}; "
+                "engines decode it as one layer: pass four_over_six= to choose one"
+            )
+    return lambda t: chosen[t.module]
 
 
 def _held_by_model(leaves: _Leaves, experts: Mapping[str, bool]) -> Callable[[_Tensor], bool]:
@@ -794,11 +857,13 @@ def _dense_unit(t: _Tensor, dtype) -> _Unit:
     return _Unit(((t.hf, _ST_NAMES[target], shape),), produce)
 
 
-def _units(tensors, amaxes, input_scales, flags, dtype, implementation) -> list[_Unit]:
+def _units(tensors, amaxes, input_scales, flags_of, dtype, implementation) -> list[_Unit]:
+    """The units of every tensor; `flags_of(t)`: `quantize`'s flags for a quantized kernel."""
     units = []
     for t in tensors:
         if t.quantized:
             scale = input_scales.get(t.module)
+            flags = flags_of(t)
             units.append(_quantized_unit(t, amaxes[t.module], scale, flags, implementation))
         else:
             units.append(_dense_unit(t, dtype))
@@ -1152,7 +1217,7 @@ def export_hf_checkpoint(
     config: Mapping[str, Any] | None = None,
     fused_groups: Sequence[Sequence[str]] = DEFAULT_FUSED_GROUPS,
     block_2d: bool = True,
-    four_over_six: str | None = None,
+    four_over_six: str | None = "model",
     four_over_six_e4m3_max: int = formats.FOUR_OVER_SIX_DEFAULT_E4M3_MAX,
     dtype=jnp.bfloat16,
     max_shard_size: int | str = "5GB",
@@ -1229,13 +1294,18 @@ def export_hf_checkpoint(
       fused_groups: names of sibling linears engines fuse into one layer.
       block_2d: quantize weights in 16x16 blocks (the training recipe's; the forward pass of a
         model trained with `NVFP4Recipe()` sees these values), else 1x16.
-      four_over_six: None, "mae" or "mse": quantize the float kernels with Four Over Six
-        (docs/NUMERICS.md section 13), with the global scale's E4M3 maximum
-        `four_over_six_e4m3_max` (256 or 448). The files are plain NVFP4 (`weight_scale_2`
-        is the 4/6 decode scale `amax / (6M)`); engines load them unchanged. A fused group
-        shares its amax, hence its decode scale, as without 4/6. `NVFP4Array` kernels are
-        written as they are, whatever they were quantized with.
-      four_over_six_e4m3_max: M under Four Over Six: 256 (the default) or 448.
+      four_over_six: how the float kernels are quantized: "model" (the default) as the
+        training recipe quantized each layer's weight in the forward pass (its
+        `weight_four_over_six` and `four_over_six_e4m3_max`, from `rules=` or else from the
+        model's `nvfp4_jax.nnx` layers; plain NVFP4 for a state, a pytree or a model trained
+        in high precision); None: plain NVFP4; "mae" or "mse": Four Over Six (docs/NUMERICS.md
+        section 13) for every kernel, with the global scale's E4M3 maximum
+        `four_over_six_e4m3_max` (256 or 448). The files are plain NVFP4 either way
+        (`weight_scale_2` is the 4/6 decode scale `amax / (6M)`); engines load them
+        unchanged. A fused group shares its amax, hence its decode scale, and must share
+        its setting. `NVFP4Array` kernels are written as they are.
+      four_over_six_e4m3_max: M for `four_over_six="mae"` or `"mse"`: 256 (the default) or
+        448.
       dtype: the dtype of every float tensor not quantized (None keeps each leaf's).
       max_shard_size: bytes (or "5GB", "500MiB") per safetensors file; above it the weights
         are split into `model-0000N-of-0000M.safetensors` with an index.
@@ -1274,14 +1344,9 @@ def export_hf_checkpoint(
         )
     if input_amax and quant_algo != "NVFP4":
         raise ValueError("export_hf_checkpoint: input_amax is for quant_algo='NVFP4' (W4A4) only")
-    mode, e4m3_max = formats.check_four_over_six(
-        four_over_six, four_over_six_e4m3_max, "export_hf_checkpoint"
-    )
-    flags = dict(
-        block_2d=formats.check_flag(block_2d, "export_hf_checkpoint", "block_2d"),
-        four_over_six=mode,
-        four_over_six_e4m3_max=e4m3_max,
-    )
+    block_2d = formats.check_flag(block_2d, "export_hf_checkpoint", "block_2d")
+    if four_over_six != FOLLOW_MODEL:
+        formats.check_four_over_six(four_over_six, four_over_six_e4m3_max, "export_hf_checkpoint")
     directory = os.path.abspath(os.fspath(directory))
     max_size = _parse_size(max_shard_size)
     collective(
@@ -1289,9 +1354,10 @@ def export_hf_checkpoint(
     )
     model_config = _model_config(config, directory)
     _check_tokenizer(tokenizer, model_config)
-    experts = {}
+    experts, model_fos = {}, {}
     if isinstance(params, nnx.Module):
         experts = _experts_recipes(params)
+        model_fos = _model_four_over_six(params)
         params = nnx.state(params)
     leaves = _collect_leaves(params, tuple(skip))
     tensors = _map_tensors(leaves, _as_name_map(name_map))
@@ -1303,7 +1369,13 @@ def export_hf_checkpoint(
     model_config = _check_config_against(model_config, tensors, dtype)
     scales = _input_scales(tensors, leaves, input_amax) if quant_algo == "NVFP4" else {}
     amaxes = _weight_amaxes(tensors, implementation)
-    units = _units(tensors, amaxes, scales, flags, dtype, implementation)
+    fos = _four_over_six_of(four_over_six, four_over_six_e4m3_max, model_fos, rules, tensors)
+
+    def flags_of(t: _Tensor) -> dict:
+        mode, e4m3_max = fos(t)
+        return dict(block_2d=block_2d, four_over_six=mode, four_over_six_e4m3_max=e4m3_max)
+
+    units = _units(tensors, amaxes, scales, flags_of, dtype, implementation)
     model_config["quantization_config"] = _quantization_config(quant_algo, ignore)
 
     def write(tmp: str, units: list[_Unit] = units):
