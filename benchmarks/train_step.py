@@ -8,6 +8,11 @@ Builds both models as `examples/train_lm.py` does (the same flags after `--`), l
 compiles each train step (StableHLO op count, trace + lower seconds, compile seconds), then
 times the steps interleaved, one NVFP4 step and one bf16 step per round on the same batch, so
 that both see the same load. Prints the medians and their ratio.
+
+The NVFP4 step is the run's first one: its NVFP4 layers with every GEMM in NVFP4 (a
+`--high-precision-final` switch happens late in a run and is not measured). The example's
+defaults keep the first block, the last block and the head in bf16; `-- --bf16-first 0` puts
+every block but the last in NVFP4. The line `# nvfp4 layers:` says which layers are which.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ import train_lm
 from flax import nnx
 from roofline import REUSE_MEMORY, header_lines, restart_reusing_memory
 
+import nvfp4_jax
+
 RECIPES = ("nvfp4", "bf16")
 
 
@@ -35,6 +42,28 @@ def build(args, recipe: str):
     model = train_lm.make_model(args, recipe, rules)
     optimizer = train_lm.make_optimizer(model, args)
     return model, optimizer, nnx.cached_partial(train_lm.train_step, model, optimizer)
+
+
+def _grouped(paths: list[str]) -> str:
+    """Paths grouped by block: "layers/1/* (7)" for a block's linears, other paths as they are."""
+    groups = collections.Counter(
+        f"{m.group(1)}/*" if (m := re.match(r"(layers/\d+)/", p)) else p for p in paths
+    )
+    return ", ".join(f"{g} ({n})" if g.endswith("*") else g for g, n in groups.items())
+
+
+def layer_summary(model) -> str:
+    """Which linear layers of the NVFP4 model compute in NVFP4 (and which GEMMs), and which not."""
+    nvfp4, high = collections.defaultdict(list), []
+    for path, node in nnx.iter_graph(model):
+        if isinstance(node, nnx.Linear):
+            name = "/".join(map(str, path))
+            recipe = nvfp4_jax.rules.layer_recipe(node)
+            gemms = [g for g in ("fprop", "dgrad", "wgrad") if recipe and getattr(recipe, g)]
+            (nvfp4["+".join(gemms)] if gemms else high).append(name)
+    total = sum(map(len, nvfp4.values())) + len(high)
+    parts = [f"{len(v)} of {total} in NVFP4 ({k}): {_grouped(sorted(v))}" for k, v in nvfp4.items()]
+    return "# nvfp4 layers: " + "; ".join([*parts, f"bf16: {_grouped(sorted(high)) or 'none'}"])
 
 
 def program_stats(model, optimizer, batch) -> tuple[int, float, float]:
@@ -67,6 +96,7 @@ def main() -> None:
 
     print("\n".join(header_lines(sys.argv[1:], "benchmarks/train_step.py")))
     built = {r: build(example, r) for r in RECIPES}
+    print(layer_summary(built["nvfp4"][0]))
     for recipe, (model, optimizer, step_fn) in built.items():
         ops, lower_s, compile_s = program_stats(model, optimizer, batch(0))
         float(step_fn(batch(0))[0])  # (loss, aux); the cached step compiles its own program once

@@ -26,8 +26,10 @@ import pytest
 from helpers import DENSE, assert_same_bits, bits, normal
 
 from nvfp4_jax import NVFP4Recipe, dequantize, dot_general, kernels, quantize
+from nvfp4_jax.dot_general import _sr_seeds
 from nvfp4_jax.reference import block_values
 from nvfp4_jax.reference import decode_scale as global_decode_scale
+from nvfp4_jax.seed import SRSeed, as_seed
 
 F32_EPS = 2.0**-24
 # Unit roundoff of a result cast to the output dtype (on top of the f32 budget).
@@ -374,6 +376,37 @@ def test_without_key_the_rounding_follows_dy():
     for g1, g1_again, g2 in zip(first, again, doubled, strict=True):
         assert_same_bits(g1, g1_again)
         assert not np.array_equal(bits(2 * g1), bits(g2))
+
+
+@pytest.mark.parametrize(
+    "make_key, partitionable",
+    [
+        (lambda: jax.random.key(7), True),
+        (lambda: jax.random.PRNGKey(7), True),  # a raw uint32[2] key
+        (lambda: jax.random.key(7), False),
+        (lambda: jax.random.key(7, impl="rbg"), True),
+        (lambda: jax.random.key(7, impl="unsafe_rbg"), True),
+    ],
+    ids=["threefry", "raw", "threefry_original", "rbg", "unsafe_rbg"],
+)
+def test_sr_seeds_are_the_split_keys_seeds(make_key, partitionable):
+    # The backward hashes both SR seeds together where it can (`_sr_seeds`): they must be
+    # `SRSeed.from_key` of the two halves of `jax.random.split(key)`, eagerly, under jit and
+    # under vmap, for every kind of key.
+    with jax.threefry_partitionable(partitionable):
+        key = make_key()
+        want = [SRSeed.from_key(k) for k in jax.random.split(key)]
+        for got in (_sr_seeds(key), jax.jit(_sr_seeds)(key)):
+            for seed, ref in zip(got, want, strict=True):
+                seed = as_seed(seed, "test")
+                assert_same_bits(seed.key_words, ref.key_words)
+                assert_same_bits(seed.counter_offset, ref.counter_offset)
+        # Under vmap too (a batched dot_general's backward).
+        keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(3, dtype=jnp.uint32))
+        got = jax.vmap(lambda k: [as_seed(s, "test").key_words for s in _sr_seeds(k)])(keys)
+        want = jax.vmap(lambda k: [SRSeed.from_key(s).key_words for s in jax.random.split(k)])(keys)
+        for words, ref in zip(got, want, strict=True):
+            assert_same_bits(words, ref)
 
 
 # --- transformations -------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from nvfp4_jax import formats
 from nvfp4_jax.kernels import _library
@@ -66,6 +67,9 @@ def amax(x: jax.Array, *, rht: bool) -> jax.Array:
         # The same 16-groups, with a non-empty leading axis to shard (and to hold the result).
         x = x.reshape(-1, formats.BLOCK_SIZE) if x.size else x.reshape(1, 0)
     per_row = _partitioned(x.ndim, bool(rht))(x)
-    # All entries are equal on one device; sharded, the max over shards (NaN kept).
-    result = jnp.where(jnp.any(jnp.isnan(per_row)), _F32(jnp.nan), jnp.max(per_row))
-    return part.vary_like(result, x)
+    # All entries are equal on one device; sharded, the max over shards, NaN kept: each entry
+    # is finite and non-negative or the NaN 0x7FC00000 (the kernels' and `pmax_keep_nan`'s),
+    # whose int32 bits order as the floats do with NaN above all. XLA's float max may drop
+    # NaN; an integer max never does, and takes one reduction where a NaN flag takes two.
+    bits = jnp.max(lax.bitcast_convert_type(per_row, jnp.int32))
+    return part.vary_like(lax.bitcast_convert_type(bits, _F32), x)

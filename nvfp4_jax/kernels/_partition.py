@@ -144,7 +144,11 @@ def positional(fn, **static):
 
 
 def with_rule(raw, partition, infer, rule: str, **rule_options):
-    """`raw` with a custom partitioning rule; under `vmap`, `raw` itself runs per example."""
+    """`raw` with a custom partitioning rule; under `vmap`, `raw` itself runs per example.
+
+    The wrapper is an inlined `jax.jit`: the same graph, traced once per operand shape
+    instead of at every call (a model calls each kernel with a few shapes many times).
+    """
     partitioned = custom_partitioning(raw)
     partitioned.def_partition(
         partition=partition,
@@ -163,4 +167,4 @@ def with_rule(raw, partition, infer, rule: str, **rule_options):
         out = jax.vmap(raw, in_axes=tuple(0 if b else None for b in in_batched))(*args)
         return out, jax.tree.map(lambda _: True, out)
 
-    return call
+    return jax.jit(call, inline=True)

@@ -39,6 +39,8 @@ from nvfp4_jax.seed import SRSeed
 
 _F32 = jnp.float32
 _BLOCK = formats.BLOCK_SIZE
+_ZERO_SEED = np.zeros((4,), np.uint32)
+_ZERO_SEED.flags.writeable = False
 
 
 def _target(name: str, four_over_six: str | None, e4m3_max: int) -> tuple[str, dict]:
@@ -205,7 +207,18 @@ def _partitioned_fake_quantize(ndim, block_2d, rht, sr, global_scale, dtype, fos
 
 
 def _seed_operand(seed: SRSeed | None) -> jax.Array:
-    return jnp.zeros((4,), jnp.uint32) if seed is None else seed.operand()
+    # Round to nearest: the zero seed the kernels ignore, one constant (JAX lowers one numpy
+    # array to one constant however many calls take it; a `jnp.zeros` is a broadcast each).
+    return _ZERO_SEED if seed is None else seed.operand()
+
+
+def _amax_operand(amax) -> jax.Array:
+    """The f32 scalar operand A, reshaped only where it is not a scalar already.
+
+    JAX emits a reshape even from () to ().
+    """
+    amax = jnp.asarray(amax, _F32)
+    return amax if amax.shape == () else amax.reshape(())
 
 
 def _four_over_six(four_over_six: str | None, e4m3_max: int) -> tuple[str | None, int]:
@@ -235,7 +248,7 @@ def quantize(
     one_block = x.shape[-1] == _BLOCK
     fos = _four_over_six(four_over_six, e4m3_max)
     op = _partitioned_quantize(x.ndim - 1, bool(block_2d), bool(rht), sr, one_block, fos)
-    operands = (x, jnp.asarray(amax, _F32).reshape(()), _seed_operand(seed))
+    operands = (x, _amax_operand(amax), _seed_operand(seed))
     return part.vary_like(tuple(op(*operands)), *operands)
 
 
@@ -263,6 +276,6 @@ def fake_quantize(
     op = _partitioned_fake_quantize(
         x.ndim - 1, bool(block_2d), bool(rht), sr, bool(global_scale), jnp.dtype(dtype), fos
     )
-    operands = (x, jnp.asarray(amax, _F32).reshape(()), _seed_operand(seed))
+    operands = (x, _amax_operand(amax), _seed_operand(seed))
     values, _ = op(*operands)  # the stored amax only served the NaN fill
     return part.vary_like(values, *operands)
