@@ -436,17 +436,37 @@ NVFP4_VINLINE void TransposeGroup(const VF* e, const VF* o, VF t[16]) {
   }
 }
 
-// Each lane's block error under one candidate (scale, enc): CandidateError lane by lane.
-NVFP4_VINLINE VF CandidateErrorV(const QuantizeJob& job, const VF t[16], VI scale, VF enc) {
-  const VF s = E4m3ToF32V(scale);
-  const bool mse = job.four_over_six == kMse;
-  VF err = SplatF(0.0f);
+// Each lane's block errors under both candidates: CandidateError lane by lane, for map-to-4
+// and map-to-6 in one loop. Each error is still its own sum over k in order (the contract's);
+// the two independent chains interleave, so the adder's latency is paid once for both.
+template <bool kMseMode>
+NVFP4_VINLINE void CandidateErrorsV(const QuantizeJob& job, const VF t[16], const CandidatesV& c,
+                                    VF& err4, VF& err6) {
+  const VF s4 = E4m3ToF32V(c.s4), s6 = E4m3ToF32V(c.s6);
+  VF e4 = SplatF(0.0f), e6 = SplatF(0.0f);
   for (int k = 0; k < 16; ++k) {
-    const VF value = ((E2m1Value(E2m1RnV(t[k] * enc)) * s) * job.amax) / job.six_m;
-    const VF d = value - t[k];
-    err = err + (mse ? d * d : AsVF(AsVI(d) & 0x7FFFFFFF));
+    // E2m1RoundedRnV is E2m1Value(E2m1RnV(.)) in fewer instructions (no code, no lookup).
+    const VF d4 = ((E2m1RoundedRnV(t[k] * c.enc4) * s4) * job.amax) / job.six_m - t[k];
+    const VF d6 = ((E2m1RoundedRnV(t[k] * c.enc6) * s6) * job.amax) / job.six_m - t[k];
+    if constexpr (kMseMode) {
+      e4 = e4 + d4 * d4;
+      e6 = e6 + d6 * d6;
+    } else {
+      e4 = e4 + AsVF(AsVI(d4) & 0x7FFFFFFF);
+      e6 = e6 + AsVF(AsVI(d6) & 0x7FFFFFFF);
+    }
   }
-  return err;
+  err4 = e4;
+  err6 = e6;
+}
+
+NVFP4_VINLINE void CandidateErrorsV(const QuantizeJob& job, const VF t[16], const CandidatesV& c,
+                                    VF& err4, VF& err6) {
+  if (job.four_over_six == kMse) {
+    CandidateErrorsV<true>(job, t, c, err4, err6);
+  } else {
+    CandidateErrorsV<false>(job, t, c, err4, err6);
+  }
 }
 
 // The scales and encode factors Four Over Six chooses for the 16 blocks of a group (e, o)
@@ -462,7 +482,9 @@ __attribute__((noinline)) void ChooseFourOverSix(const QuantizeJob& job, const V
   } else {
     VF t[16];
     TransposeGroup(e, o, t);
-    pick4 = CandidateErrorV(job, t, c.s4, c.enc4) < CandidateErrorV(job, t, c.s6, c.enc6);
+    VF err4, err6;
+    CandidateErrorsV(job, t, c, err4, err6);
+    pick4 = err4 < err6;
   }
   scale = Select(pick4, c.s4, c.s6);
   enc = Select(pick4, c.enc4, c.enc6);
@@ -682,8 +704,10 @@ __attribute__((noinline)) void GroupErrors(const QuantizeJob& job, const typenam
   const CandidatesV c = FourOverSixScalesV(AsVF(amax), job.g);
   VF t[16];
   TransposeGroup(e, o, t);
-  StoreV(err4, CandidateErrorV(job, t, c.s4, c.enc4));
-  StoreV(err6, CandidateErrorV(job, t, c.s6, c.enc6));
+  VF e4, e6;
+  CandidateErrorsV(job, t, c, e4, e6);
+  StoreV(err4, e4);
+  StoreV(err6, e6);
 }
 
 // The Four Over Six decision of each tile of a 16-row item (`count` = 16 * blocks blocks at
