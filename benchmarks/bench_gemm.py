@@ -73,10 +73,12 @@ def emulated_in_xla():
         gemm.uses_native_gemm = original
 
 
-def host() -> str:
+def host(forced: str | None = None) -> str:
     isa = "n/a"
     module = kernels._library.module("cpu")
-    if module is not None:
+    if forced:
+        isa = f"{forced} (forced by --isa)"
+    elif module is not None:
         # The variant the kernels run: the best one this CPU supports.
         for name in ("x86-64-v4", "x86-64-v3", "baseline"):
             if module.set_isa(name):
@@ -230,8 +232,18 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--size", type=int, default=2048)
     parser.add_argument("--iters", type=int, default=7)
+    parser.add_argument(
+        "--isa",
+        choices=("x86-64-v4", "x86-64-v3", "baseline"),
+        help="run the native kernels built for this ISA (x86-64-v3: AVX2) instead of the best "
+        "this CPU runs; XLA's own dots are unaffected (they dispatch on the CPU themselves)",
+    )
     args = parser.parse_args()
-    print(f"host: {host()}")
+    if args.isa:
+        module = kernels._library.module("cpu")
+        if module is None or not module.set_isa(args.isa):
+            parser.error(f"--isa {args.isa}: this CPU or this build cannot run those kernels")
+    print(f"host: {host(args.isa)}")
     print(
         f"backend: {jax.default_backend()}, {jax.device_count()} device(s); medians of "
         f"{args.iters} runs after 2 warm-ups"
