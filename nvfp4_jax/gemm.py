@@ -89,11 +89,18 @@ def uses_native_gemm(backend: GemmBackend, implementation: Implementation | None
     """True when the emulated GEMM runs as the native CPU kernel (`kernels.gemm`).
 
     That is the "emulated" backend with the "ffi" implementation (named, or None where the
-    native library runs) on the CPU; never for "reference", which stays pure jnp.
+    native library runs) on the CPU with AVX2 or AVX-512 kernels; never for "reference",
+    which stays pure jnp. On a CPU that runs only the portable baseline kernels (no AVX2:
+    every non-x86 CPU) the GEMM stays XLA's dot of the block values: the baseline's plain
+    integer code is 20x slower than XLA's f32 dot there (`benchmarks/bench_gemm.py --isa
+    baseline`). Either way the result is the exact block products summed in f32, in the
+    kernel's order or in XLA's.
     """
     if backend != "emulated" or kernels.current_platform() != "cpu":
         return False
-    return backends.resolve(implementation, "gemm").name == "ffi"
+    if backends.resolve(implementation, "gemm").name != "ffi":
+        return False
+    return kernels.cpu_isa() != "baseline"
 
 
 # --- weight-only (W4A16): activations times a frozen NVFP4 weight ----------------------------

@@ -279,3 +279,21 @@ def test_rejects_bad_decode_and_result():
     with pytest.raises(Exception, match="result"):
         call = jax.ffi.ffi_call("nvfp4_gemm", jax.ShapeDtypeStruct((4, 6), jnp.float32))
         jax.block_until_ready(call(*args, jnp.float32(1), jnp.float32(1)))
+
+
+def test_the_baseline_kernels_leave_the_gemm_to_xla(cpu_isa):
+    # Where only the portable baseline runs (no AVX2: every non-x86 CPU), the native GEMM's
+    # plain integer code is far slower than XLA's dot: the emulated backend keeps XLA's dot of
+    # the block values there, decided when the function is traced. The result is the same
+    # exact block products summed in f32, so it agrees with the kernel to f32 summation order.
+    isa = cpu_isa.isa()
+    assert kernels.cpu_isa() == isa
+    assert gemm.uses_native_gemm("emulated", None) == (isa != "baseline")
+    assert not gemm.uses_native_gemm("emulated", "reference")
+    a, b = operands(37, 45, 16 * 9, seed=3)
+    fn = lambda p, q: gemm.scaled_matmul(p, q, backend="emulated")  # noqa: E731
+    text = jax.jit(fn).lower(a, b).as_text()
+    assert ("nvfp4_gemm" in text) == (isa != "baseline"), isa
+    got = np.asarray(jax.jit(fn)(a, b))
+    want = modelled(a, b)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))

@@ -35,6 +35,8 @@ const KernelTable& BestTable() {
   return detected;
 }
 
+const char* CurrentIsa() { return BestTable().isa; }
+
 bool ForceTable(const char* isa) {
   if (isa == nullptr || isa[0] == '\0') {
     forced.store(nullptr);

@@ -160,6 +160,9 @@ const KernelTable& BestTable();
 // on, or the best again for "" or nullptr. False if this CPU cannot run it.
 bool ForceTable(const char* isa);
 
+// The name of the table BestTable() returns now ("baseline", "x86-64-v3", "x86-64-v4").
+const char* CurrentIsa();
+
 }  // namespace nvfp4::cpu
 
 #endif  // NVFP4_CPU_KERNEL_TABLE_H_

@@ -36,6 +36,7 @@ XLA_FFI_Error* NvFp4GroupedQuantizeCpu(XLA_FFI_CallFrame* call_frame);  // CPU o
 #if defined(NVFP4_CPU_VARIANTS)
 namespace nvfp4::cpu {
 bool ForceTable(const char* isa);
+const char* CurrentIsa();
 void SetGemmMaxThreads(int64_t n);
 bool SetGemmAmx(bool allowed);
 }
@@ -95,6 +96,11 @@ PyObject* SetIsa(PyObject*, PyObject* arg) {
 #endif
 
 #if defined(NVFP4_CPU_VARIANTS)
+// isa() -> str: the x86 level whose CPU kernels run now ("baseline", "x86-64-v3", "x86-64-v4").
+PyObject* Isa(PyObject*, PyObject*) { return PyUnicode_FromString(nvfp4::cpu::CurrentIsa()); }
+#endif
+
+#if defined(NVFP4_CPU_VARIANTS)
 // set_gemm_threads(n) -> None: run the GEMM on at most n threads (0: all); for tests.
 PyObject* SetGemmThreads(PyObject*, PyObject* arg) {
   const long long n = PyLong_AsLongLong(arg);
@@ -133,6 +139,8 @@ PyMethodDef kMethods[] = {
     {"set_isa", SetIsa, METH_O,
      "Uses the CPU kernels built for an x86 level ('baseline', 'x86-64-v3', 'x86-64-v4'), "
      "or the best one for ''. Returns False if this CPU cannot run it. For tests."},
+    {"isa", Isa, METH_NOARGS,
+     "Returns the x86 level whose CPU kernels run now: 'baseline', 'x86-64-v3' or 'x86-64-v4'."},
     {"set_gemm_threads", SetGemmThreads, METH_O,
      "Runs nvfp4_gemm on at most n threads (0: all the pool has). For tests."},
     {"set_gemm_amx", SetGemmAmx, METH_O,

@@ -14,6 +14,7 @@ from nvfp4_jax.kernels._grouped import grouped_quantize
 from nvfp4_jax.kernels._library import (
     CPU_TARGETS,
     TARGETS,
+    cpu_isa,
     current_platform,
     export_safety_checks,
     is_available,
@@ -28,6 +29,7 @@ __all__ = [
     "CPU_TARGETS",
     "TARGETS",
     "amax",
+    "cpu_isa",
     "current_platform",
     "dequantize",
     "export_safety_checks",

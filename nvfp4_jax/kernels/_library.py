@@ -164,3 +164,12 @@ def module(platform: str):
     """The loaded extension module of `platform` (for tests), or None."""
     loaded = _module(platform)
     return None if isinstance(loaded, str) else loaded
+
+
+def cpu_isa() -> str | None:
+    """The x86 level whose CPU kernels run ("baseline", "x86-64-v3", "x86-64-v4"), or None.
+
+    "baseline" is the portable build (no AVX2; every non-x86 CPU): plain integer and f32 code.
+    """
+    loaded = module("cpu")
+    return None if loaded is None or not hasattr(loaded, "isa") else loaded.isa()
