@@ -38,6 +38,7 @@ import numpy as np
 
 import nvfp4_jax
 from nvfp4_jax import NVFP4Recipe, dot_general, gemm, kernels, ops
+from roofline import ISA_CHOICES, ISA_HELP, force_kernel_isa  # this folder is on sys.path
 
 DENSE = (((1,), (0,)), ((), ()))
 NT = (((1,), (1,)), ((), ()))  # (M, K) x (N, K): the GEMM's layout, XLA's fastest bf16 form here
@@ -237,17 +238,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--size", type=int, default=2048)
     parser.add_argument("--iters", type=int, default=7)
-    parser.add_argument(
-        "--isa",
-        choices=("x86-64-v4", "x86-64-v3", "baseline"),
-        help="run the native kernels built for this ISA (x86-64-v3: AVX2) instead of the best "
-        "this CPU runs; XLA's own dots are unaffected (they dispatch on the CPU themselves)",
-    )
+    parser.add_argument("--isa", choices=ISA_CHOICES, help=ISA_HELP)
     args = parser.parse_args()
-    if args.isa:
-        module = kernels._library.module("cpu")
-        if module is None or not module.set_isa(args.isa):
-            parser.error(f"--isa {args.isa}: this CPU or this build cannot run those kernels")
+    force_kernel_isa(parser, args.isa)
     print(f"host: {host(args.isa)}")
     print(
         f"backend: {jax.default_backend()}, {jax.device_count()} device(s); medians of "

@@ -272,6 +272,21 @@ def parse_shapes(names: str) -> list[tuple[str, tuple[int, int]]]:
     return shapes
 
 
+ISA_CHOICES = ("x86-64-v4", "x86-64-v3", "baseline")
+ISA_HELP = (
+    "run the native CPU kernels built for this x86 level (x86-64-v3: AVX2) instead of the "
+    "best this CPU runs; XLA's own ops are unaffected (XLA picks its instructions itself)"
+)
+
+
+def force_kernel_isa(parser: argparse.ArgumentParser, isa: str | None) -> None:
+    """Runs the native CPU kernels of x86 level `isa` (None: the best), or exits naming it."""
+    if isa:
+        module = kernels._library.module("cpu")
+        if module is None or not module.set_isa(isa):
+            parser.error(f"--isa {isa}: this CPU or this build cannot run those kernels")
+
+
 def header_lines(argv, script: str = "benchmarks/roofline.py") -> list[str]:
     """The machine, versions, date, command and allocator settings, as comment lines."""
     model, flags = "unknown CPU", "no avx512f"
@@ -285,6 +300,7 @@ def header_lines(argv, script: str = "benchmarks/roofline.py") -> list[str]:
         f"# machine: {model} ({platform.machine()}, {flags}), {os.cpu_count()} cores",
         f"# jax {jax.__version__}, jaxlib {jax.lib.__version__}, "
         f"qwix {getattr(qwix, '__version__', 'n/a')}, python {platform.python_version()}",
+        f"# native CPU kernels: {kernels.cpu_isa() or 'none'}",
         f"# date: {datetime.datetime.now().isoformat(timespec='seconds')}",
         "# command: python " + " ".join([script, *argv]),
         "# allocator: "

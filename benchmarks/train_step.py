@@ -29,7 +29,14 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples")
 
 import train_lm
 from flax import nnx
-from roofline import REUSE_MEMORY, header_lines, restart_reusing_memory
+from roofline import (
+    ISA_CHOICES,
+    ISA_HELP,
+    REUSE_MEMORY,
+    force_kernel_isa,
+    header_lines,
+    restart_reusing_memory,
+)
 
 import nvfp4_jax
 
@@ -84,8 +91,10 @@ def main() -> None:
     parser.add_argument(
         "--reuse-memory", action="store_true", help=f"GLIBC_TUNABLES={REUSE_MEMORY}"
     )
+    parser.add_argument("--isa", choices=ISA_CHOICES, help=ISA_HELP)
     parser.add_argument("example_flags", nargs="*", help="flags of examples/train_lm.py, after --")
     args = parser.parse_args()
+    force_kernel_isa(parser, args.isa)
     if args.reuse_memory:
         restart_reusing_memory()
     example = train_lm.parse_args(args.example_flags)
