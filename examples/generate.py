@@ -19,10 +19,12 @@ Two precisions of the same weights:
 * nvfp4: the linears frozen as NVFP4 weight-only (W4A16, `nvfp4_jax.nnx.Linear.
   from_quantized`, whose CPU path is the native `nvfp4_w4a16` kernel up to 32 rows): each
   kernel quantized along its input axis with the tensor amax of its fused group (q/k/v,
-  gate/up), as `export_hf_checkpoint` does; the output head, embeddings, norms and an MoE's
-  experts and router stay as in bf16. A train_lm NVFP4 run's layers trained in bf16 (and
-  their groups) stay bf16. With `--hf`, the checkpoint's NVFP4 weights are used as they are,
-  and bf16 runs their dequantized values.
+  gate/up), as `export_hf_checkpoint` does; an MoE's experts frozen alike
+  (`nvfp4_jax.nnx.Experts.from_quantized`: each expert with its own tensor amax, gate and up
+  sharing theirs); the output head, embeddings, norms and an MoE's router stay as in bf16.
+  A train_lm NVFP4 run's layers trained in bf16 (and their groups) stay bf16. With `--hf`,
+  the checkpoint's NVFP4 weights are used as they are (a Mixtral's experts too), and bf16
+  runs their dequantized values.
 
 Prints, per precision, the prefill time, the decode tokens/s (median step after the first,
 which compiles; times `--batch`) and the text, then how often NVFP4's tokens equal bf16's.
@@ -134,6 +136,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--width", type=_integer(16), default=None, help="random model only")
     p.add_argument("--depth", type=_integer(1), default=None, help="random model only")
     p.add_argument("--heads", type=_integer(1), default=None, help="random model only")
+    p.add_argument(
+        "--experts",
+        type=_integer(1),
+        default=None,
+        help="random model only: a mixture of E experts in every block (top-2) for the MLP",
+    )
     return p
 
 
@@ -142,7 +150,7 @@ def parse_args(argv=None, parser: argparse.ArgumentParser | None = None) -> argp
     p = build_parser() if parser is None else parser
     args = p.parse_args(argv)
     loaded = args.checkpoint is not None or args.hf is not None
-    for name in ("width", "depth", "heads"):
+    for name in ("width", "depth", "heads", "experts"):
         if loaded and getattr(args, name) is not None:
             p.error(f"--{name} sets the random model's shape: not with --checkpoint or --hf")
     if args.run is not None and args.checkpoint is None:
@@ -153,7 +161,7 @@ def parse_args(argv=None, parser: argparse.ArgumentParser | None = None) -> argp
         try:
             random_config(args)
         except ValueError as error:
-            p.error(f"--width/--depth/--heads make no working model: {error}")
+            p.error(f"--width/--depth/--heads/--experts make no working model: {error}")
     return args
 
 
@@ -161,8 +169,10 @@ def parse_args(argv=None, parser: argparse.ArgumentParser | None = None) -> argp
 
 
 def random_config(args) -> LMConfig:
-    """The random model's shape: lm_model's defaults, changed by --width/--depth/--heads."""
-    shape = {k: getattr(args, k) for k in ("width", "depth", "heads") if getattr(args, k)}
+    """The random model's shape: lm_model's defaults, changed by --width/--depth/--heads/
+    --experts."""
+    keys = ("width", "depth", "heads", "experts")
+    shape = {k: getattr(args, k) for k in keys if getattr(args, k, None)}
     return LMConfig(**shape)
 
 
@@ -282,7 +292,33 @@ def quantize_params(params: dict, trained: set | None = None) -> dict:
         node["kernel"] = nvfp4_jax.quantize(
             jnp.asarray(node["kernel"], jnp.float32), axis=0, amax=jnp.float32(amax)
         )
+    _quantize_experts(out, trained)
     return out
+
+
+def _quantize_experts(params: dict, trained: set | None) -> None:
+    """Each MoE layer's stacked (E, in, out) experts frozen as NVFP4, in place: every expert
+    quantized along `in` with its own tensor amax, gate and up sharing theirs (as
+    `export_hf_checkpoint` writes an MoE layer's experts)."""
+    for i in sorted(k for k in params.get("layers", {})):
+        experts = params["layers"][i].get("mlp", {}).get("experts", {})
+        stacks = {
+            name: node
+            for name, node in experts.items()
+            if isinstance(node, dict) and np.ndim(node.get("kernel")) == 3
+            if trained is None or ("layers", i, "mlp", "experts", name) in trained
+        }
+        for group in (("gate_proj", "up_proj"), ("down_proj",)):
+            if not all(name in stacks for name in group):
+                continue  # a group wholly NVFP4 or not at all
+            kernels = [np.asarray(stacks[name]["kernel"], np.float32) for name in group]
+            amax = np.max([np.max(np.abs(k), axis=(1, 2)) for k in kernels], axis=0)
+            for name, kernel in zip(group, kernels, strict=True):
+                per_expert = [
+                    nvfp4_jax.quantize(jnp.asarray(w), axis=0, amax=jnp.float32(a))
+                    for w, a in zip(kernel, amax, strict=True)
+                ]
+                stacks[name]["kernel"] = jax.tree.map(lambda *x: jnp.stack(x), *per_expert)
 
 
 def dequantize_params(params: dict) -> dict:
@@ -318,7 +354,9 @@ def load_weights(args) -> tuple[LMConfig, dict[str, dict], str]:
         config = json.loads((args.hf / "config.json").read_text())
         try:
             cfg = LMConfig.from_hf_config(config)
-            tree = nvfp4_jax.load_hf_checkpoint(args.hf)
+            # A Mixtral's experts load stacked (E, in, out), as the example's MoE holds them.
+            name_map = nvfp4_jax.hf.mixtral_name_map() if cfg.experts else None
+            tree = nvfp4_jax.load_hf_checkpoint(args.hf, name_map=name_map)
         except (KeyError, ValueError, OSError) as error:
             raise UsageError(f"--hf {args.hf}: cannot load it ({error})") from None
         quantized = any(
@@ -504,10 +542,13 @@ def _native_line(state, batch: int) -> str:
     ]
     if not kernels_:
         return "no NVFP4 layer"
-    q = kernels_[0]
+    stacks = [q for q in kernels_ if len(q.shape) == 3]  # an MoE layer's experts
+    q = kernels_[0] if len(kernels_[0].shape) == 2 else gemm.expert_weight(kernels_[0], 0)
     native = gemm.uses_native_weight_only((batch, 1, q.shape[0]), jnp.bfloat16, q)
     how = "native nvfp4_w4a16 kernel" if native else "dequantize + XLA dot"
-    return f"{len(kernels_)} frozen NVFP4 linears, weight-only, decode GEMMs: {how}"
+    experts = f" and {len(stacks)} expert stacks" if stacks else ""
+    linears = len(kernels_) - len(stacks)
+    return f"{linears} frozen NVFP4 linears{experts}, weight-only, decode GEMMs: {how}"
 
 
 def run(args) -> dict:

@@ -404,8 +404,10 @@ def from_params(
     """A model holding `params`: the nested Flax tree `nvfp4_jax.load_hf_checkpoint` returns.
 
     A linear whose `kernel` is an `NVFP4Array` becomes `nvfp4_jax.nnx.Linear.from_quantized`
-    (weight-only, or W4A4 with `activations="nvfp4"` and the `input_scale` beside it); every
-    other leaf is set as the parameter of the same path. Computes in `dtype`.
+    (weight-only, or W4A4 with `activations="nvfp4"` and the `input_scale` beside it), an MoE
+    layer's stacked (E, in, out) `NVFP4Array` experts `nvfp4_jax.nnx.Experts.from_quantized`
+    (weight-only); every other leaf is set as the parameter of the same path. Computes in
+    `dtype`.
     """
     # Built abstract with plain layers: every variable is replaced below.
     plain = dataclasses.replace(cfg, recipe=None)
@@ -417,10 +419,20 @@ def from_params(
         *parent, name = path
         if name == "input_scale":
             continue
+        if nvfp4_jax.is_nvfp4_array(leaf) and len(leaf.shape) == 3:
+            # An MoE layer's stacked experts: frozen weight-only (W4A16) experts.
+            if activations != "high_precision":
+                raise ValueError(
+                    f"from_params: {'/'.join(map(str, path))} is a quantized experts kernel; "
+                    f"experts load weight-only, activations={activations!r} is for linears"
+                )
+            owner = _module_at(model, tuple(parent[:-1]))
+            setattr(owner, parent[-1], nvfp4_jax.nnx.Experts.from_quantized(leaf, dtype=dtype))
+            continue
         if nvfp4_jax.is_nvfp4_array(leaf) and len(leaf.shape) != 2:
             raise ValueError(
                 f"from_params: {'/'.join(map(str, path))} is a quantized {leaf.shape} kernel; "
-                "only 2-D (linear) ones load frozen, not quantized experts yet"
+                "only (in, out) linears and (E, in, out) experts load frozen"
             )
         if nvfp4_jax.is_nvfp4_array(leaf):
             owner = _module_at(model, tuple(parent[:-1]))

@@ -173,6 +173,56 @@ def weight_only_matmul(
     return jnp.reshape(out, (*jnp.shape(x)[:-1], n)).astype(out_dtype)
 
 
+def expert_weight(q: NVFP4Array, g: int) -> NVFP4Array:
+    """Expert g of a stacked `(G, in, out)` weight: its `(in, out)` NVFP4Array."""
+
+    def pick(leaf):
+        return None if leaf is None else (leaf[g] if jnp.ndim(leaf) else leaf)
+
+    return dataclasses.replace(
+        q,
+        codes=q.codes[g],
+        scales=q.scales[g],
+        amax=pick(q.amax),
+        decode_scale=pick(q.decode_scale),
+    )
+
+
+def weight_only_ragged_dot(
+    x: jax.Array,
+    q: NVFP4Array,
+    group_sizes: jax.Array,
+    *,
+    implementation: Implementation | None = None,
+) -> jax.Array:
+    """`jax.lax.ragged_dot(x, dequantize(q, x.dtype), group_sizes)` for frozen expert weights.
+
+    `q` is the `(G, in, out)` stack of G experts' weights quantized along `in` (stored
+    `(G, out, in)`), with one tensor amax (and decode factor) per expert, `(G,)`, or one for
+    all; `x` is `(M, in)`, its rows sorted by expert, `group_sizes` `(G,)` integers. Row i of
+    group g is `x[i] @ dequantize(W_g, x.dtype)` and rows past `sum(group_sizes)` are zeros,
+    in `x.dtype`. Where `weight_only_matmul` runs its native kernel for M rows (decode
+    batches on the CPU), each expert's weight is decoded in registers: every expert's product
+    is computed for all M rows and each row keeps its own expert's, each row bit for bit
+    `weight_only_matmul` of that row (the kernel sums every output element on its own).
+    Elsewhere, the dequantized experts and `jax.lax.ragged_dot`.
+    """
+    g = q.shape[0]
+    if not uses_native_weight_only(
+        jnp.shape(x), jnp.result_type(x), expert_weight(q, 0), implementation
+    ):
+        weight = ops.dequantize(q, jnp.result_type(x), implementation=implementation)
+        return jax.lax.ragged_dot(x, weight, group_sizes)
+    ends = jnp.cumsum(jnp.asarray(group_sizes).astype(jnp.int32))
+    rows = jnp.arange(jnp.shape(x)[0], dtype=jnp.int32)
+    row_group = jnp.sum(rows[:, None] >= ends[None, :], axis=1)  # G past the last group
+    out = jnp.zeros((jnp.shape(x)[0], q.shape[-1]), jnp.result_type(x))
+    for e in range(g):
+        y = weight_only_matmul(x, expert_weight(q, e), implementation=implementation)
+        out = jnp.where((row_group == e)[:, None], y, out)
+    return out
+
+
 # --- operands ---------------------------------------------------------------------------------
 
 

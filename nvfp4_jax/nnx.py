@@ -300,6 +300,52 @@ class Experts(nnx.Module):
             self.quantize_rngs = rngs[self.rng_collection].fork()
         self.recipe = recipe
 
+    @classmethod
+    def from_quantized(cls, kernel: NVFP4Array, *, dtype=jnp.bfloat16) -> Experts:
+        """Experts computing with frozen NVFP4 weights (weight-only): a `(G, in, out)` stack.
+
+        Args:
+          kernel: the G experts' weights, an `NVFP4Array` of logical shape (G, in, out)
+            quantized along `in` with one tensor amax per expert, (G,) (what
+            `load_hf_checkpoint` gives for an MoE layer's experts), or one for all.
+          dtype: the dtype activations and the dequantized weights are multiplied in.
+
+        Called with `group_sizes` it computes `gemm.weight_only_ragged_dot` (on the CPU the
+        native weight-only kernel for up to `gemm.WEIGHT_ONLY_MAX_ROWS` rows, decoding each
+        expert's weight in registers); with (G, capacity, in) inputs, each expert's
+        `gemm.weight_only_matmul`. The weights are not trainable (`QuantizedKernel`).
+
+        Example:
+          >>> w = jnp.ones((4, 64, 32))
+          >>> q = jax.tree.map(lambda *l: jnp.stack(l), *[nvfp4_jax.quantize(e, axis=0) for e in w])
+          >>> Experts.from_quantized(q)(jnp.ones((10, 64)), jnp.array([3, 0, 5, 2])).shape
+          (10, 32)
+        """
+        validate_nvfp4_array(kernel, "Experts.from_quantized kernel")
+        if len(kernel.shape) != 3 or kernel.axis != -2 or kernel.rht:
+            raise ValueError(
+                "Experts.from_quantized: kernel must be a (G, in, out) NVFP4Array quantized "
+                f"along axis 1 (in), without the RHT, got {kernel!r}"
+            )
+        dtype = formats.check_dtype(dtype, "Experts.from_quantized")
+        # Built abstract (no float kernel is ever allocated); the kernel is replaced below.
+        layer = nnx.eval_shape(lambda: cls(*kernel.shape, recipe=None, rngs=nnx.Rngs(0)))
+        layer.kernel = QuantizedKernel(kernel)
+        layer.dtype = dtype
+        return layer
+
+    def _frozen_call(self, inputs: jax.Array, group_sizes: jax.Array | None) -> jax.Array:
+        q = self.kernel.get_value()
+        inputs = inputs.astype(self.dtype)
+        if group_sizes is not None:
+            return gemm.weight_only_ragged_dot(inputs, q, group_sizes)
+        return jnp.stack(
+            [
+                gemm.weight_only_matmul(inputs[e], gemm.expert_weight(q, e))
+                for e in range(q.shape[0])
+            ]
+        )
+
     def _record(self, inputs: jax.Array, group_sizes: jax.Array | None) -> None:
         seen = group_amax(inputs, group_sizes, self.num_experts)
         self.input_amax[...] = jnp.maximum(self.input_amax[...], jax.lax.stop_gradient(seen))
@@ -319,6 +365,8 @@ class Experts(nnx.Module):
             )
         if self.calibrating:
             self._record(inputs, group_sizes)
+        if isinstance(self.kernel, QuantizedKernel):
+            return self._frozen_call(inputs, group_sizes)
         dtype = self.dtype or jnp.result_type(inputs, self.kernel[...])
         inputs, kernel = inputs.astype(dtype), self.kernel[...].astype(dtype)
         if self.recipe is None:

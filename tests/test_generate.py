@@ -152,3 +152,77 @@ def test_main_from_a_train_lm_nvfp4_checkpoint(tmp_path, capsys):
         generate.main(["--checkpoint", str(out), "--run", "bf16"])
     assert exit_info.value.code == 2
     assert "a bf16 run" in capsys.readouterr().err
+
+
+# --- mixture of experts: frozen NVFP4 experts ------------------------------------------------
+
+MOE = dict(width=32, depth=2, heads=2, experts=4, top_k=2, expert_intermediate=32)
+
+
+@pytest.fixture(scope="module")
+def tiny_moe():
+    cfg = LMConfig(**MOE)
+    model = TransformerLM(cfg, nnx.Rngs(params=5))
+    params, _ = generate._params_only(generate._plain(nnx.to_pure_dict(nnx.state(model))))
+    return cfg, params
+
+
+def test_moe_experts_freeze_as_nvfp4_and_decode_as_the_full_forward(tiny_moe):
+    cfg, params = tiny_moe
+    tree = generate.quantize_params(params)
+    model = generate.build_model(cfg, tree)
+    experts = model.layers[0].mlp.experts
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        layer = getattr(experts, name)
+        assert isinstance(layer, nvfp4_jax.nnx.Experts)
+        assert isinstance(layer.kernel, nvfp4_jax.nnx.QuantizedKernel), name
+        q = layer.kernel.get_value()
+        assert q.shape == (
+            cfg.experts,
+            *np.shape(params["layers"][0]["mlp"]["experts"][name]["kernel"])[1:],
+        )
+        # One tensor amax per expert: each expert's own (gate and up share theirs).
+        kernel = np.asarray(params["layers"][0]["mlp"]["experts"][name]["kernel"], np.float32)
+        if name == "down_proj":
+            np.testing.assert_array_equal(q.amax, np.abs(kernel).max(axis=(1, 2)))
+    gate, up = (getattr(experts, n).kernel.get_value().amax for n in ("gate_proj", "up_proj"))
+    assert_same = np.testing.assert_array_equal
+    assert_same(gate, up)
+    # The cached decode through the frozen experts equals the full forward (as for linears).
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 256, (2, 10)), jnp.int32)
+    full = np.asarray(model(tokens))
+    cached = _teacher_forced(model, tokens, prompt_len=4)
+    np.testing.assert_allclose(cached, full, atol=0.02 * np.abs(full).max(), rtol=0)
+    # And NVFP4 stays close to bf16 (the same weights dequantized).
+    bf16 = np.asarray(generate.build_model(cfg, generate.dequantize_params(tree))(tokens))
+    np.testing.assert_allclose(full, bf16, atol=0.05 * np.abs(bf16).max(), rtol=0)
+
+
+def test_moe_hf_export_loads_with_frozen_experts(tiny_moe, tmp_path):
+    # The example's MoE exported as a Mixtral NVFP4 checkpoint: --hf loads its experts stacked
+    # and frozen, bit for bit the weights quantize_params freezes from the same bf16 model.
+    cfg, params = tiny_moe
+    model = generate.build_model(cfg, params)
+    out = tmp_path / "moe"
+    nvfp4_jax.export_hf_checkpoint(
+        out,
+        model,
+        name_map=nvfp4_jax.hf.mixtral_name_map(),
+        quant_algo="W4A16_NVFP4",
+        block_2d=False,  # 1x16 blocks, as quantize_params freezes them
+        config=cfg.hf_config(),
+    )
+    args = generate.parse_args(["--hf", str(out)])
+    loaded_cfg, trees, _ = generate.load_weights(args)
+    assert loaded_cfg.experts == cfg.experts
+    frozen = generate.build_model(loaded_cfg, trees["nvfp4"])
+    ours = generate.quantize_params(params)
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        got = getattr(frozen.layers[1].mlp.experts, name).kernel.get_value()
+        want = ours["layers"][1]["mlp"]["experts"][name]["kernel"]
+        np.testing.assert_array_equal(np.asarray(got.codes), np.asarray(want.codes))
+        np.testing.assert_array_equal(
+            np.asarray(got.scales).view(np.uint8), np.asarray(want.scales).view(np.uint8)
+        )
+    tokens = jnp.asarray(np.random.default_rng(2).integers(0, 256, (1, 6)), jnp.int32)
+    assert np.isfinite(np.asarray(frozen(tokens))).all()

@@ -413,3 +413,76 @@ def test_weight_only_matmul_and_a_frozen_layer_with_a_sharded_kernel(spy):
     assert spy == [(24, K)]
     assert_same_bits(y, expected, "nnx.Linear.from_quantized")
     assert y.sharding.is_equivalent_to(want, 3), y.sharding
+
+
+# --- frozen experts: weight_only_ragged_dot and Experts.from_quantized -----------------------
+
+
+def _stacked_experts(g, k, n, seed):
+    w = heavy_tailed((g, k, n), seed=seed)
+    per_expert = [nvfp4_jax.quantize(jnp.asarray(w[e]), axis=0) for e in range(g)]
+    return jax.tree.map(lambda *x: jnp.stack(x), *per_expert)
+
+
+@pytest.mark.parametrize("implementation", ["ffi", "reference"])
+@pytest.mark.parametrize("rows", [1, 7, 40])  # decode sizes (native on the CPU) and prefill
+def test_ragged_weight_only_rows_are_their_experts_products(implementation, rows):
+    if implementation == "ffi" and not kernels.is_available():
+        pytest.skip("the native library is not available here")
+    g, k, n = 4, 64, 48
+    q = _stacked_experts(g, k, n, seed=11)
+    x = jnp.asarray(heavy_tailed((rows, k), seed=12), jnp.bfloat16)
+    sizes = np.array([rows // 3, 0, rows - rows // 3 - 1, 0][:g], np.int32)  # one row past
+    fn = jax.jit(
+        lambda x, q, s: gemm.weight_only_ragged_dot(x, q, s, implementation=implementation)
+    )
+    got = np.asarray(fn(x, q, jnp.asarray(sizes)))
+    assert got.dtype == np.dtype(jnp.bfloat16)
+    native = implementation == "ffi" and rows <= gemm.WEIGHT_ONLY_MAX_ROWS
+    text = fn.lower(x, q, jnp.asarray(sizes)).as_text()
+    assert ("nvfp4_w4a16" in text) == native, text.count("nvfp4_w4a16")
+    start = 0
+    for e, size in enumerate(sizes):
+        if size:
+            # Each row is bit for bit its expert's weight_only_matmul (native: its own sum).
+            want = gemm.weight_only_matmul(
+                x[start : start + size], gemm.expert_weight(q, e), implementation=implementation
+            )
+            if not native:
+                dense = ops.dequantize(gemm.expert_weight(q, e), jnp.bfloat16)
+                want = jax.lax.ragged_dot(
+                    x[start : start + size], dense[None], jnp.asarray([size], jnp.int32)
+                )
+            assert_same_bits(got[start : start + size], np.asarray(want), f"expert {e}")
+        start += size
+    np.testing.assert_array_equal(got[start:].astype(np.float32), 0)  # past the groups
+
+
+def test_frozen_experts_layer():
+    g, k, n = 3, 32, 16
+    q = _stacked_experts(g, k, n, seed=13)
+    layer = nvfp4_jax.nnx.Experts.from_quantized(q)
+    assert isinstance(layer.kernel, nvfp4_jax.nnx.QuantizedKernel)
+    assert not jax.tree.leaves(nnx.state(layer, nnx.Param))  # nothing to train
+    x = jnp.asarray(heavy_tailed((6, k), seed=14), jnp.float32)
+    sizes = jnp.asarray([2, 3, 1], jnp.int32)
+    want = gemm.weight_only_ragged_dot(x.astype(jnp.bfloat16), q, sizes)
+    assert_same_bits(layer(x, sizes), want, "ragged")
+    # Dropping layout (G, capacity, in): each expert's weight_only_matmul.
+    batched = jnp.asarray(heavy_tailed((g, 5, k), seed=15), jnp.bfloat16)
+    got = layer(batched)
+    for e in range(g):
+        assert_same_bits(got[e], gemm.weight_only_matmul(batched[e], gemm.expert_weight(q, e)))
+    # Bad kernels are refused by name.
+    with pytest.raises(ValueError, match=r"\(G, in, out\) NVFP4Array quantized along axis 1"):
+        nvfp4_jax.nnx.Experts.from_quantized(gemm.expert_weight(q, 0))
+    along_out = jax.tree.map(
+        lambda *x: jnp.stack(x),
+        *[nvfp4_jax.quantize(jnp.ones((k, n)), axis=1) for _ in range(g)],
+    )
+    with pytest.raises(ValueError, match="quantized along axis 1"):
+        nvfp4_jax.nnx.Experts.from_quantized(along_out)
+    with pytest.raises(ValueError, match=r"amax of shape \(2,\) does not fit"):
+        nvfp4_jax.nnx.Experts.from_quantized(dataclasses.replace(q, amax=jnp.ones((2,))))
+    with pytest.raises(TypeError):
+        nvfp4_jax.nnx.Experts.from_quantized(jnp.ones((g, k, n)))
