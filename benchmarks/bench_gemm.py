@@ -35,10 +35,10 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from roofline import ISA_CHOICES, ISA_HELP, force_kernel_isa  # this folder is on sys.path
 
 import nvfp4_jax
 from nvfp4_jax import NVFP4Recipe, dot_general, gemm, kernels, ops
-from roofline import ISA_CHOICES, ISA_HELP, force_kernel_isa  # this folder is on sys.path
 
 DENSE = (((1,), (0,)), ((), ()))
 NT = (((1,), (1,)), ((), ()))  # (M, K) x (N, K): the GEMM's layout, XLA's fastest bf16 form here
