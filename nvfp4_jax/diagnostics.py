@@ -70,7 +70,6 @@ from nvfp4_jax.rules import (
     replace_layers,
     weight_problem,
 )
-from nvfp4_jax.seed import backward_seeds
 
 _F32 = jnp.float32
 _DENSE = (((1,), (0,)), ((), ()))
@@ -257,7 +256,7 @@ def _gemms(x, w, dy, key, recipe: NVFP4Recipe) -> tuple[jax.Array, ...]:
 def _operands(x, w, dy, key, recipe: NVFP4Recipe) -> dict[str, dict[str, jax.Array]]:
     sr, impl = recipe.stochastic_rounding, recipe.implementation
     # The keys `nvfp4_jax.dot_general` gives dgrad's and wgrad's dy.
-    dgrad_key, wgrad_key = backward_seeds(key) if sr else (None, None)
+    dgrad_key, wgrad_key = jax.random.split(key) if sr else (None, None)
     rht = recipe.wgrad_rht
     fos_w, fos_x, fos_dy = (recipe.four_over_six(k) for k in ("weight", "activation", "gradient"))
     return {
@@ -307,7 +306,7 @@ def analyze_layer(
     The operands are taken as the GEMMs see them (x and w in the compute dtype, dy in the
     output's); stochastic rounding uses `key` (a key or an int seed; default
     `jax.random.key(0)`) as `nvfp4_jax.dot_general(..., key=key)` does:
-    `seed.backward_seeds(key)` gives dgrad's and wgrad's seeds.
+    `jax.random.split(key)` gives dgrad's and wgrad's keys.
 
     Example:
       >>> x = jax.random.normal(jax.random.key(1), (32, 64))

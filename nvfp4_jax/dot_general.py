@@ -28,17 +28,32 @@ import functools
 import math
 
 import jax
+import jax.extend.random
 import jax.numpy as jnp
 import numpy as np
 
 from nvfp4_jax import formats, gemm
 from nvfp4_jax.ops import quantize as ops_quantize
 from nvfp4_jax.recipe import NVFP4Recipe
-from nvfp4_jax.seed import backward_seeds
+from nvfp4_jax.seed import SRSeed
 
 _F32 = jnp.float32
 # Seed of the key derived from dy's bits when the caller gives none (see `_gradient_key`).
 _GRADIENT_KEY_SEED = 0x4E564650
+
+
+def _constant(values) -> np.ndarray:
+    """A read-only uint32 array: one object is one constant however many calls take it."""
+    array = np.array(values, np.uint32)
+    array.flags.writeable = False
+    return array
+
+
+# The 64-bit threefry counters of `_sr_seeds`' four lanes: high words (all 0), the low words
+# of `jax.random.split` (key 0, 0, 1, 1) and of `jax.random.bits(k, (2,))` (0, 1 per key).
+_LANE_COUNTERS = tuple(map(_constant, ([0] * 4, [0, 0, 1, 1], [0, 1, 0, 1])))
+# `SRSeed.from_key`'s counter offset (element 0).
+_ZERO_OFFSET = _constant([0, 0])
 
 
 def pad_tokens(x):
@@ -67,6 +82,31 @@ def _gradient_key(dy):
     bits = jax.lax.bitcast_convert_type(dy.astype(_F32), jnp.uint32)
     digest = jnp.sum(_mix32(bits), dtype=jnp.uint32)
     return jax.random.fold_in(jax.random.key(_GRADIENT_KEY_SEED), digest)
+
+
+def _sr_seeds(key) -> tuple:
+    """The SR keys of dgrad and wgrad: the two keys of `jax.random.split(key)`, as `SRSeed`s.
+
+    Each seed's words are `jax.random.bits(k, (2,), uint32)` of its key (`SRSeed.from_key`).
+    For threefry keys (JAX's default, with its default `jax_threefry_partitionable`) both
+    seeds take two threefry hashes of four lanes: `jax.random.split`'s key i is
+    `threefry2x32(key, (0, i))`, hashed for lanes i = 0, 0, 1, 1 (each key twice), and bits
+    of shape (2,) are `y0 ^ y1` of `threefry2x32(k, (0, 0), (0, 1))`, counters 0, 1 for each
+    key. On the CPU each hash is a rolled loop that costs XLA as much to compile as dozens
+    of plain ops: two where split and two draws take three, all of one shape (one function
+    in the program). Other keys take `jax.random.split`, each seed drawn on its own. Tests
+    hold the seeds equal to `SRSeed.from_key` of `jax.random.split(key)`.
+    """
+    if str(jax.random.key_impl(key)) != "threefry2x32" or not jax.config.jax_threefry_partitionable:
+        keys = jax.random.split(key)
+        return keys[0], keys[1]
+    data = jax.random.key_data(key)
+    hash_ = jax.extend.random.threefry2x32_p.bind
+    high, split_low, bits_low = _LANE_COUNTERS
+    keys = hash_(*(jnp.broadcast_to(data[i], (4,)) for i in (0, 1)), high, split_low)
+    y0, y1 = hash_(*keys, high, bits_low)
+    words = y0 ^ y1  # key 0's two words, then key 1's
+    return SRSeed(words[:2], _ZERO_OFFSET), SRSeed(words[2:], _ZERO_OFFSET)
 
 
 def _operand(x, recipe: NVFP4Recipe, *, axis, **flags) -> gemm.Operand:
@@ -184,7 +224,7 @@ def _nvfp4_matmul_bwd(recipe, out_dtype, residuals, dy):
     sr = recipe.stochastic_rounding and (recipe.dgrad or recipe.wgrad)
     if key is None and sr:
         key = _gradient_key(dy)
-    dgrad_key, wgrad_key = backward_seeds(key) if sr else (None, None)
+    dgrad_key, wgrad_key = _sr_seeds(key) if sr else (None, None)
     backend = recipe.gemm_backend
     x_dtype, w_dtype = qx_tokens.dtype, qw.dtype
 

@@ -52,7 +52,6 @@ from nvfp4_jax import backends, formats, gemm, kernels
 from nvfp4_jax import ops as nvfp4_ops
 from nvfp4_jax.recipe import NVFP4Recipe
 from nvfp4_jax.reference import decode_scale, encode_scale, stochastic_magnitude
-from nvfp4_jax.seed import backward_seed_words
 
 _F32 = jnp.float32
 _U32 = jnp.uint32
@@ -235,6 +234,11 @@ def _group_keys(key, dy, groups: _Groups, num_groups: int) -> jax.Array:
     digest = jax.ops.segment_sum(row_digest, groups.row_group, num_segments=num_groups)
     base = jax.random.key(_GRADIENT_KEY_SEED)
     return jax.vmap(lambda d: jax.random.fold_in(base, d))(digest)
+
+
+def _key_words(keys) -> jax.Array:
+    """(G, 2) uint32: `(k0, k1) = jax.random.bits(key, (2,), uint32)` of every key."""
+    return jax.vmap(lambda k: jax.random.bits(k, (2,), _U32))(keys)
 
 
 # Threefry-2x32's rotation distances, rounds 0-3 and 4-7 (Salmon et al., "Parallel random
@@ -472,8 +476,8 @@ def _ragged_matmul_bwd(recipe, out_dtype, residuals, dy):
     sr = recipe.stochastic_rounding and (recipe.dgrad or recipe.wgrad)
     dgrad_words = wgrad_words = None
     if sr:
-        keys = _group_keys(key, dy, groups, g)  # (G,)
-        dgrad_words, wgrad_words = jax.vmap(backward_seed_words)(keys)  # (G, 2) each
+        keys = jax.vmap(jax.random.split)(_group_keys(key, dy, groups, g))  # (G, 2)
+        dgrad_words, wgrad_words = _key_words(keys[:, 0]), _key_words(keys[:, 1])
 
     # dgrad: dx (M, K) = dy (M, N) @ W[g]^T, both operands quantized along N.
     if not recipe.dgrad:

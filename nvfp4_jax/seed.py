@@ -115,39 +115,3 @@ def as_seed(key, op: str) -> SRSeed:
         raise TypeError(
             f"{op}: key must be a JAX PRNG key or an nvfp4_jax.SRSeed, got {key!r} ({error})"
         ) from None
-
-
-# XORed into the first key word for the SR seeds of a layer's two backward GEMMs ("NVDG",
-# "NVWG" in ASCII): `backward_seed_words`.
-DGRAD_TAG = 0x4E564447
-WGRAD_TAG = 0x4E565747
-
-
-def backward_seed_words(key) -> tuple[jax.Array, jax.Array]:
-    """The SR key words `(k0, k1)` of a layer's data-gradient and weight-gradient GEMMs.
-
-    For a threefry key (JAX's default; a typed key or a raw uint32[2] one) with key data
-    `(w0, w1)`: dgrad's words are `(w0 ^ DGRAD_TAG, w1)` and wgrad's `(w0 ^ WGRAD_TAG, w1)`.
-    No hash: the kernels' threefry2x32 is keyed by these words, and Threefry's streams under
-    keys that differ in a known constant are as independent as under random keys (Salmon et
-    al., SC 2011, which uses plain counters as keys). A hash here cost XLA 0.7 s of compile
-    time in the example's train step (two threefry calls per layer). Other key kinds: the
-    words of `jax.random.bits(k, (2,), uint32)` of the two halves of `jax.random.split(key)`.
-    Works under `vmap` (one key per example).
-    """
-    impl = str(jax.random.key_impl(key))
-    if impl != "threefry2x32":
-        halves = jax.random.split(key)
-        return tuple(jax.random.bits(k, (2,), _U32) for k in (halves[0], halves[1]))
-    data = jax.random.key_data(key).astype(_U32)
-    tail = data[..., 1:]
-    return tuple(
-        jnp.concatenate([data[..., :1] ^ _U32(tag), tail], axis=-1)
-        for tag in (DGRAD_TAG, WGRAD_TAG)
-    )
-
-
-def backward_seeds(key) -> tuple[SRSeed, SRSeed]:
-    """`backward_seed_words(key)` as the two `SRSeed`s (counter offset 0) of dgrad and wgrad."""
-    zero = jnp.zeros((2,), _U32)
-    return tuple(SRSeed(words, zero) for words in backward_seed_words(key))

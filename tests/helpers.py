@@ -219,21 +219,3 @@ def build_host_check(source: str, binary: pathlib.Path, *flags: str) -> pathlib.
     )
     assert build.returncode == 0, build.stderr
     return binary
-
-
-# The SR seeds of a layer's two backward GEMMs (docs/NUMERICS.md section 7), from the
-# contract's words rather than the library's code: the threefry key data (w0, w1) with
-# w0 XOR "NVDG" for dgrad and w0 XOR "NVWG" for wgrad, counter offset 0.
-DGRAD_TAG, WGRAD_TAG = 0x4E564447, 0x4E565747
-
-
-def backward_words_spec(key):
-    """(dgrad words, wgrad words), uint32 (2,) each, of a threefry key (traceable)."""
-    data = jax.random.key_data(key).astype(jnp.uint32)
-    return tuple(data.at[0].set(data[0] ^ jnp.uint32(tag)) for tag in (DGRAD_TAG, WGRAD_TAG))
-
-
-def backward_seeds_spec(key):
-    """`backward_words_spec(key)` as the two `nvfp4_jax.SRSeed`s (offset 0)."""
-    zero = jnp.zeros((2,), jnp.uint32)
-    return tuple(nvfp4_jax.SRSeed(w, zero) for w in backward_words_spec(key))

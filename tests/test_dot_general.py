@@ -23,19 +23,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import (
-    DENSE,
-    assert_same_bits,
-    backward_seeds_spec,
-    backward_words_spec,
-    bits,
-    normal,
-)
+from helpers import DENSE, assert_same_bits, bits, normal
 
 from nvfp4_jax import NVFP4Recipe, dequantize, dot_general, kernels, quantize
+from nvfp4_jax.dot_general import _sr_seeds
 from nvfp4_jax.reference import block_values
 from nvfp4_jax.reference import decode_scale as global_decode_scale
-from nvfp4_jax.seed import SRSeed, backward_seeds
+from nvfp4_jax.seed import SRSeed, as_seed
 
 F32_EPS = 2.0**-24
 # Unit roundoff of a result cast to the output dtype (on top of the f32 budget).
@@ -103,11 +97,11 @@ def pad_tokens(a: np.ndarray) -> np.ndarray:
 def backward_oracle(x, w, dy, recipe, key):
     """(dx, dW) of the recipe's dgrad and wgrad GEMMs, from `quantize` and float64 products.
 
-    x (M, K), w (K, N), dy (M, N). The seeds are the contract's (section 7): the key's words
-    tagged for dgrad round dy for dgrad, those tagged for wgrad dy for wgrad.
+    x (M, K), w (K, N), dy (M, N). The key is split as `dot_general` splits it: the first
+    half rounds dy for dgrad, the second dy for wgrad.
     """
     sr = recipe.stochastic_rounding
-    dgrad_key, wgrad_key = backward_seeds_spec(key) if sr else (None, None)
+    dgrad_key, wgrad_key = jax.random.split(key) if sr else (None, None)
     dy_n, d_dy = operand(dy, axis=-1, stochastic_rounding=sr, key=dgrad_key)
     if recipe.weight_2d:
         w_k, d_w = operand(w, axis=0, block_2d=True)  # the forward's W, (K, N)
@@ -390,37 +384,29 @@ def test_without_key_the_rounding_follows_dy():
         (lambda: jax.random.key(7), True),
         (lambda: jax.random.PRNGKey(7), True),  # a raw uint32[2] key
         (lambda: jax.random.key(7), False),
+        (lambda: jax.random.key(7, impl="rbg"), True),
+        (lambda: jax.random.key(7, impl="unsafe_rbg"), True),
     ],
-    ids=["threefry", "raw", "threefry_original"],
+    ids=["threefry", "raw", "threefry_original", "rbg", "unsafe_rbg"],
 )
-def test_backward_seeds_are_the_tagged_key_words(make_key, partitionable):
-    # The backward's two SR seeds are the key's own words tagged per GEMM (no hash): the
-    # contract's, eagerly, under jit and under vmap (a batched dot_general's backward).
+def test_sr_seeds_are_the_split_keys_seeds(make_key, partitionable):
+    # The backward hashes both SR seeds together where it can (`_sr_seeds`): they must be
+    # `SRSeed.from_key` of the two halves of `jax.random.split(key)`, eagerly, under jit and
+    # under vmap, for every kind of key.
     with jax.threefry_partitionable(partitionable):
         key = make_key()
-        want = backward_seeds_spec(key)
-        for got in (backward_seeds(key), jax.jit(backward_seeds)(key)):
+        want = [SRSeed.from_key(k) for k in jax.random.split(key)]
+        for got in (_sr_seeds(key), jax.jit(_sr_seeds)(key)):
             for seed, ref in zip(got, want, strict=True):
+                seed = as_seed(seed, "test")
                 assert_same_bits(seed.key_words, ref.key_words)
-                assert_same_bits(seed.counter_offset, np.zeros(2, np.uint32))
+                assert_same_bits(seed.counter_offset, ref.counter_offset)
+        # Under vmap too (a batched dot_general's backward).
         keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(3, dtype=jnp.uint32))
-        got = jax.vmap(lambda k: [s.key_words for s in backward_seeds(k)])(keys)
-        ref = jax.vmap(lambda k: list(backward_words_spec(k)))(keys)
-        for words, r in zip(got, ref, strict=True):
-            assert_same_bits(words, r)
-        # dgrad and wgrad draw different streams.
-        assert not np.array_equal(*(np.asarray(s.key_words) for s in backward_seeds(key)))
-
-
-@pytest.mark.parametrize("impl", ["rbg", "unsafe_rbg"])
-def test_backward_seeds_of_other_key_kinds_split_the_key(impl):
-    # Keys of other PRNG implementations have other key data: their seeds are drawn from the
-    # two halves of jax.random.split, as SRSeed.from_key draws a key's words.
-    key = jax.random.key(7, impl=impl)
-    want = [SRSeed.from_key(k) for k in jax.random.split(key)]
-    for got in (backward_seeds(key), jax.jit(backward_seeds)(key)):
-        for seed, ref in zip(got, want, strict=True):
-            assert_same_bits(seed.key_words, ref.key_words)
+        got = jax.vmap(lambda k: [as_seed(s, "test").key_words for s in _sr_seeds(k)])(keys)
+        want = jax.vmap(lambda k: [SRSeed.from_key(s).key_words for s in jax.random.split(k)])(keys)
+        for words, ref in zip(got, want, strict=True):
+            assert_same_bits(words, ref)
 
 
 # --- transformations -------------------------------------------------------------------------

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import DENSE, assert_same_bits, backward_seeds_spec, backward_words_spec
+from helpers import DENSE, assert_same_bits
 from jax.extend.random import threefry_2x32
 
 import nvfp4_jax
@@ -239,7 +239,8 @@ def ragged_operands(x, dy, group_sizes, key, recipe):
     stored layouts: rows (M, C), padded tokens (C, Mp)) and per-group decode factors D."""
     r, g = ragged_module, 4
     groups = r._groups(group_sizes, x.shape[0])
-    dgrad_words, wgrad_words = jax.vmap(backward_words_spec)(r._group_keys(key, dy, groups, g))
+    keys = jax.vmap(jax.random.split)(r._group_keys(key, dy, groups, g))
+    dgrad_words, wgrad_words = r._key_words(keys[:, 0]), r._key_words(keys[:, 1])
     out = {}
     for name, (q, amax) in {
         "x": r._quantize_rows(x, groups, g, recipe),
@@ -276,7 +277,7 @@ def test_operands_are_bit_for_bit_the_dense_ones(key_kind, implementation):
         end, padded = start + size, -(-size // 16) * 16
         x_g, dy_g = x[start:end], dy[start:end]
         key_g = _gradient_key(dy_g) if key is None else jax.random.fold_in(key, g)
-        dgrad_key, wgrad_key = backward_seeds_spec(key_g)
+        dgrad_key, wgrad_key = jax.random.split(key_g)
         q_x_tokens = ops.quantize(pad_tokens(x_g), axis=0, rht=True, implementation="reference")
         expected = {
             "x": (lambda o: (o.data, o.decode))(ref(x_g, axis=-1)),
