@@ -88,6 +88,7 @@ RESUME_FLAGS = (
     "four_over_six",
     "four_over_six_error",
     "four_over_six_e4m3_max",
+    "sr_seed",
 )
 # What a checkpoint made before a flag existed was made with (it records no value for it).
 RESUME_DEFAULTS = {
@@ -100,6 +101,7 @@ RESUME_DEFAULTS = {
     "four_over_six": [],
     "four_over_six_error": "mse",
     "four_over_six_e4m3_max": 256,
+    "sr_seed": None,
 }
 # The Four Over Six fields a --rules recipe may set (null, "mae" or "mse"), over the flags'.
 RULE_FOUR_OVER_SIX = ("weight_four_over_six", "activation_four_over_six", "gradient_four_over_six")
@@ -298,6 +300,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="linear warm-up steps, at most --steps (default: steps/20, at least 1)",
     )
     p.add_argument("--seed", type=_integer(0, MAX_SEED), default=0)
+    p.add_argument(
+        "--sr-seed",
+        type=_integer(0, MAX_SEED),
+        default=None,
+        help="seed of the NVFP4 run's stochastic-rounding streams alone (default: from --seed); "
+        "the weights and the batches stay --seed's",
+    )
     p.add_argument(
         "--bf16-first",
         type=_integer(0),
@@ -667,7 +676,7 @@ def switch_precision(model, args, rules) -> None:
     resumed run (which restores those streams from its checkpoint) and an uninterrupted one
     take the same steps.
     """
-    key = jax.random.fold_in(jax.random.key(args.seed), switch_step(args))
+    key = jax.random.fold_in(jax.random.key(_sr_seed(args, switch=True)), switch_step(args))
     nvfp4_jax.quantize_model(
         model, switched_rules(rules, args.high_precision_final_gemms), rngs=nnx.Rngs(quantize=key)
     )
@@ -694,8 +703,17 @@ def make_model(args, recipe_name: str, rules=None) -> TransformerLM:
     model = TransformerLM(model_config(args, recipe_name), nnx.Rngs(params=args.seed))
     if recipe_name == "nvfp4":
         rules = model_rules(args) if rules is None else rules
-        nvfp4_jax.quantize_model(model, rules, rngs=nnx.Rngs(quantize=args.seed + 1))
+        nvfp4_jax.quantize_model(model, rules, rngs=nnx.Rngs(quantize=_sr_seed(args)))
     return model
+
+
+def _sr_seed(args, switch: bool = False) -> int:
+    """The seed of the NVFP4 layers' SR streams: from --seed (seed + 1 at the start, seed at
+    the --high-precision-final switch), or --sr-seed S (S, and S + 1 at the switch)."""
+    sr_seed = getattr(args, "sr_seed", None)
+    if sr_seed is None:
+        return args.seed if switch else args.seed + 1
+    return sr_seed + 1 if switch else sr_seed
 
 
 def diagnose(args, train, out: pathlib.Path, console: Console) -> list[nvfp4_jax.Rule]:

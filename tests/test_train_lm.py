@@ -6,6 +6,7 @@ import math
 import pathlib
 import sys
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
@@ -471,3 +472,27 @@ def test_a_rules_file_sets_four_over_six_per_layer(tmp_path, capsys):
         rules.write_text(json.dumps([{"pattern": "mlp", "recipe": bad}]))
         err = _exits_with_usage_error(capsys, train_lm.parse_args, [*TINY, "--rules", str(rules)])
         assert "recipe must be null or a dict of" in err, err
+
+
+def test_sr_seed_changes_only_the_rounding_streams(tmp_path):
+    # --sr-seed varies the NVFP4 run's stochastic rounding alone: the same weights and
+    # batches, other SR draws (so another loss); without it the streams follow --seed.
+    default = train_lm.parse_args(TINY)
+    assert default.sr_seed is None
+    assert train_lm._sr_seed(default) == 1 and train_lm._sr_seed(default, switch=True) == 0
+    runs = {}
+    for name, flags in {"a": ["--sr-seed", "5"], "b": ["--sr-seed", "6"]}.items():
+        args = train_lm.parse_args([*TINY, *flags])
+        assert args.sr_seed == int(flags[1])
+        model = train_lm.make_model(args, "nvfp4")
+        weights = nnx.state(model, nnx.Param)
+        runs[name] = weights
+        _run(tmp_path / name, "--steps", "3", "--recipe", "nvfp4", *flags)
+    for a, b in zip(*(jax.tree.leaves(r) for r in runs.values()), strict=True):
+        np.testing.assert_array_equal(a, b)  # the same initial weights
+    losses = [
+        json.loads((tmp_path / n / "results.json").read_text())["histories"]["nvfp4"]["train_loss"]
+        for n in runs
+    ]
+    assert losses[0][0] == losses[1][0]  # step 1's forward has no SR
+    assert losses[0] != losses[1]  # the rounding of the gradients differs
