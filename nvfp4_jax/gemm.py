@@ -207,7 +207,23 @@ def weight_only_ragged_dot(
     `weight_only_matmul` of that row (the kernel sums every output element on its own).
     Elsewhere, the dequantized experts and `jax.lax.ragged_dot`.
     """
-    g = q.shape[0]
+    if len(q.shape) != 3 or q.axis != -2:
+        raise ValueError(
+            "weight_only_ragged_dot: q must be a (G, in, out) NVFP4Array quantized along in, "
+            f"got {q!r}"
+        )
+    g, k, _ = q.shape
+    if jnp.ndim(x) != 2 or jnp.shape(x)[1] != k:
+        raise ValueError(
+            f"weight_only_ragged_dot: x must be (tokens, {k}) for a (G, {k}, out) weight, got "
+            f"shape {jnp.shape(x)}"
+        )
+    sizes_dtype = jnp.result_type(group_sizes)
+    if jnp.shape(group_sizes) != (g,) or not jnp.issubdtype(sizes_dtype, jnp.integer):
+        raise ValueError(
+            f"weight_only_ragged_dot: group_sizes must be ({g},) integers, one per expert, got "
+            f"{sizes_dtype} of shape {jnp.shape(group_sizes)}"
+        )
     if not uses_native_weight_only(
         jnp.shape(x), jnp.result_type(x), expert_weight(q, 0), implementation
     ):

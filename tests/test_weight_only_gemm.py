@@ -486,3 +486,10 @@ def test_frozen_experts_layer():
         nvfp4_jax.nnx.Experts.from_quantized(dataclasses.replace(q, amax=jnp.ones((2,))))
     with pytest.raises(TypeError):
         nvfp4_jax.nnx.Experts.from_quantized(jnp.ones((g, k, n)))
+    # Bad calls name what is wrong.
+    with pytest.raises(ValueError, match=r"group_sizes must be \(3,\) integers.*shape \(2,\)"):
+        layer(x, jnp.asarray([2, 3], jnp.int32))
+    with pytest.raises(ValueError, match=r"group_sizes must be \(3,\) integers.*float32"):
+        layer(x, jnp.asarray([2.0, 3.0, 1.0]))
+    with pytest.raises(ValueError, match=r"x must be \(tokens, 32\).*\(2, 6, 32\)"):
+        gemm.weight_only_ragged_dot(jnp.ones((2, 6, k), jnp.bfloat16), q, sizes)
