@@ -75,17 +75,9 @@ def emulated_in_xla():
 
 
 def host(forced: str | None = None) -> str:
-    isa = "n/a"
-    module = kernels._library.module("cpu")
+    isa = kernels.cpu_isa() or "n/a"  # the level the kernels run
     if forced:
-        isa = f"{forced} (forced by --isa)"
-    elif module is not None:
-        # The variant the kernels run: the best one this CPU supports.
-        for name in ("x86-64-v4", "x86-64-v3", "baseline"):
-            if module.set_isa(name):
-                isa = name
-                break
-        module.set_isa("")
+        isa += " (forced by --isa)"
     vnni = ""
     with contextlib.suppress(OSError):
         flags = open("/proc/cpuinfo").read()

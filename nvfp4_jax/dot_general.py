@@ -35,25 +35,18 @@ import numpy as np
 from nvfp4_jax import formats, gemm
 from nvfp4_jax.ops import quantize as ops_quantize
 from nvfp4_jax.recipe import NVFP4Recipe
-from nvfp4_jax.seed import SRSeed
+from nvfp4_jax.seed import SRSeed, constant_words
 
 _F32 = jnp.float32
 # Seed of the key derived from dy's bits when the caller gives none (see `_gradient_key`).
 _GRADIENT_KEY_SEED = 0x4E564650
 
 
-def _constant(values) -> np.ndarray:
-    """A read-only uint32 array: one object is one constant however many calls take it."""
-    array = np.array(values, np.uint32)
-    array.flags.writeable = False
-    return array
-
-
 # The 64-bit threefry counters of `_sr_seeds`' four lanes: high words (all 0), the low words
 # of `jax.random.split` (key 0, 0, 1, 1) and of `jax.random.bits(k, (2,))` (0, 1 per key).
-_LANE_COUNTERS = tuple(map(_constant, ([0] * 4, [0, 0, 1, 1], [0, 1, 0, 1])))
+_LANE_COUNTERS = tuple(map(constant_words, ([0] * 4, [0, 0, 1, 1], [0, 1, 0, 1])))
 # `SRSeed.from_key`'s counter offset (element 0).
-_ZERO_OFFSET = _constant([0, 0])
+_ZERO_OFFSET = constant_words([0, 0])
 
 
 def pad_tokens(x):

@@ -64,7 +64,7 @@ from nvfp4_jax import nnx as nvfp4_nnx
 from nvfp4_jax._storage import to_host
 from nvfp4_jax.array import NVFP4Array
 from nvfp4_jax.hf.names import DEFAULT_FUSED_GROUPS
-from nvfp4_jax.reference.quantize import encode_scale
+from nvfp4_jax.reference.quantize import block_amax, block_encode, encode_scale, quantized_array
 from nvfp4_jax.rules import (
     Rule,
     check_rules,
@@ -396,15 +396,11 @@ def _gptq_codes(w: jax.Array, u: jax.Array, amax: jax.Array, *, block_2d: bool):
         start = b * size
         wb = jax.lax.dynamic_slice(w, (0, start), (n, size))
         ub = jax.lax.dynamic_slice(u, (start, start), (size, size))
-        block_max = jnp.max(jnp.abs(wb), axis=1)
-        if block_2d:
-            tiles = jnp.max(block_max.reshape(n // size, size), axis=1)
-            block_max = jnp.repeat(tiles, size)
+        block_max = block_amax(wb.reshape(n, 1, size), block_2d)[:, 0]  # tiles over 16 rows
         scaled = jnp.minimum(block_max * (s_enc * _F32(formats.RCP6)), _F32(formats.E4M3_MAX))
         s = scaled.astype(jnp.float8_e4m3fn)
-        sf = s.astype(_F32)
-        encode = jnp.minimum(_F32(1) / (sf * s_dec), _F32(formats.FLT_MAX))
-        factor = sf * d
+        encode = block_encode(s, s_dec)
+        factor = s.astype(_F32) * d
 
         def column(j, inner):
             wb, errors, block_codes = inner
@@ -503,14 +499,16 @@ def _quantize_gptq(
     codes = codes[:, inverse]
     block_of = perm[:: formats.BLOCK_SIZE] // formats.BLOCK_SIZE  # processed block -> block
     scales = scales[:, np.argsort(block_of)]
-    q = NVFP4Array(
-        codes=formats.pack_nibbles(jnp.asarray(codes)),
-        scales=jnp.asarray(scales),
-        amax=jnp.float32(amax),
-        dtype=jnp.dtype(kernel.dtype),
-        axis=-2,
-        block_2d=bool(block_2d),
-        rht=False,
+    q = quantized_array(
+        formats.pack_nibbles(jnp.asarray(codes)),
+        jnp.asarray(scales),
+        jnp.float32(amax),
+        kernel.dtype,
+        -2,
+        bool(block_2d),
+        False,
+        None,
+        formats.E4M3_MAX,
     )
     return q, relative
 

@@ -22,6 +22,16 @@ _U32 = jnp.uint32
 _MASK32 = 0xFFFFFFFF
 
 
+def constant_words(values) -> np.ndarray:
+    """Read-only uint32 words, lowered to one constant however many calls take them.
+
+    A `jnp.zeros` or `jnp.array` is an op per call.
+    """
+    array = np.array(values, np.uint32)
+    array.flags.writeable = False
+    return array
+
+
 def _counter_words(element_offset) -> jax.Array:
     """The counter offset `element_offset // 8` as uint32 `(lo, hi)`.
 

@@ -394,3 +394,16 @@ def test_ptq_lm_quantizes_a_tiny_bf16_run(tmp_path, capsys):
     with pytest.raises(SystemExit) as info:
         ptq_lm.main(["--from", str(tmp_path)])
     assert info.value.code == 2 and "holds no bf16 checkpoint" in capsys.readouterr().err
+
+
+def test_gptq_act_order_changes_the_order_and_so_the_codes():
+    # act_order processes the columns by decreasing Hessian diagonal: the same layers end with
+    # other codes (the option is not silently ignored).
+    model, batches = mixed()
+    codes = {}
+    for act_order in (False, True):
+        frozen, _ = ptq.quantize_for_export(
+            model, batches, method="gptq", gptq_act_order=act_order, block_2d=False
+        )
+        codes[act_order] = [_bits(frozen.down_proj.kernel.get_value().codes)]
+    assert codes[False] != codes[True]

@@ -35,12 +35,11 @@ from jax import lax
 from nvfp4_jax import formats
 from nvfp4_jax.kernels import _library
 from nvfp4_jax.kernels import _partition as part
-from nvfp4_jax.seed import SRSeed
+from nvfp4_jax.seed import SRSeed, constant_words
 
 _F32 = jnp.float32
 _BLOCK = formats.BLOCK_SIZE
-_ZERO_SEED = np.zeros((4,), np.uint32)
-_ZERO_SEED.flags.writeable = False
+_ZERO_SEED = constant_words([0, 0, 0, 0])
 
 
 def _target(name: str, four_over_six: str | None, e4m3_max: int) -> tuple[str, dict]:
@@ -207,8 +206,7 @@ def _partitioned_fake_quantize(ndim, block_2d, rht, sr, global_scale, dtype, fos
 
 
 def _seed_operand(seed: SRSeed | None) -> jax.Array:
-    # Round to nearest: the zero seed the kernels ignore, one constant (JAX lowers one numpy
-    # array to one constant however many calls take it; a `jnp.zeros` is a broadcast each).
+    # Round to nearest: the zero seed the kernels ignore, one constant for every call.
     return _ZERO_SEED if seed is None else seed.operand()
 
 

@@ -54,7 +54,7 @@ def _e4m3_nan(shape) -> jax.Array:
     return jax.lax.bitcast_convert_type(nan_byte, jnp.float8_e4m3fn)
 
 
-def _block_amax(blocks: jax.Array, block_2d: bool) -> jax.Array:
+def block_amax(blocks: jax.Array, block_2d: bool) -> jax.Array:
     """Max |x| per block: (..., R, C/16, 16) -> (..., R, C/16), tiles repeated per row if 2D."""
     block_max = jnp.max(jnp.abs(blocks), axis=-1)
     if not block_2d:
@@ -82,7 +82,7 @@ def _prepare(stored: jax.Array, rht: bool, amax: jax.Array | None):
     return xs, used, bad, jnp.where(bad, _F32(jnp.nan), used)
 
 
-def _block_encode(scales: jax.Array, s_dec: jax.Array) -> jax.Array:
+def block_encode(scales: jax.Array, s_dec: jax.Array) -> jax.Array:
     """`enc_b = min(1 / (f32(s_b) * S_dec), FLT_MAX)` per block."""
     return jnp.minimum(_F32(1) / (scales.astype(_F32) * s_dec), _F32(formats.FLT_MAX))
 
@@ -157,7 +157,7 @@ def _four_over_six_scales(blocks, block_max, used, s_enc, s_dec, block_2d, mode,
     e4m3_max_f = _F32(formats.E4M3_MAX)
     s6 = jnp.minimum(base, e4m3_max_f).astype(jnp.float8_e4m3fn)
     s4 = jnp.minimum(base * formats.MAP_TO_4, e4m3_max_f).astype(jnp.float8_e4m3fn)
-    enc6, enc4 = _block_encode(s6, s_dec), _block_encode(s4, s_dec)
+    enc6, enc4 = block_encode(s6, s_dec), block_encode(s4, s_dec)
     err6 = _candidate_error(blocks, s6, enc6, used, mode, e4m3_max)
     err4 = _candidate_error(blocks, s4, enc4, used, mode, e4m3_max)
     if block_2d:
@@ -184,11 +184,11 @@ def _quantize_core(
     s_enc = encode_scale(used, e4m3_max)
     s_dec = _F32(1) / s_enc
     blocks = xs.reshape(*xs.shape[:-1], xs.shape[-1] // formats.BLOCK_SIZE, formats.BLOCK_SIZE)
-    block_max = _block_amax(blocks, block_2d)
+    block_max = block_amax(blocks, block_2d)
     if four_over_six is None:
         scaled = jnp.minimum(block_max * (s_enc * _F32(formats.RCP6)), _F32(formats.E4M3_MAX))
         scales = scaled.astype(jnp.float8_e4m3fn)
-        encode = _block_encode(scales, s_dec)
+        encode = block_encode(scales, s_dec)
     else:
         scales, encode = _four_over_six_scales(
             blocks, block_max, used, s_enc, s_dec, block_2d, four_over_six, e4m3_max
