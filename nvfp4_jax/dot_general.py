@@ -32,7 +32,7 @@ import jax.extend.random
 import jax.numpy as jnp
 import numpy as np
 
-from nvfp4_jax import formats, gemm
+from nvfp4_jax import backends, formats, gemm, kernels
 from nvfp4_jax.ops import quantize as ops_quantize
 from nvfp4_jax.recipe import NVFP4Recipe
 from nvfp4_jax.seed import SRSeed, constant_words
@@ -45,8 +45,9 @@ _GRADIENT_KEY_SEED = 0x4E564650
 # The 64-bit threefry counters of `_sr_seeds`' four lanes: high words (all 0), the low words
 # of `jax.random.split` (key 0, 0, 1, 1) and of `jax.random.bits(k, (2,))` (0, 1 per key).
 _LANE_COUNTERS = tuple(map(constant_words, ([0] * 4, [0, 0, 1, 1], [0, 1, 0, 1])))
-# `SRSeed.from_key`'s counter offset (element 0).
+# `SRSeed.from_key`'s counter offset (element 0); `fold_in`'s high counter word.
 _ZERO_OFFSET = constant_words([0, 0])
+_ZERO_WORD = constant_words([0])
 
 
 def pad_tokens(x):
@@ -77,7 +78,48 @@ def _gradient_key(dy):
     return jax.random.fold_in(jax.random.key(_GRADIENT_KEY_SEED), digest)
 
 
-def _sr_seeds(key) -> tuple:
+def _native_hash(implementation) -> bool:
+    """True where the SR keys are hashed by `kernels.threefry2x32`, one native custom call.
+
+    That is on the CPU, when the native kernels run the GEMMs' quantization. The same bits as
+    JAX's threefry2x32, whose CPU lowering XLA compiles as a rolled loop that costs as much as
+    dozens of plain ops (a few per layer and step). The reference implementation stays pure
+    JAX (its programs hold no custom call).
+    """
+    return (
+        kernels.current_platform() == "cpu"
+        and backends.resolve(implementation, "dot_general").name == "ffi"
+    )
+
+
+def _is_threefry(key) -> bool:
+    """True for a typed threefry2x32 key under the default `jax_threefry_partitionable`.
+
+    `_sr_seeds` and `fold_in` hash such keys themselves.
+    """
+    return (
+        jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+        and str(jax.random.key_impl(key)) == "threefry2x32"
+        and jax.config.jax_threefry_partitionable
+    )
+
+
+def fold_in(key, data, implementation=None):
+    """`jax.random.fold_in(key, data)`, bit for bit, for a uint32 scalar `data`.
+
+    Where `_native_hash(implementation)`, a threefry key is hashed by the native kernel:
+    `fold_in(k, d) = threefry2x32(k, (0, d))`, as JAX's threefry implementation has it (a test
+    holds them equal). Otherwise `jax.random.fold_in`.
+    """
+    if not (_is_threefry(key) and _native_hash(implementation)):
+        return jax.random.fold_in(key, data)
+    words = jax.random.key_data(key)
+    data = jnp.asarray(data, jnp.uint32).reshape(1)
+    y0, y1 = kernels.threefry2x32(words[0], words[1], _ZERO_WORD, data)
+    return jax.random.wrap_key_data(jnp.concatenate([y0, y1]), impl="threefry2x32")
+
+
+def _sr_seeds(key, implementation=None) -> tuple:
     """The SR keys of dgrad and wgrad: the two keys of `jax.random.split(key)`, as `SRSeed`s.
 
     Each seed's words are `jax.random.bits(k, (2,), uint32)` of its key (`SRSeed.from_key`).
@@ -85,16 +127,20 @@ def _sr_seeds(key) -> tuple:
     seeds take two threefry hashes of four lanes: `jax.random.split`'s key i is
     `threefry2x32(key, (0, i))`, hashed for lanes i = 0, 0, 1, 1 (each key twice), and bits
     of shape (2,) are `y0 ^ y1` of `threefry2x32(k, (0, 0), (0, 1))`, counters 0, 1 for each
-    key. On the CPU each hash is a rolled loop that costs XLA as much to compile as dozens
-    of plain ops: two where split and two draws take three, all of one shape (one function
-    in the program). Other keys take `jax.random.split`, each seed drawn on its own. Tests
-    hold the seeds equal to `SRSeed.from_key` of `jax.random.split(key)`.
+    key: two hashes where split and two draws take three, each by the native kernel where
+    `_native_hash(implementation)` (one custom call), else JAX's primitive. Other
+    keys take `jax.random.split`, each seed drawn on its own. Tests hold the seeds equal to
+    `SRSeed.from_key` of `jax.random.split(key)`.
     """
-    if str(jax.random.key_impl(key)) != "threefry2x32" or not jax.config.jax_threefry_partitionable:
+    if not _is_threefry(key):
         keys = jax.random.split(key)
         return keys[0], keys[1]
     data = jax.random.key_data(key)
-    hash_ = jax.extend.random.threefry2x32_p.bind
+    hash_ = (
+        kernels.threefry2x32
+        if _native_hash(implementation)
+        else jax.extend.random.threefry2x32_p.bind
+    )
     high, split_low, bits_low = _LANE_COUNTERS
     keys = hash_(*(jnp.broadcast_to(data[i], (4,)) for i in (0, 1)), high, split_low)
     y0, y1 = hash_(*keys, high, bits_low)
@@ -217,7 +263,7 @@ def _nvfp4_matmul_bwd(recipe, out_dtype, residuals, dy):
     sr = recipe.stochastic_rounding and (recipe.dgrad or recipe.wgrad)
     if key is None and sr:
         key = _gradient_key(dy)
-    dgrad_key, wgrad_key = _sr_seeds(key) if sr else (None, None)
+    dgrad_key, wgrad_key = _sr_seeds(key, recipe.implementation) if sr else (None, None)
     backend = recipe.gemm_backend
     x_dtype, w_dtype = qx_tokens.dtype, qw.dtype
 

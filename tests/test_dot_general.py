@@ -26,7 +26,7 @@ import pytest
 from helpers import DENSE, assert_same_bits, bits, normal
 
 from nvfp4_jax import NVFP4Recipe, dequantize, dot_general, kernels, quantize
-from nvfp4_jax.dot_general import _sr_seeds
+from nvfp4_jax.dot_general import _sr_seeds, fold_in
 from nvfp4_jax.reference import block_values
 from nvfp4_jax.reference import decode_scale as global_decode_scale
 from nvfp4_jax.seed import SRSeed, as_seed
@@ -389,24 +389,73 @@ def test_without_key_the_rounding_follows_dy():
     ],
     ids=["threefry", "raw", "threefry_original", "rbg", "unsafe_rbg"],
 )
-def test_sr_seeds_are_the_split_keys_seeds(make_key, partitionable):
-    # The backward hashes both SR seeds together where it can (`_sr_seeds`): they must be
-    # `SRSeed.from_key` of the two halves of `jax.random.split(key)`, eagerly, under jit and
-    # under vmap, for every kind of key.
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_sr_seeds_are_the_split_keys_seeds(make_key, partitionable, implementation):
+    # The backward hashes both SR seeds together where it can (`_sr_seeds`; with "ffi" on the
+    # CPU by the native hash): they must be `SRSeed.from_key` of the two halves of
+    # `jax.random.split(key)`, eagerly, under jit and under vmap, for every kind of key.
+    seeds = functools.partial(_sr_seeds, implementation=implementation)
     with jax.threefry_partitionable(partitionable):
         key = make_key()
         want = [SRSeed.from_key(k) for k in jax.random.split(key)]
-        for got in (_sr_seeds(key), jax.jit(_sr_seeds)(key)):
+        for got in (seeds(key), jax.jit(seeds)(key)):
             for seed, ref in zip(got, want, strict=True):
                 seed = as_seed(seed, "test")
                 assert_same_bits(seed.key_words, ref.key_words)
                 assert_same_bits(seed.counter_offset, ref.counter_offset)
         # Under vmap too (a batched dot_general's backward).
         keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(3, dtype=jnp.uint32))
-        got = jax.vmap(lambda k: [as_seed(s, "test").key_words for s in _sr_seeds(k)])(keys)
+        got = jax.vmap(lambda k: [as_seed(s, "test").key_words for s in seeds(k)])(keys)
         want = jax.vmap(lambda k: [SRSeed.from_key(s).key_words for s in jax.random.split(k)])(keys)
         for words, ref in zip(got, want, strict=True):
             assert_same_bits(words, ref)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize(
+    "make_key",
+    [lambda: jax.random.key(11), lambda: jax.random.key(11, impl="rbg"), jax.random.PRNGKey],
+    ids=["threefry", "rbg", "raw"],
+)
+def test_fold_in_is_jax_random_fold_in(make_key, implementation):
+    # The layers' key of the step (`fold_in`; with "ffi" on the CPU by the native hash) is
+    # `jax.random.fold_in` bit for bit: eagerly, under jit, under vmap, data up to 2**32 - 1.
+    key = make_key(11) if make_key is jax.random.PRNGKey else make_key()
+    data = np.array([0, 1, 7, 2**31, 2**32 - 1], np.uint32)
+
+    def ours(k, d):
+        return jax.random.key_data(fold_in(k, d, implementation))
+
+    def want(k, d):
+        return jax.random.key_data(jax.random.fold_in(k, d))
+
+    for d in data:
+        assert_same_bits(ours(key, d), want(key, d))
+        assert_same_bits(jax.jit(ours)(key, d), want(key, d))
+    batched = jax.vmap(ours, in_axes=(None, 0))(key, jnp.asarray(data))
+    assert_same_bits(batched, jax.vmap(want, in_axes=(None, 0))(key, jnp.asarray(data)))
+
+
+@pytest.mark.skipif("ffi" not in IMPLEMENTATIONS, reason="the native CPU library is not built")
+def test_native_sr_keys_leave_no_threefry_loop_in_the_program():
+    # What the native hash is for: the backward's SR keys (and a layer's fold_in) compile as
+    # custom calls, not as XLA's rolled threefry loops; the reference keeps JAX's hash.
+    x, w = jnp.ones((32, 32)), jnp.ones((32, 16))
+
+    def grad_text(implementation):
+        recipe = NVFP4Recipe(implementation=implementation)
+
+        def f(x, w, key):
+            key = fold_in(key, jnp.uint32(3), implementation)
+            return jnp.sum(dot_general(x, w, DENSE, recipe=recipe, key=key))
+
+        lowered = jax.jit(jax.grad(f, argnums=(0, 1))).lower(x, w, jax.random.key(0))
+        return lowered.as_text()
+
+    native, reference = grad_text("ffi"), grad_text("reference")
+    assert native.count("nvfp4_threefry2x32") == 3  # fold_in, split, bits
+    assert "threefry2x32" not in native.replace("nvfp4_threefry2x32", "")
+    assert "nvfp4_threefry2x32" not in reference and "threefry2x32" in reference
 
 
 # --- transformations -------------------------------------------------------------------------

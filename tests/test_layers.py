@@ -63,6 +63,42 @@ def test_nnx_linear_draws_a_fresh_sr_key_every_call():
     assert_same_bits(layer(x), layer(x))
 
 
+@pytest.mark.parametrize(
+    "implementation", ["reference"] + (["ffi"] if nvfp4_jax.kernels.is_available("cpu") else [])
+)
+def test_nnx_sr_keys_are_the_rng_streams_own(implementation):
+    # The layers hash their key of the step themselves (one native custom call on the CPU):
+    # the keys, and so the gradients' rounding, are nnx's `stream()` bit for bit, the count
+    # advancing the same way, eagerly and under nnx.jit.
+    recipe = NVFP4Recipe(implementation=implementation)
+
+    def make():
+        return nvfp4_jax.nnx.Linear(64, 32, recipe=recipe, rngs=nnx.Rngs(0, quantize=1))
+
+    stream = make().quantize_rngs
+    keys = [stream(), stream()]  # nnx's own keys of the first two steps
+    layer, x = make(), inputs()
+    bias = layer.bias[...]
+
+    def grad_of(w, key):
+        def loss(w):
+            return jnp.sum((nvfp4_jax.dot_general(x, w, DENSE, recipe=recipe, key=key) + bias) ** 2)
+
+        return jax.grad(loss)(w)
+
+    @nnx.jit
+    def jitted_grads(model):
+        return nnx_grads(model, x)
+
+    got = [nnx_grads(layer, x).kernel[...], jitted_grads(layer).kernel[...]]
+    assert int(layer.quantize_rngs.count[...]) == 2
+    # Eagerly against eagerly, jitted against jitted (XLA may order a fused dot's sum otherwise).
+    want = [grad_of(layer.kernel[...], keys[0]), jax.jit(grad_of)(layer.kernel[...], keys[1])]
+    for g, w in zip(got, want, strict=True):
+        assert_same_bits(g, w)
+    assert not np.array_equal(bits(want[0]), bits(want[1]))
+
+
 def test_nnx_linear_without_sr_keeps_no_rng_stream_and_is_deterministic():
     layer = nvfp4_jax.nnx.Linear(
         64, 32, recipe=NVFP4Recipe(stochastic_rounding=False), rngs=nnx.Rngs(0)

@@ -30,6 +30,7 @@ XLA_FFI_Error* NVFP4_HANDLER(NvFp4Rht)(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* NvFp4GemmCpu(XLA_FFI_CallFrame* call_frame);  // CPU only
 XLA_FFI_Error* NvFp4W4a16Cpu(XLA_FFI_CallFrame* call_frame);  // CPU only
 XLA_FFI_Error* NvFp4GroupedQuantizeCpu(XLA_FFI_CallFrame* call_frame);  // CPU only
+XLA_FFI_Error* NvFp4Threefry2x32Cpu(XLA_FFI_CallFrame* call_frame);  // CPU only
 #endif
 }
 
@@ -67,6 +68,7 @@ const Target kTargets[] = {
     {"nvfp4_gemm", reinterpret_cast<void*>(NvFp4GemmCpu)},
     {"nvfp4_w4a16", reinterpret_cast<void*>(NvFp4W4a16Cpu)},
     {"nvfp4_grouped_quantize", reinterpret_cast<void*>(NvFp4GroupedQuantizeCpu)},
+    {"nvfp4_threefry2x32", reinterpret_cast<void*>(NvFp4Threefry2x32Cpu)},
 #endif
 };
 

@@ -4,7 +4,8 @@ Every function takes the *stored layout* (the quantized axis last, C a multiple 
 arguments the public ops (`nvfp4_jax.ops`) have already checked; each raises a ValueError
 saying why when the native library cannot run on the current platform. One module per
 target: `_amax`, `_quantize` (with fake quantize), `_dequantize`, `_rht`, `_gemm` (the NVFP4
-GEMM and the weight-only GEMM, CPU only), `_grouped` (ragged_dot's grouped quantize, CPU only).
+GEMM and the weight-only GEMM, CPU only), `_grouped` (ragged_dot's grouped quantize, CPU only),
+`_threefry` (the hash of the SR keys, CPU only).
 """
 
 from nvfp4_jax.kernels._amax import amax
@@ -24,6 +25,7 @@ from nvfp4_jax.kernels._library import (
 from nvfp4_jax.kernels._partition import pmax_keep_nan
 from nvfp4_jax.kernels._quantize import fake_quantize, quantize
 from nvfp4_jax.kernels._rht import rht
+from nvfp4_jax.kernels._threefry import threefry2x32
 
 __all__ = [
     "CPU_TARGETS",
@@ -41,5 +43,6 @@ __all__ = [
     "quantize",
     "register",
     "rht",
+    "threefry2x32",
     "unavailable_reason",
 ]

@@ -33,8 +33,9 @@ TARGETS = (
     "nvfp4_quantize_4over6",
     "nvfp4_fake_quantize_4over6",
 )
-# Targets only the CPU library has (the NVFP4 GEMM, the weight-only GEMM).
-CPU_TARGETS = ("nvfp4_gemm", "nvfp4_w4a16", "nvfp4_grouped_quantize")
+# Targets only the CPU library has (the NVFP4 GEMM, the weight-only GEMM, ragged_dot's grouped
+# quantize, the threefry hash of the SR keys).
+CPU_TARGETS = ("nvfp4_gemm", "nvfp4_w4a16", "nvfp4_grouped_quantize", "nvfp4_threefry2x32")
 # nvfp4_jax's platform name -> (extension module, XLA platform name).
 MODULES = {"cpu": ("nvfp4_jax._nvfp4_cpu", "cpu"), "cuda": ("nvfp4_jax._nvfp4_cuda", "CUDA")}
 
