@@ -4,15 +4,15 @@
 // On a shared machine this is steadier than timings through XLA: no thread pool, no fresh
 // output memory, and every kernel sees the same load as the memcpy next to it.
 //
-// Build from the repository root (one object per instruction set, as CMake builds them):
+// Build from the repository root, each x86 level's three kernel files as CMake builds them:
 //   F="-Iffi/include -Iffi -O3 -ffp-contract=off -fno-trapping-math -Wno-psabi -std=gnu++17"
-//   g++ $F -DNVFP4_ISA=avx512 -DNVFP4_ISA_NAME='"x86-64-v4"' -march=x86-64-v4
-//       -c ffi/cpu/kernels_isa.cc -o /tmp/k512.o   (one line)
-//   g++ $F -DNVFP4_ISA=avx2 -DNVFP4_ISA_NAME='"x86-64-v3"' -march=x86-64-v3
-//       -c ffi/cpu/kernels_isa.cc -o /tmp/k2.o   (one line)
-//   g++ $F -DNVFP4_ISA=baseline -DNVFP4_ISA_NAME='"baseline"' -c ffi/cpu/kernels_isa.cc -o /tmp/kb.o
-//   g++ $F benchmarks/cpu_kernel_throughput.cc /tmp/k512.o /tmp/k2.o /tmp/kb.o -o /tmp/throughput
+//   for l in "avx512 x86-64-v4" "avx2 x86-64-v3" "baseline x86-64"; do set -- $l
+//     for f in kernels gemm w4a16; do g++ $F -DNVFP4_ISA=$1 -DNVFP4_ISA_NAME="\"$2\"" \
+//       -march=$2 -c ffi/cpu/${f}_isa.cc -o /tmp/${f}_$1.o; done; done
+//   g++ $F benchmarks/cpu_kernel_throughput.cc /tmp/*_avx512.o /tmp/*_avx2.o \
+//     /tmp/*_baseline.o -o /tmp/throughput
 //   /tmp/throughput avx512 20     # table: avx512, avx2 or baseline; rounds
+// The Four Over Six rows quantize with M = 256 (6M = 1536), the training recipe's default.
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -83,7 +83,9 @@ int main(int argc, char** argv) {
   job.scales = scales.data();
   job.values = values.data();
   job.block_2d = job.rht = true;
-  std::vector<uint32_t> scratch(job.scratch_words());  // the most any op below needs
+  job.four_over_six = kMae;  // the most scratch any op below needs: 4/6 on 16x16 tiles
+  std::vector<uint32_t> scratch(job.scratch_words());
+  job.four_over_six = kPlain;
 
   DequantizeJob dj;
   dj.codes = codes.data();
@@ -91,11 +93,16 @@ int main(int argc, char** argv) {
   dj.global = 0.01f;
   dj.cols = cols;
 
-  auto quantize = [&](bool sr, bool rht, bool block_2d) {
+  auto quantize = [&](bool sr, bool rht, bool block_2d, int four_over_six = kPlain) {
     job.sr = sr;
     job.rht = rht;
     job.block_2d = block_2d;
+    job.four_over_six = four_over_six;  // M = 256, as the training recipe's default
+    job.six_m = four_over_six == kPlain ? k2688 : 1536.0f;
+    job.amax = 20.0f;
+    job.g = MakeGlobalScale(20.0f, job.six_m);
     t.quantize[0](job, 0, block_2d ? rows / 16 : rows, scratch.data());
+    job.four_over_six = kPlain;
   };
   std::vector<Op> ops = {
       {"memcpy 2B", [&] { memcpy(copy.data(), x.data(), n * 2); }},
@@ -106,6 +113,10 @@ int main(int argc, char** argv) {
       {"quant rht", [&] { quantize(false, true, false); }},
       {"quant 2d", [&] { quantize(false, false, true); }},
       {"quant rht 2d", [&] { quantize(false, true, true); }},
+      {"4/6 mae", [&] { quantize(false, false, false, kMae); }},
+      {"4/6 mse", [&] { quantize(false, false, false, kMse); }},
+      {"4/6 mae sr", [&] { quantize(true, false, false, kMae); }},
+      {"4/6 mae 2d", [&] { quantize(false, false, true, kMae); }},
       {"fake bf16",
        [&] {
          job.sr = job.rht = job.block_2d = false;

@@ -3,6 +3,7 @@
     python benchmarks/train_step.py                   # the example's defaults, 60 steps each
     python benchmarks/train_step.py --steps 100 -- --width 256 --depth 8
     python benchmarks/train_step.py --reuse-memory    # glibc keeps large blocks (see roofline.py)
+    python benchmarks/train_step.py --jax-threefry    # the SR keys hashed by XLA, not natively
 
 Builds both models as `examples/train_lm.py` does (the same flags after `--`), lowers and
 compiles each train step (StableHLO op count, trace + lower seconds, compile seconds), then
@@ -92,9 +93,17 @@ def main() -> None:
         "--reuse-memory", action="store_true", help=f"GLIBC_TUNABLES={REUSE_MEMORY}"
     )
     parser.add_argument("--isa", choices=ISA_CHOICES, help=ISA_HELP)
+    parser.add_argument(
+        "--jax-threefry",
+        action="store_true",
+        help="hash the SR keys with JAX's threefry2x32 (as before the native hash, 2383121) "
+        "instead of the native custom call: the same keys, XLA's rolled loops compiled",
+    )
     parser.add_argument("example_flags", nargs="*", help="flags of examples/train_lm.py, after --")
     args = parser.parse_args()
     force_kernel_isa(parser, args.isa)
+    if args.jax_threefry:
+        sys.modules["nvfp4_jax.dot_general"]._native_hash = lambda implementation: False
     if args.reuse_memory:
         restart_reusing_memory()
     example = train_lm.parse_args(args.example_flags)
