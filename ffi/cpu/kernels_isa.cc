@@ -422,6 +422,45 @@ NVFP4_VINLINE CandidatesV FourOverSixScalesV(VF block_amax, const GlobalScale& g
 
 // t[k] lane b = element k of block b. Pair p's E holds the even elements of blocks 2p
 // (lanes 0-7) and 2p + 1 (lanes 8-15), its O the odd ones.
+#if defined(NVFP4_SIMD_AVX512)
+// Element (p, h, j) = lane 8h + j of x[p] goes to lane 2p + h of out[j]: three rounds of
+// two-source lane permutes, round s trading bit s of the vector index (p's) for bit s of the
+// lane (j's); the last round also moves the lane bits into the order (p, h).
+NVFP4_VINLINE void TransposeHalf(const VF* x, VF* out) {
+  alignas(64) static constexpr int32_t kIndex[3][2][16] = {
+      {{0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30},
+       {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31}},
+      {{0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29},
+       {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31}},
+      {{0, 8, 1, 9, 2, 10, 3, 11, 16, 24, 17, 25, 18, 26, 19, 27},
+       {4, 12, 5, 13, 6, 14, 7, 15, 20, 28, 21, 29, 22, 30, 23, 31}}};
+  __m512 v[8];
+  for (int i = 0; i < 8; ++i) v[i] = (__m512)x[i].p[0];
+  for (int s = 0; s < 3; ++s) {
+    const __m512i lo = _mm512_load_si512(kIndex[s][0]);
+    const __m512i hi = _mm512_load_si512(kIndex[s][1]);
+    __m512 w[8];
+    for (int a = 0; a < 8; ++a) {
+      if ((a >> s) & 1) continue;
+      const int b = a | (1 << s);
+      w[a] = _mm512_permutex2var_ps(v[a], lo, v[b]);
+      w[b] = _mm512_permutex2var_ps(v[a], hi, v[b]);
+    }
+    for (int i = 0; i < 8; ++i) v[i] = w[i];
+  }
+  for (int j = 0; j < 8; ++j) out[j].p[0] = (NF)v[j];
+}
+
+NVFP4_VINLINE void TransposeGroup(const VF* e, const VF* o, VF t[16]) {
+  VF even[8], odd[8];
+  TransposeHalf(e, even);
+  TransposeHalf(o, odd);
+  for (int j = 0; j < 8; ++j) {
+    t[2 * j] = even[j];
+    t[2 * j + 1] = odd[j];
+  }
+}
+#else
 NVFP4_VINLINE void TransposeGroup(const VF* e, const VF* o, VF t[16]) {
   float even[8 * 16], odd[8 * 16];
   for (int p = 0; p < 8; ++p) {
@@ -435,6 +474,7 @@ NVFP4_VINLINE void TransposeGroup(const VF* e, const VF* o, VF t[16]) {
     }
   }
 }
+#endif
 
 // Each lane's block errors under both candidates: CandidateError lane by lane, for map-to-4
 // and map-to-6 in one loop. Each error is still its own sum over k in order (the contract's);
