@@ -42,12 +42,8 @@ _F32 = jnp.float32
 _GRADIENT_KEY_SEED = 0x4E564650
 
 
-# The 64-bit threefry counters of `_sr_seeds`' four lanes: high words (all 0), the low words
-# of `jax.random.split` (key 0, 0, 1, 1) and of `jax.random.bits(k, (2,))` (0, 1 per key).
-_LANE_COUNTERS = tuple(map(constant_words, ([0] * 4, [0, 0, 1, 1], [0, 1, 0, 1])))
-# `SRSeed.from_key`'s counter offset (element 0); `fold_in`'s high counter word.
+# `SRSeed.from_key`'s counter offset (element 0).
 _ZERO_OFFSET = constant_words([0, 0])
-_ZERO_WORD = constant_words([0])
 
 
 def pad_tokens(x):
@@ -92,30 +88,17 @@ def _native_hash(implementation) -> bool:
     )
 
 
-def _is_threefry(key) -> bool:
-    """True for a typed threefry2x32 key under the default `jax_threefry_partitionable`.
-
-    `_sr_seeds` and `fold_in` hash such keys themselves.
-    """
-    return (
-        jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
-        and str(jax.random.key_impl(key)) == "threefry2x32"
-        and jax.config.jax_threefry_partitionable
-    )
-
-
 def fold_in(key, data, implementation=None):
     """`jax.random.fold_in(key, data)`, bit for bit, for a uint32 scalar `data`.
 
-    Where `_native_hash(implementation)`, a threefry key is hashed by the native kernel:
-    `fold_in(k, d) = threefry2x32(k, (0, d))`, as JAX's threefry implementation has it (a test
-    holds them equal). Otherwise `jax.random.fold_in`.
+    Where `_native_hash(implementation)`, a threefry key is hashed by the native kernel
+    (`kernels.fold_in_words`: `threefry2x32(k, (0, d))`, as JAX's threefry implementation
+    has it; a test holds them equal). Otherwise `jax.random.fold_in`.
     """
-    if not (_is_threefry(key) and _native_hash(implementation)):
+    if not (kernels.is_threefry_key(key) and _native_hash(implementation)):
         return jax.random.fold_in(key, data)
     words = jax.random.key_data(key)
-    data = jnp.asarray(data, jnp.uint32).reshape(1)
-    y0, y1 = kernels.threefry2x32(words[0], words[1], _ZERO_WORD, data)
+    y0, y1 = kernels.fold_in_words(words[0], words[1], jnp.reshape(data, (1,)))
     return jax.random.wrap_key_data(jnp.concatenate([y0, y1]), impl="threefry2x32")
 
 
@@ -124,15 +107,12 @@ def _sr_seeds(key, implementation=None) -> tuple:
 
     Each seed's words are `jax.random.bits(k, (2,), uint32)` of its key (`SRSeed.from_key`).
     For threefry keys (JAX's default, with its default `jax_threefry_partitionable`) both
-    seeds take two threefry hashes of four lanes: `jax.random.split`'s key i is
-    `threefry2x32(key, (0, i))`, hashed for lanes i = 0, 0, 1, 1 (each key twice), and bits
-    of shape (2,) are `y0 ^ y1` of `threefry2x32(k, (0, 0), (0, 1))`, counters 0, 1 for each
-    key: two hashes where split and two draws take three, each by the native kernel where
-    `_native_hash(implementation)` (one custom call), else JAX's primitive. Other
-    keys take `jax.random.split`, each seed drawn on its own. Tests hold the seeds equal to
-    `SRSeed.from_key` of `jax.random.split(key)`.
+    seeds take two hashes (`kernels.split_bits_words`) where split and two draws take three,
+    by the native kernel where `_native_hash(implementation)` (one custom call each), else
+    by JAX's primitive. Other keys take `jax.random.split`, each seed drawn on its own. Tests
+    hold the seeds equal to `SRSeed.from_key` of `jax.random.split(key)`.
     """
-    if not _is_threefry(key):
+    if not kernels.is_threefry_key(key):
         keys = jax.random.split(key)
         return keys[0], keys[1]
     data = jax.random.key_data(key)
@@ -141,10 +121,7 @@ def _sr_seeds(key, implementation=None) -> tuple:
         if _native_hash(implementation)
         else jax.extend.random.threefry2x32_p.bind
     )
-    high, split_low, bits_low = _LANE_COUNTERS
-    keys = hash_(*(jnp.broadcast_to(data[i], (4,)) for i in (0, 1)), high, split_low)
-    y0, y1 = hash_(*keys, high, bits_low)
-    words = y0 ^ y1  # key 0's two words, then key 1's
+    words = kernels.split_bits_words(data[0], data[1], hash_)  # key 0's two words, then key 1's
     return SRSeed(words[:2], _ZERO_OFFSET), SRSeed(words[2:], _ZERO_OFFSET)
 
 

@@ -229,16 +229,49 @@ def _group_keys(key, dy, groups: _Groups, num_groups: int) -> jax.Array:
     """
     if key is not None:
         return jax.vmap(lambda g: jax.random.fold_in(key, g))(jnp.arange(num_groups, dtype=_U32))
+    base = jax.random.key(_GRADIENT_KEY_SEED)
+    digest = _group_digests(dy, groups, num_groups)
+    return jax.vmap(lambda d: jax.random.fold_in(base, d))(digest)
+
+
+def _group_digests(dy, groups: _Groups, num_groups: int) -> jax.Array:
+    """(G,) uint32: the wrapping sum of `mix32(bits(f32(dy)))` over each group's rows."""
     bits = jax.lax.bitcast_convert_type(dy.astype(_F32), _U32)
     row_digest = jnp.sum(_mix32(bits), axis=1, dtype=_U32)
-    digest = jax.ops.segment_sum(row_digest, groups.row_group, num_segments=num_groups)
-    base = jax.random.key(_GRADIENT_KEY_SEED)
-    return jax.vmap(lambda d: jax.random.fold_in(base, d))(digest)
+    return jax.ops.segment_sum(row_digest, groups.row_group, num_segments=num_groups)
 
 
 def _key_words(keys) -> jax.Array:
     """(G, 2) uint32: `(k0, k1) = jax.random.bits(key, (2,), uint32)` of every key."""
     return jax.vmap(lambda k: jax.random.bits(k, (2,), _U32))(keys)
+
+
+def _native_hash(recipe: NVFP4Recipe, key) -> bool:
+    """Whether `_sr_words` hashes `key` with the native kernels (`kernels.threefry2x32`)."""
+    return native_grouped(recipe) and kernels.is_threefry_key(key)
+
+
+def _sr_words(key, dy, groups: _Groups, num_groups: int, recipe: NVFP4Recipe):
+    """The SR key words of every group for dgrad and for wgrad, (G, 2) each.
+
+    They are `_key_words` of the two keys of `jax.random.split(k_g)`, k_g group g's key
+    (`_group_keys`). Where the groups are quantized natively (`native_grouped`) and the keys
+    are threefry ones, the hashes are native custom calls (`kernels.fold_in_words`,
+    `split_bits_words`): the same bits, without the rolled loops XLA's CPU compiler makes of
+    JAX's hashes.
+    """
+    base = jax.random.key(_GRADIENT_KEY_SEED) if key is None else key
+    if not _native_hash(recipe, base):
+        keys = jax.vmap(jax.random.split)(_group_keys(key, dy, groups, num_groups))
+        return _key_words(keys[:, 0]), _key_words(keys[:, 1])
+    if key is None:
+        data = _group_digests(dy, groups, num_groups)
+    else:
+        data = jnp.arange(num_groups, dtype=_U32)
+    words = jax.random.key_data(base)
+    k0, k1 = kernels.fold_in_words(words[0], words[1], data)
+    split = kernels.split_bits_words(k0, k1)  # (G, 4)
+    return split[:, :2], split[:, 2:]
 
 
 # Threefry-2x32's rotation distances, rounds 0-3 and 4-7 (Salmon et al., "Parallel random
@@ -476,8 +509,7 @@ def _ragged_matmul_bwd(recipe, out_dtype, residuals, dy):
     sr = recipe.stochastic_rounding and (recipe.dgrad or recipe.wgrad)
     dgrad_words = wgrad_words = None
     if sr:
-        keys = jax.vmap(jax.random.split)(_group_keys(key, dy, groups, g))  # (G, 2)
-        dgrad_words, wgrad_words = _key_words(keys[:, 0]), _key_words(keys[:, 1])
+        dgrad_words, wgrad_words = _sr_words(key, dy, groups, g, recipe)
 
     # dgrad: dx (M, K) = dy (M, N) @ W[g]^T, both operands quantized along N.
     if not recipe.dgrad:

@@ -251,8 +251,7 @@ def ragged_operands(x, dy, group_sizes, key, recipe):
     stored layouts: rows (M, C), padded tokens (C, Mp)) and per-group decode factors D."""
     r, g = ragged_module, 4
     groups = r._groups(group_sizes, x.shape[0])
-    keys = jax.vmap(jax.random.split)(r._group_keys(key, dy, groups, g))
-    dgrad_words, wgrad_words = r._key_words(keys[:, 0]), r._key_words(keys[:, 1])
+    dgrad_words, wgrad_words = r._sr_words(key, dy, groups, g, recipe)
     out = {}
     for name, (q, amax) in {
         "x": r._quantize_rows(x, groups, g, recipe),

@@ -25,7 +25,12 @@ from nvfp4_jax.kernels._library import (
 from nvfp4_jax.kernels._partition import pmax_keep_nan
 from nvfp4_jax.kernels._quantize import fake_quantize, quantize
 from nvfp4_jax.kernels._rht import rht
-from nvfp4_jax.kernels._threefry import threefry2x32
+from nvfp4_jax.kernels._threefry import (
+    fold_in_words,
+    is_threefry_key,
+    split_bits_words,
+    threefry2x32,
+)
 
 __all__ = [
     "CPU_TARGETS",
@@ -35,14 +40,17 @@ __all__ = [
     "current_platform",
     "dequantize",
     "export_safety_checks",
+    "fold_in_words",
     "fake_quantize",
     "gemm",
     "grouped_quantize",
     "is_available",
+    "is_threefry_key",
     "pmax_keep_nan",
     "quantize",
     "register",
     "rht",
+    "split_bits_words",
     "threefry2x32",
     "unavailable_reason",
 ]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from nvfp4_jax.kernels import _library
 
@@ -44,3 +45,49 @@ def threefry2x32(k0, k1, x0, x1) -> tuple[jax.Array, jax.Array]:
     call = jax.ffi.ffi_call("nvfp4_threefry2x32", (out, out), vmap_method="broadcast_all")
     y0, y1 = call(*operands)
     return y0, y1
+
+
+def is_threefry_key(key) -> bool:
+    """True for a typed threefry2x32 key under the default `jax_threefry_partitionable`.
+
+    Such keys' `fold_in`, `split` and `bits` are what the functions below compute.
+    """
+    return (
+        key is not None
+        and jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+        and str(jax.random.key_impl(key)) == "threefry2x32"
+        and jax.config.jax_threefry_partitionable
+    )
+
+
+# The 64-bit counters of `split_bits_words`' four lanes: high words (all 0), the low words of
+# `jax.random.split` (key 0, 0, 1, 1) and of `jax.random.bits(k, (2,))` (0, 1 per key).
+_HIGH = np.zeros(4, np.uint32)
+_SPLIT_LOW = np.array([0, 0, 1, 1], np.uint32)
+_BITS_LOW = np.array([0, 1, 0, 1], np.uint32)
+for _words in (_HIGH, _SPLIT_LOW, _BITS_LOW):
+    _words.flags.writeable = False
+
+
+def fold_in_words(k0, k1, data, hash_=threefry2x32) -> tuple[jax.Array, jax.Array]:
+    """The words of `jax.random.fold_in(key, data)` for threefry keys of words (k0, k1).
+
+    That is `threefry2x32((k0, k1), (0, data))`, elementwise over uint32 arrays that broadcast.
+    """
+    data = jnp.asarray(data, _U32)
+    return hash_(k0, k1, jnp.zeros_like(data), data)
+
+
+def split_bits_words(k0, k1, hash_=threefry2x32) -> jax.Array:
+    """`jax.random.bits(k, (2,), uint32)` of both keys k of `jax.random.split(key)`.
+
+    For threefry keys of words (k0, k1) of shape S: uint32 `(*S, 4)`, key 0's words then
+    key 1's. Two hashes of four lanes where split and two draws take three: split's key i is
+    `threefry2x32(key, (0, i))`, for lanes i = 0, 0, 1, 1, and bits of shape (2,) are
+    `y0 ^ y1` of `threefry2x32(k, (0, 0))` and `(0, 1)`. `hash_`: this module's native hash,
+    or `jax.extend.random.threefry2x32_p.bind` (the same bits).
+    """
+    k0, k1 = (jnp.broadcast_to(jnp.asarray(k)[..., None], (*jnp.shape(k), 4)) for k in (k0, k1))
+    keys = hash_(k0, k1, jnp.broadcast_to(_HIGH, k0.shape), jnp.broadcast_to(_SPLIT_LOW, k0.shape))
+    y0, y1 = hash_(*keys, jnp.broadcast_to(_HIGH, k0.shape), jnp.broadcast_to(_BITS_LOW, k0.shape))
+    return y0 ^ y1
