@@ -460,6 +460,43 @@ NVFP4_VINLINE void TransposeGroup(const VF* e, const VF* o, VF t[16]) {
     t[2 * j + 1] = odd[j];
   }
 }
+#elif defined(NVFP4_SIMD_AVX2)
+// out[c] lane r = in[r] lane c: the 8x8 transpose in three rounds of in-lane unpacks and
+// shuffles and one of 128-bit half swaps.
+NVFP4_VINLINE void Transpose8x8(const __m256 in[8], __m256 out[8]) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(in[2 * i], in[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(in[2 * i], in[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {  // rows 4i..4i+3: columns 0, 1, 2, 3 of each 128-bit half
+    u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int c = 0; c < 4; ++c) {
+    out[c] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x20);
+    out[4 + c] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x31);
+  }
+}
+
+// Part h of pair p's vector holds block 2p + h's eight even (e) or odd (o) elements: two 8x8
+// transposes per parity, blocks 0-7 into part 0 of t[k], blocks 8-15 into part 1.
+NVFP4_VINLINE void TransposeGroup(const VF* e, const VF* o, VF t[16]) {
+  for (int parity = 0; parity < 2; ++parity) {
+    const VF* x = parity ? o : e;
+    for (int half = 0; half < 2; ++half) {
+      __m256 in[8], out[8];
+      for (int r = 0; r < 8; ++r) {
+        const int b = 8 * half + r;
+        in[r] = (__m256)x[b >> 1].p[b & 1];
+      }
+      Transpose8x8(in, out);
+      for (int j = 0; j < 8; ++j) t[2 * j + parity].p[half] = (NF)out[j];
+    }
+  }
+}
 #else
 NVFP4_VINLINE void TransposeGroup(const VF* e, const VF* o, VF t[16]) {
   float even[8 * 16], odd[8 * 16];
