@@ -59,7 +59,7 @@ def _mix32(h):
     return h ^ (h >> 16)
 
 
-def _gradient_key(dy):
+def _gradient_key(dy, implementation=None):
     """A key that changes whenever dy does: a wrapping sum of dy's mixed bits, into a seed.
 
     Used for stochastic rounding when the caller passes no key, so that a drop-in
@@ -71,7 +71,7 @@ def _gradient_key(dy):
     """
     bits = jax.lax.bitcast_convert_type(dy.astype(_F32), jnp.uint32)
     digest = jnp.sum(_mix32(bits), dtype=jnp.uint32)
-    return jax.random.fold_in(jax.random.key(_GRADIENT_KEY_SEED), digest)
+    return fold_in(jax.random.key(_GRADIENT_KEY_SEED), digest, implementation)
 
 
 def _native_hash(implementation) -> bool:
@@ -239,7 +239,7 @@ def _nvfp4_matmul_bwd(recipe, out_dtype, residuals, dy):
     k = qw.shape[0]  # W, or its NVFP4Array: the logical shape (K, N) either way
     sr = recipe.stochastic_rounding and (recipe.dgrad or recipe.wgrad)
     if key is None and sr:
-        key = _gradient_key(dy)
+        key = _gradient_key(dy, recipe.implementation)
     dgrad_key, wgrad_key = _sr_seeds(key, recipe.implementation) if sr else (None, None)
     backend = recipe.gemm_backend
     x_dtype, w_dtype = qx_tokens.dtype, qw.dtype

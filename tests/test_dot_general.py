@@ -456,6 +456,12 @@ def test_native_sr_keys_leave_no_threefry_loop_in_the_program():
     assert native.count("nvfp4_threefry2x32") == 3  # fold_in, split, bits
     assert "threefry2x32" not in native.replace("nvfp4_threefry2x32", "")
     assert "nvfp4_threefry2x32" not in reference and "threefry2x32" in reference
+    # With key=None (a drop-in dot_general): the key derived from dy's bits, likewise.
+    recipe = NVFP4Recipe(implementation="ffi")
+    no_key = jax.jit(jax.grad(lambda x, w: jnp.sum(dot_general(x, w, DENSE, recipe=recipe))))
+    text = no_key.lower(x, w).as_text()
+    assert text.count("nvfp4_threefry2x32") == 3  # the gradient key's fold_in, split, bits
+    assert "threefry2x32" not in text.replace("nvfp4_threefry2x32", "")
 
 
 # --- transformations -------------------------------------------------------------------------
