@@ -98,7 +98,7 @@ def fold_in(key, data, implementation=None):
     if not (kernels.is_threefry_key(key) and _native_hash(implementation)):
         return jax.random.fold_in(key, data)
     words = jax.random.key_data(key)
-    y0, y1 = kernels.fold_in_words(words[0], words[1], jnp.reshape(data, (1,)))
+    y0, y1 = kernels.fold_in_words(words[0], words[1], jnp.asarray(data, jnp.uint32).reshape(1))
     return jax.random.wrap_key_data(jnp.concatenate([y0, y1]), impl="threefry2x32")
 
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from nvfp4_jax.kernels import _library
+from nvfp4_jax.seed import constant_words
 
 _U32 = jnp.uint32
 
@@ -62,11 +62,7 @@ def is_threefry_key(key) -> bool:
 
 # The 64-bit counters of `split_bits_words`' four lanes: high words (all 0), the low words of
 # `jax.random.split` (key 0, 0, 1, 1) and of `jax.random.bits(k, (2,))` (0, 1 per key).
-_HIGH = np.zeros(4, np.uint32)
-_SPLIT_LOW = np.array([0, 0, 1, 1], np.uint32)
-_BITS_LOW = np.array([0, 1, 0, 1], np.uint32)
-for _words in (_HIGH, _SPLIT_LOW, _BITS_LOW):
-    _words.flags.writeable = False
+_HIGH, _SPLIT_LOW, _BITS_LOW = map(constant_words, ([0] * 4, [0, 0, 1, 1], [0, 1, 0, 1]))
 
 
 def fold_in_words(k0, k1, data, hash_=threefry2x32) -> tuple[jax.Array, jax.Array]:
@@ -87,7 +83,8 @@ def split_bits_words(k0, k1, hash_=threefry2x32) -> jax.Array:
     `y0 ^ y1` of `threefry2x32(k, (0, 0))` and `(0, 1)`. `hash_`: this module's native hash,
     or `jax.extend.random.threefry2x32_p.bind` (the same bits).
     """
-    k0, k1 = (jnp.broadcast_to(jnp.asarray(k)[..., None], (*jnp.shape(k), 4)) for k in (k0, k1))
-    keys = hash_(k0, k1, jnp.broadcast_to(_HIGH, k0.shape), jnp.broadcast_to(_SPLIT_LOW, k0.shape))
-    y0, y1 = hash_(*keys, jnp.broadcast_to(_HIGH, k0.shape), jnp.broadcast_to(_BITS_LOW, k0.shape))
+    shape = (*jnp.shape(k0), 4)
+    k0, k1 = (jnp.broadcast_to(jnp.asarray(k)[..., None], shape) for k in (k0, k1))
+    high, split_low, bits_low = (jnp.broadcast_to(c, shape) for c in (_HIGH, _SPLIT_LOW, _BITS_LOW))
+    y0, y1 = hash_(*hash_(k0, k1, high, split_low), high, bits_low)
     return y0 ^ y1
