@@ -36,6 +36,7 @@ from nvfp4_jax import backends, formats, gemm, kernels
 from nvfp4_jax.ops import quantize as ops_quantize
 from nvfp4_jax.recipe import NVFP4Recipe
 from nvfp4_jax.seed import SRSeed, constant_words
+from nvfp4_jax.types import PrimalTypes
 
 _F32 = jnp.float32
 # Seed of the key derived from dy's bits when the caller gives none (see `_gradient_key`).
@@ -177,17 +178,18 @@ def _high_precision(x, w, out_dtype):
     return y.astype(out_dtype)
 
 
-def _high_precision_dgrad(dy, w, x_shape, x_dtype, out_dtype):
-    """The high-precision dgrad: dx = dy W^T as `_high_precision`'s autodiff (needs W)."""
-    x_struct = jax.ShapeDtypeStruct(x_shape, x_dtype)
-    (dx,) = jax.linear_transpose(lambda x: _high_precision(x, w, out_dtype), x_struct)(dy)
+def _high_precision_dgrad(dy, w, x_aval, out_dtype):
+    """The high-precision dgrad: dx = dy W^T as `_high_precision`'s autodiff (needs W).
+
+    `x_aval` is x's type (`jax.typeof`: shape, dtype, sharding, varying axes).
+    """
+    (dx,) = jax.linear_transpose(lambda x: _high_precision(x, w, out_dtype), x_aval)(dy)
     return dx
 
 
-def _high_precision_wgrad(dy, x, w_shape, w_dtype, out_dtype):
+def _high_precision_wgrad(dy, x, w_aval, out_dtype):
     """The high-precision wgrad: dW = x^T dy as `_high_precision`'s autodiff (needs x)."""
-    w_struct = jax.ShapeDtypeStruct(w_shape, w_dtype)
-    (dw,) = jax.linear_transpose(lambda w: _high_precision(x, w, out_dtype), w_struct)(dy)
+    (dw,) = jax.linear_transpose(lambda w: _high_precision(x, w, out_dtype), w_aval)(dy)
     return dw
 
 
@@ -230,23 +232,21 @@ def _nvfp4_matmul_fwd(x, w, key, recipe, out_dtype):
             implementation=recipe.implementation,
             **recipe.four_over_six("activation"),
         )  # stored (K, M)
-    return y, (w_res, x_res, key)
+    return y, (w_res, x_res, key, PrimalTypes.of(x, w))
 
 
 def _nvfp4_matmul_bwd(recipe, out_dtype, residuals, dy):
-    qw, qx_tokens, key = residuals
-    m, n = dy.shape
-    k = qw.shape[0]  # W, or its NVFP4Array: the logical shape (K, N) either way
+    qw, qx_tokens, key, types = residuals
+    x_aval, w_aval = types.avals
     sr = recipe.stochastic_rounding and (recipe.dgrad or recipe.wgrad)
     if key is None and sr:
         key = _gradient_key(dy, recipe.implementation)
     dgrad_key, wgrad_key = _sr_seeds(key, recipe.implementation) if sr else (None, None)
     backend = recipe.gemm_backend
-    x_dtype, w_dtype = qx_tokens.dtype, qw.dtype
 
     # dgrad: dx (M, K) = dy (M, N) @ W^T, both operands quantized along N.
     if not recipe.dgrad:
-        dx = _high_precision_dgrad(dy, qw, (m, k), x_dtype, out_dtype)
+        dx = _high_precision_dgrad(dy, qw, x_aval, out_dtype)
     else:
         dy_n = _operand(
             dy,
@@ -266,7 +266,7 @@ def _nvfp4_matmul_bwd(recipe, out_dtype, residuals, dy):
 
     # wgrad: dW (K, N) = x^T dy, both operands quantized along the tokens M (with the RHT).
     if not recipe.wgrad:
-        dw = _high_precision_wgrad(dy, qx_tokens, (k, n), w_dtype, out_dtype)
+        dw = _high_precision_wgrad(dy, qx_tokens, w_aval, out_dtype)
     else:
         dy_m = _operand(
             pad_tokens(dy).T,  # stored (N, M): one transpose for both the amax and the quantize
@@ -279,7 +279,10 @@ def _nvfp4_matmul_bwd(recipe, out_dtype, residuals, dy):
         )  # stored (N, M)
         x_m = _array_operand(qx_tokens, recipe)  # stored (K, M)
         dw = gemm.matmul(x_m, dy_m)
-    return dx.astype(x_dtype), dw.astype(w_dtype), None
+    # Each gradient with its primal's type: dW of a weight replicated over shard_map's axes
+    # is the sum of the shards' wgrads, as for `jax.lax.dot_general`.
+    dx, dw = types.conform(dx.astype(x_aval.dtype), dw.astype(w_aval.dtype))
+    return dx, dw, None
 
 
 _nvfp4_matmul.defvjp(_nvfp4_matmul_fwd, _nvfp4_matmul_bwd)

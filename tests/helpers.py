@@ -5,6 +5,7 @@ Fixtures live in conftest.py; this module is plain code.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -219,3 +220,26 @@ def build_host_check(source: str, binary: pathlib.Path, *flags: str) -> pathlib.
     )
     assert build.returncode == 0, build.stderr
     return binary
+
+
+# --- meshes: JAX's axis types --------------------------------------------------------------
+
+# How a test uses a mesh: "auto" (Auto axes, the shardings only on the arrays), "auto_set_mesh"
+# (Auto axes under `jax.set_mesh`) or "explicit" (Explicit axes, `jax.make_mesh`'s default,
+# under `jax.set_mesh`: the shardings are in the types).
+MESH_MODES = ("auto", "auto_set_mesh", "explicit")
+
+
+def make_mesh(shape, names, mode: str = "auto") -> jax.sharding.Mesh:
+    """A mesh of the first CPU devices with the axis types of `mode` (see MESH_MODES)."""
+    kind = jax.sharding.AxisType.Explicit if mode == "explicit" else jax.sharding.AxisType.Auto
+    count = int(np.prod(shape))
+    devices = jax.devices("cpu")[:count]
+    return jax.make_mesh(
+        tuple(shape), tuple(names), axis_types=(kind,) * len(names), devices=devices
+    )
+
+
+def mesh_context(mesh: jax.sharding.Mesh, mode: str):
+    """`jax.set_mesh(mesh)` where `mode` uses it, else a context that does nothing."""
+    return jax.set_mesh(mesh) if mode != "auto" else contextlib.nullcontext()

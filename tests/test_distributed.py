@@ -13,6 +13,10 @@ reference and on the native CPU kernels:
   local shard: no all-gather (only scalar all-reduces for the amax);
 * a training step of a 2-layer NVFP4 MLP, data-parallel and FSDP-style: loss and gradients;
 * `quantize_master_weights` on 1-D and 2-D meshes.
+
+The jit tests run with Auto axes (shardings only on the arrays) and with Explicit axes
+(`jax.make_mesh`'s default) under `jax.set_mesh`, where the shardings are in the types;
+the training step also with Auto axes under `jax.set_mesh` (`helpers.MESH_MODES`).
 """
 
 from __future__ import annotations
@@ -23,7 +27,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import DENSE, assert_same_bits, assert_same_q, make_impl
+from helpers import (
+    DENSE,
+    MESH_MODES,
+    assert_same_bits,
+    assert_same_q,
+    make_impl,
+    make_mesh,
+    mesh_context,
+)
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -34,6 +46,7 @@ from nvfp4_jax import (
     distributed,
     dot_general,
     fake_quantize,
+    nvfp4_dot_general,
     quantize,
     quantize_master_weights,
     tensor_amax,
@@ -50,8 +63,20 @@ def impl(request):
     return make_impl(request.param)
 
 
-def mesh():
-    return jax.make_mesh((8,), (AXIS,), axis_types=(AxisType.Auto,), devices=jax.devices("cpu"))
+def mesh(mode: str = "auto"):
+    return make_mesh((8,), (AXIS,), mode)
+
+
+@pytest.fixture(params=["auto", "explicit"])
+def mode(request) -> str:
+    """How the sharded computation uses its mesh: Auto axes, or Explicit under set_mesh."""
+    return request.param
+
+
+def run_sharded(fn, mode, *args):
+    """`jax.jit(fn)(*args)` with the mesh used as `mode` says (args already placed on it)."""
+    with mesh_context(mesh(mode), mode):
+        return jax.jit(fn)(*args)
 
 
 def on_one_device(*arrays):
@@ -96,7 +121,7 @@ JIT_CASES = {
 
 
 @pytest.mark.parametrize("case", list(JIT_CASES))
-def test_quantize_jit_sharded(impl, case):
+def test_quantize_jit_sharded(impl, case, mode):
     shape, spec, kw = JIT_CASES[case]
     x = data(shape)
     if case.endswith("bf16"):
@@ -107,7 +132,7 @@ def test_quantize_jit_sharded(impl, case):
 
     key = jax.random.key(3)
     expected = jax.jit(run)(*on_one_device(x, key))
-    q = jax.jit(run)(jax.device_put(x, NamedSharding(mesh(), spec)), key)
+    q = run_sharded(run, mode, jax.device_put(x, NamedSharding(mesh(mode), spec)), key)
     assert_same_q(q, expected, case)
 
 
@@ -139,13 +164,13 @@ def other_ops(implementation):
 
 @pytest.mark.parametrize("finite", [True, False], ids=["finite", "inf_in_one_shard"])
 @pytest.mark.parametrize("op", list(other_ops("reference")))
-def test_other_ops_jit_sharded(impl, op, finite):
+def test_other_ops_jit_sharded(impl, op, finite, mode):
     x = data((128, 64), seed=2)
     if not finite:
         x = x.at[37, 5].set(jnp.inf)
     fn, key = other_ops(impl.implementation)[op], jax.random.key(5)
     expected = jax.jit(fn)(*on_one_device(x, key))
-    actual = jax.jit(fn)(jax.device_put(x, NamedSharding(mesh(), P(AXIS, None))), key)
+    actual = run_sharded(fn, mode, jax.device_put(x, NamedSharding(mesh(mode), P(AXIS, None))), key)
     for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
         assert_same_bits(a, e, op)
 
@@ -183,12 +208,14 @@ HLO_CASES = {
 }
 
 
+@pytest.mark.parametrize("hlo_mode", ["auto", "explicit"])
 @pytest.mark.parametrize("case", list(HLO_CASES))
-def test_native_ops_run_on_local_shards_without_all_gather(case):
+def test_native_ops_run_on_local_shards_without_all_gather(case, hlo_mode):
     make_impl("cpu")
     target, fn = HLO_CASES[case]
-    x = jax.device_put(data((128, 64), seed=3), NamedSharding(mesh(), P(AXIS, None)))
-    text = jax.jit(fn).lower(x).compile().as_text()
+    x = jax.device_put(data((128, 64), seed=3), NamedSharding(mesh(hlo_mode), P(AXIS, None)))
+    with mesh_context(mesh(hlo_mode), hlo_mode):
+        text = jax.jit(fn).lower(x).compile().as_text()
     calls = [line for line in text.splitlines() if f'custom_call_target="{target}"' in line]
     assert calls, f"no custom call {target} in the compiled HLO"
     # The custom call must see the local shard (16 of 128 rows), and nothing gathered.
@@ -287,8 +314,13 @@ BATCH, IN, WIDTH, OUT = 128, 128, 128, 64
 
 def mlp_loss(params, x, y, key, recipe):
     # Layer 1 draws SR bits from a key; layer 2 from its gradient's bits (key=None): both
-    # must be sharding-invariant.
-    h = jax.nn.gelu(dot_general(x, params["w1"], DENSE, recipe=recipe, key=key) + params["b1"])
+    # must be sharding-invariant. The weights go to dot_general as they are sharded; the
+    # bias is gathered under Explicit axes, where adding a sharded (WIDTH,) to activations
+    # sharded by rows is a type error.
+    b1 = params["b1"]
+    if jax.sharding.get_abstract_mesh().explicit_axes:
+        b1 = jax.sharding.reshard(b1, P())
+    h = jax.nn.gelu(dot_general(x, params["w1"], DENSE, recipe=recipe, key=key) + b1)
     out = dot_general(h, params["w2"], DENSE, recipe=recipe, key=None)
     return jnp.mean((out - y) ** 2)
 
@@ -323,18 +355,24 @@ TRAIN_SPECS = {
 
 
 @pytest.mark.parametrize("layout", list(TRAIN_SPECS))
-def test_train_step_sharded_equals_one_device(impl, layout):
+@pytest.mark.parametrize("mode", MESH_MODES)
+def test_train_step_sharded_equals_one_device(impl, layout, mode):
     params, x, y, key = train_setup()
     recipe = NVFP4Recipe(implementation=impl.implementation)
     step = jax.jit(jax.value_and_grad(mlp_loss), static_argnums=4)
     loss_1, grads_1 = step(*on_one_device(params, x, y, key), recipe)
-    batch = NamedSharding(mesh(), P(AXIS, None))
+    batch = NamedSharding(mesh(mode), P(AXIS, None))
     sharded_params = jax.tree.map(
-        lambda a, s: jax.device_put(a, NamedSharding(mesh(), s)), params, TRAIN_SPECS[layout]
+        lambda a, s: jax.device_put(a, NamedSharding(mesh(mode), s)), params, TRAIN_SPECS[layout]
     )
-    loss_8, grads_8 = step(
-        sharded_params, jax.device_put(x, batch), jax.device_put(y, batch), key, recipe
-    )
+    with mesh_context(mesh(mode), mode):
+        loss_8, grads_8 = step(
+            sharded_params, jax.device_put(x, batch), jax.device_put(y, batch), key, recipe
+        )
+    if mode == "explicit":  # each gradient's type: sharded as its parameter
+        for name, grad in grads_8.items():
+            want = sharded_params[name].sharding
+            assert grad.sharding.is_equivalent_to(want, grad.ndim), (name, grad.sharding)
     np.testing.assert_allclose(loss_8, loss_1, rtol=F32_SUM_TOLERANCE)
     for name in EXACT_LEAVES:
         assert_same_bits(grads_8[name], grads_1[name], name)
@@ -408,3 +446,55 @@ def test_shard_map_result_that_differs_between_shards_is_caught(impl):
         jax.jit(jax.shard_map(local, mesh=mesh(), in_specs=P(AXIS, None), out_specs=P()))(
             jax.device_put(x, NamedSharding(mesh(), P(AXIS, None)))
         )
+
+
+# --- shard_map: the data-parallel pattern with a replicated weight ---------------------------
+
+SHARD_MAP_GRAD_RECIPES = {
+    "nvfp4": {},
+    "high_precision_backward": {"dgrad": False, "wgrad": False},
+    "high_precision": {"fprop": False, "dgrad": False, "wgrad": False},
+}
+
+
+def shard_map_grad_ops(recipe):
+    """name -> fn(x, w) of the ops a shard_map'ed data-parallel step differentiates."""
+    return {
+        "dot_general": lambda x, w: dot_general(x, w, DENSE, recipe=recipe, key=jax.random.key(1)),
+        "drop_in": lambda x, w: nvfp4_dot_general(recipe)(x, w, DENSE),
+    }
+
+
+@pytest.mark.parametrize("op", ["dot_general", "drop_in"])
+@pytest.mark.parametrize("recipe_name", list(SHARD_MAP_GRAD_RECIPES))
+@pytest.mark.parametrize("mode", ["auto", "explicit"])
+def test_shard_map_replicated_weight_grads(impl, op, recipe_name, mode):
+    """Tokens P(AXIS), weight P(), grad inside shard_map with JAX's replication check.
+
+    As for `jax.lax.dot_general`: each shard's dx is its local gradient, and dW (of a weight
+    that is the same on every shard) the sum of the shards' local weight gradients.
+    """
+    recipe = NVFP4Recipe(implementation=impl.implementation, **SHARD_MAP_GRAD_RECIPES[recipe_name])
+    fn = shard_map_grad_ops(recipe)[op]
+    shards = 4
+    x, w = data((shards * 32, 64), seed=5), data((64, 32), seed=6) / 8
+
+    def local(x, w):
+        return jax.grad(lambda x, w: jnp.sum(fn(x, w) ** 2), argnums=(0, 1))(x, w)
+
+    mesh_ = make_mesh((shards,), (AXIS,), mode)
+    with mesh_context(mesh_, mode):
+        mapped = jax.jit(
+            jax.shard_map(local, mesh=mesh_, in_specs=(P(AXIS), P()), out_specs=(P(AXIS), P()))
+        )
+        dx, dw = mapped(
+            jax.device_put(x, NamedSharding(mesh_, P(AXIS))),
+            jax.device_put(w, NamedSharding(mesh_, P())),
+        )
+    per_shard = [jax.jit(local)(*on_one_device(xs, w)) for xs in jnp.split(x, shards)]
+    assert_same_bits(dx, jnp.concatenate([g[0] for g in per_shard]), "dx")
+    # The psum adds the shards' f32 gradients in the all-reduce's order.
+    expected_dw = functools.reduce(jnp.add, [g[1] for g in per_shard])
+    np.testing.assert_allclose(
+        dw, expected_dw, rtol=1e-6, atol=1e-6 * float(jnp.abs(expected_dw).max())
+    )

@@ -23,7 +23,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from nvfp4_jax import formats
+from nvfp4_jax import formats, types
 
 _F32 = jnp.float32
 # SR counters of a partitioned tensor are 32-bit offsets here: fewer than 2**35 elements.
@@ -107,13 +107,6 @@ def any_device(flag: jax.Array, names: tuple[str, ...]) -> jax.Array:
     return lax.pmax(flag.astype(_F32), names) > 0 if names else flag
 
 
-def _varying(value) -> frozenset:
-    """The mesh axes `value` varies over inside `shard_map` (empty outside)."""
-    aval = jax.typeof(value)
-    manual = getattr(aval, "mat", None)  # JAX 0.10: ShapedArray.mat.varying
-    return frozenset(manual.varying if manual is not None else getattr(aval, "vma", ()))
-
-
 def vary_like(outputs, *inputs):
     """`outputs` marked as varying over every mesh axis any of `inputs` varies over.
 
@@ -122,10 +115,10 @@ def vary_like(outputs, *inputs):
     claim to vary over nothing, which would defeat that check; this restores what jnp code
     would have: the results vary wherever the operands do. Outside `shard_map`, a no-op.
     """
-    axes = frozenset().union(*(_varying(a) for a in jax.tree.leaves(inputs)))
+    axes = frozenset().union(*(types.varying(a) for a in jax.tree.leaves(inputs)))
 
     def mark(out):
-        missing = tuple(sorted(axes - _varying(out)))
+        missing = tuple(sorted(axes - types.varying(out)))
         return lax.pcast(out, missing, to="varying") if missing else out
 
     return jax.tree.map(mark, outputs)
@@ -143,8 +136,65 @@ def positional(fn, **static):
     return call
 
 
+def explicit_mesh(operands):
+    """The mesh of the operands' types when any is sharded over an Explicit axis, else None.
+
+    Under a mesh with Explicit axes (`jax.make_mesh`'s default; `jax.set_mesh`) the sharding
+    is part of each value's type, and XLA does not run a custom partitioner as it does for
+    Auto axes: it would run the kernel on each shard and call the result global.
+    """
+    for operand in jax.tree.leaves(operands):
+        sharding = getattr(jax.typeof(operand), "sharding", None)
+        mesh = getattr(sharding, "mesh", None)
+        if mesh is None or mesh.empty or not mesh.explicit_axes:
+            continue
+        if set(used_axes(sharding.spec)) & set(mesh.explicit_axes):
+            return mesh
+    return None
+
+
+def _explicit_call(partition, mesh, args):
+    """The partition rule run as a `shard_map` over the Explicit axes of `mesh`.
+
+    The same rule decides the shardings and the per-shard computation as under Auto axes
+    (where XLA calls it through `custom_partitioning`): the operands are resharded to the
+    shardings it asks for, its per-shard function runs in `shard_map`, and the results carry
+    the shardings it gives them in their types.
+    """
+    manual = set(mesh.explicit_axes)
+    shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=jax.typeof(a).sharding) for a in args]
+    _, lower, out_shardings, in_shardings = partition(mesh, shapes, None)
+    in_specs = tuple(_manual_spec(s, manual) for s in in_shardings)
+    out_specs = jax.tree.map(lambda s: _manual_spec(s, manual), out_shardings)
+    args = [
+        jax.sharding.reshard(a, NamedSharding(mesh, spec))
+        for a, spec in zip(args, in_specs, strict=True)
+    ]
+    mapped = jax.shard_map(
+        lower,
+        mesh=mesh,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        axis_names=manual,
+        check_vma=False,  # the rule makes replicated results equal on every shard
+    )
+    return mapped(*args)
+
+
+def _manual_spec(sharding, manual: set) -> P:
+    """`sharding`'s spec, keeping only the axes `shard_map` makes manual."""
+    kept = []
+    for entry in sharding.spec:
+        names = tuple(a for a in axes(entry) if a in manual)
+        kept.append(None if not names else names[0] if len(names) == 1 else names)
+    return P(*kept)
+
+
 def with_rule(raw, partition, infer, rule: str, **rule_options):
     """`raw` with a custom partitioning rule; under `vmap`, `raw` itself runs per example.
+
+    Under a mesh with Explicit axes the same rule runs through `shard_map` instead
+    (`explicit_mesh`).
 
     The wrapper is an inlined `jax.jit`: the same graph, traced once per operand shape
     instead of at every call (a model calls each kernel with a few shapes many times).
@@ -159,6 +209,9 @@ def with_rule(raw, partition, infer, rule: str, **rule_options):
 
     @custom_vmap
     def call(*args):
+        mesh = explicit_mesh(args)
+        if mesh is not None:
+            return _explicit_call(partition, mesh, args)
         return partitioned(*args)
 
     @call.def_vmap

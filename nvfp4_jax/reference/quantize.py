@@ -30,7 +30,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from nvfp4_jax import formats
+from nvfp4_jax import formats, types
 from nvfp4_jax.array import NVFP4Array
 from nvfp4_jax.formats import decode_scale
 from nvfp4_jax.reference import hadamard, stochastic
@@ -49,8 +49,9 @@ def encode_scale(amax: jax.Array, e4m3_max: int = 448) -> jax.Array:
     return jnp.where((amax == 0) | (s_enc == 0), _F32(1), s_enc)
 
 
-def _e4m3_nan(shape) -> jax.Array:
-    nan_byte = jnp.full(shape, formats.E4M3_NAN_BYTE, jnp.uint8)
+def _e4m3_nan() -> jax.Array:
+    """The E4M3 NaN scale 0x7F, a scalar (`jnp.where` broadcasts it into any sharding)."""
+    nan_byte = jnp.asarray(formats.E4M3_NAN_BYTE, jnp.uint8)
     return jax.lax.bitcast_convert_type(nan_byte, jnp.float8_e4m3fn)
 
 
@@ -200,7 +201,7 @@ def _quantize_core(
         magnitude = stochastic.stochastic_magnitude(magnitude, random)
     codes = formats.e2m1_magnitude_code(magnitude) | (jnp.signbit(y).astype(jnp.uint8) << 3)
     codes = jnp.where(bad, jnp.uint8(0), codes)
-    scales = jnp.where(bad, _e4m3_nan(scales.shape), scales)
+    scales = jnp.where(bad, _e4m3_nan(), scales)
     return codes.reshape(xs.shape), scales
 
 
@@ -364,6 +365,11 @@ def fake_quantize(
 # what the reference backend runs once `nvfp4_jax.ops` has checked a call.
 
 
+def _whole_blocks(xs, block_2d: bool):
+    """The stored layout with whole blocks (1x16 or 16x16) on every shard: `types.whole_blocks`."""
+    return types.whole_blocks(xs, (-2, -1) if block_2d else (-1,), formats.BLOCK_SIZE)
+
+
 def quantize_stored(
     xs,
     amax,
@@ -379,6 +385,7 @@ def quantize_stored(
     `four_over_six` ("mae", "mse" or None) and `e4m3_max` (M: 448 when it is None) as
     `formats.check_four_over_six` returns them.
     """
+    xs = _whole_blocks(xs, block_2d)
     xs, used, bad, stored_amax = _prepare(xs, rht, amax)
     codes, scales = _quantize_core(xs, used, bad, seed, block_2d, four_over_six, e4m3_max)
     return formats.pack_nibbles(codes), scales, stored_amax
@@ -397,6 +404,7 @@ def fake_quantize_stored(
     e4m3_max: int = 448,
 ):
     """`fake_quantize` of `xs` along its last axis, in the stored layout."""
+    xs = _whole_blocks(xs, block_2d)
     xs, used, bad, stored_amax = _prepare(xs, rht, amax)
     codes, scales = _quantize_core(xs, used, bad, seed, block_2d, four_over_six, e4m3_max)
     blocks = codes.reshape(*scales.shape, formats.BLOCK_SIZE)
