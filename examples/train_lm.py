@@ -655,6 +655,18 @@ def switch_step(args) -> int | None:
     return args.steps - final if final else None
 
 
+def in_high_precision(recipe_name: str, args, step: int) -> bool:
+    """Whether step `step` of a recipe's run takes the --high-precision-final recipe: the
+    NVFP4 run's steps after `switch_step` (step 0: the start).
+
+    The one place that decides a run's phase. A checkpoint of step `step` holds the state that
+    step's recipe left (its SR streams too): a resumed run takes the recipe of its
+    checkpoint's step, and any run switches before the first step of the other phase.
+    """
+    switch = switch_step(args) if recipe_name == "nvfp4" else None
+    return switch is not None and step > switch
+
+
 def switched_rules(rules, gemms: str) -> list[nvfp4_jax.Rule]:
     """`rules` with the GEMMs `gemms` names (--high-precision-final-gemms) in high precision in
     every NVFP4 recipe; the rules of high-precision layers stay as they are."""
@@ -671,10 +683,11 @@ def switch_precision(model, args, rules) -> None:
     """Puts the NVFP4 run's model in its --high-precision-final recipe, in place.
 
     `quantize_model` with `switched_rules`: the parameter variables stay the same objects (the
-    optimizer state is unaffected); the NVFP4 layers get the switched recipe and fresh
-    stochastic-rounding streams forked from a key of the seed and the switch step, so that a
-    resumed run (which restores those streams from its checkpoint) and an uninterrupted one
-    take the same steps.
+    optimizer state is unaffected); the NVFP4 linear layers get the switched recipe and fresh
+    stochastic-rounding streams forked from a key of the seed and the switch step (an
+    `Experts` layer keeps its stream), so that a resumed run (which restores those streams
+    from its checkpoint) and an uninterrupted one take the same steps. Call it once per run:
+    `quantize_model` leaves a layer already in its switched recipe as it is, streams and all.
     """
     key = jax.random.fold_in(jax.random.key(_sr_seed(args, switch=True)), switch_step(args))
     nvfp4_jax.quantize_model(
@@ -969,13 +982,18 @@ def start(recipe_name: str, args, model, optimizer, checkpoints, console) -> tup
     return step, history
 
 
-def _resume_switch(recipe_name: str, args, model, rules, checkpoints) -> int | None:
-    """The NVFP4 run's `switch_step` (None for none); switches the model's precision now when
-    --resume continues from a checkpoint made after the switch (it holds the switched state)."""
-    switch = switch_step(args) if recipe_name == "nvfp4" else None
-    if switch is not None and args.resume and (checkpoints.latest_step() or 0) >= switch:
-        switch_precision(model, args, rules)
-    return switch
+def _resume_phase(recipe_name: str, args, model, rules, checkpoints) -> bool:
+    """Puts the model in the recipe of the step the run continues from (`in_high_precision`),
+    before --resume restores the checkpoint into it; returns whether it switched.
+
+    A checkpoint of the switch step itself holds the NVFP4 phase's state: the run switches
+    after restoring it, before the next step, as an uninterrupted run does.
+    """
+    step = (checkpoints.latest_step() or 0) if args.resume else 0
+    if not in_high_precision(recipe_name, args, step):
+        return False
+    switch_precision(model, args, rules)
+    return True
 
 
 def run(recipe_name: str, args, train, val, config: dict, console: Console, rules=None) -> dict:
@@ -984,7 +1002,7 @@ def run(recipe_name: str, args, train, val, config: dict, console: Console, rule
     model = make_model(args, recipe_name, rules)
     optimizer = make_optimizer(model, args)
     checkpoints = Checkpoints(checkpoint_folder(args, recipe_name), args.save_every)
-    switch = _resume_switch(recipe_name, args, model, rules, checkpoints)
+    switched = _resume_phase(recipe_name, args, model, rules, checkpoints)
     start_step, history = start(recipe_name, args, model, optimizer, checkpoints, console)
     last = args.steps if args.stop_after is None else args.stop_after
     if start_step >= last:
@@ -1001,8 +1019,9 @@ def run(recipe_name: str, args, train, val, config: dict, console: Console, rule
         task = progress.add_task("", total=args.steps, completed=start_step, info="compiling")
         tick = time.perf_counter()
         for step in range(start_step + 1, last + 1):
-            if switch is not None and step == switch + 1:
+            if not switched and in_high_precision(recipe_name, args, step):
                 switch_precision(model, args, rules)
+                switched = True
                 step_fn = nnx.cached_partial(train_step, model, optimizer)
                 history["high_precision_from"] = step
                 _say(

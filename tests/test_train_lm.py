@@ -336,14 +336,21 @@ def test_high_precision_final_resumes_exactly_across_the_switch(tmp_path, capsys
     # The switch changes the training from step 4 on, not before.
     assert plain["train_loss"][:3] == straight["train_loss"][:3]
     assert plain["train_loss"][3] != straight["train_loss"][3]
-    for stop in ("2", "5"):  # resumed before the switch, and after it
-        folder = tmp_path / f"resumed{stop}"
-        _run(folder, *flags, "--stop-after", stop)
-        resumed = _run(folder, *flags, "--resume")["histories"]["nvfp4"]
-        assert resumed["step"] == straight["step"] == list(range(1, 7))
-        assert resumed["train_loss"] == straight["train_loss"], stop
-        assert resumed["val_loss"] == straight["val_loss"], stop
-        assert resumed["high_precision_from"] == 4
+    # One run in five parts, resumed from the checkpoints of steps 2 (before the switch), 3
+    # (the switch step itself: its checkpoint holds the NVFP4 phase's SR streams, which the
+    # switch replaces), 4 (the first switched step) and 5; every part goes on as the straight
+    # run did. Resuming from step 3 used to keep the NVFP4 phase's SR streams (SR rounds the
+    # gradients alone and a step's loss is taken before its update: a wrong SR stream after
+    # step s shows from step s + 2 on).
+    folder = tmp_path / "resumed"
+    _run(folder, *flags, "--stop-after", "2")
+    for stop in (3, 4, 5, 6):
+        resumed = _run(folder, *flags, "--resume", "--stop-after", str(stop))["histories"]
+        resumed = resumed["nvfp4"]
+        assert resumed["step"] == straight["step"][:stop] == list(range(1, stop + 1))
+        assert resumed["train_loss"] == straight["train_loss"][:stop], f"up to step {stop}"
+        assert resumed["val_loss"] == straight["val_loss"][: stop // 3], f"up to step {stop}"
+        assert resumed.get("high_precision_from") == (4 if stop >= 4 else None)
 
 
 def test_high_precision_final_switches_the_rules():
@@ -352,6 +359,10 @@ def test_high_precision_final_switches_the_rules():
     )
     assert args.high_precision_final_gemms == "fprop"
     assert train_lm.high_precision_steps(args) == 2 and train_lm.switch_step(args) == 8
+    # Steps 9 and 10 of the NVFP4 run switched; a checkpoint of step 8 is still NVFP4's.
+    phases = [train_lm.in_high_precision("nvfp4", args, step) for step in range(11)]
+    assert phases == [False] * 9 + [True] * 2
+    assert not train_lm.in_high_precision("bf16", args, 10)
     rules = train_lm.model_rules(args)
     fprop = train_lm.switched_rules(rules, "fprop")
     every = train_lm.switched_rules(rules, "all")
