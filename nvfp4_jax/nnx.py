@@ -20,6 +20,7 @@ tokens dispatched into a (G, capacity, in) tensor (the batched `nvfp4_jax.dot_ge
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import jax
@@ -45,6 +46,27 @@ class InputScale(nnx.Variable):
 
 class QuantizedKernel(nnx.Variable):
     """A frozen NVFP4 weight (an `NVFP4Array`): not an `nnx.Param`, so optimizers skip it."""
+
+
+def _frozen_layer(build: Callable[[], nnx.Module], op: str, **variables) -> nnx.Module:
+    """The layer `build()` makes, built abstract, with `variables` set: a frozen layer.
+
+    No float kernel is ever allocated. Every variable `build` creates must be replaced by
+    one of `variables` (or be None): an abstract one left behind would break `nnx.jit`,
+    checkpoints and calibration of any model holding the layer, so it is an error here.
+    """
+    layer = nnx.eval_shape(build)
+    for name, value in variables.items():
+        setattr(layer, name, value)
+    leaves = jax.tree_util.tree_leaves_with_path(nnx.state(layer))
+    abstract = [
+        jax.tree_util.keystr(path)
+        for path, leaf in leaves
+        if isinstance(leaf, jax.ShapeDtypeStruct)
+    ]
+    if abstract:  # a bug of this module, not of the caller's arguments
+        raise RuntimeError(f"{op}: the layer's {', '.join(abstract)} were left abstract")
+    return layer
 
 
 def _step_key(stream: nnx.RngStream | None, recipe: NVFP4Recipe | None):
@@ -150,21 +172,6 @@ class Linear(nnx.Linear):
             raise ValueError("Linear.from_quantized: activations='nvfp4' (W4A4) needs input_scale")
         in_features, out_features = kernel.shape
         dtype = formats.check_dtype(dtype, "Linear.from_quantized")
-        # Built abstract (no float kernel is ever allocated); every variable is replaced below.
-        layer = nnx.eval_shape(
-            lambda: cls(
-                in_features,
-                out_features,
-                use_bias=bias is not None,
-                dtype=dtype,
-                recipe=NVFP4Recipe(stochastic_rounding=False),
-                rngs=nnx.Rngs(0),
-            )
-        )
-        layer.kernel = QuantizedKernel(kernel)
-        if bias is not None:
-            layer.bias = nnx.Param(jnp.asarray(bias))
-        layer.activations = activations
         scale = jnp.zeros((), jnp.float32) if input_scale is None else input_scale
         scale = jnp.asarray(scale, jnp.float32).reshape(())
         if not isinstance(scale, jax.core.Tracer) and not 0 <= float(scale) < float("inf"):
@@ -172,10 +179,29 @@ class Linear(nnx.Linear):
                 "Linear.from_quantized: input_scale must be a finite, non-negative number, got "
                 f"{float(scale)}"
             )
-        # The amax W4A4 quantizes with; the scale itself is kept too, so that exporting the
-        # layer again writes the checkpoint's `input_scale` bits (amax * RCP2688 may not).
-        layer.input_amax = InputAmax(scale * 2688)
-        layer.input_scale = InputScale(scale)
+        variables = dict(
+            kernel=QuantizedKernel(kernel),
+            # The amax W4A4 quantizes with; the scale itself is kept too, so that exporting
+            # the layer again writes the checkpoint's `input_scale` bits (amax * RCP2688 may
+            # not).
+            input_amax=InputAmax(scale * 2688),
+            input_scale=InputScale(scale),
+        )
+        if bias is not None:
+            variables["bias"] = nnx.Param(jnp.asarray(bias))
+        layer = _frozen_layer(
+            lambda: cls(
+                in_features,
+                out_features,
+                use_bias=bias is not None,
+                dtype=dtype,
+                recipe=NVFP4Recipe(stochastic_rounding=False),
+                rngs=nnx.Rngs(0),
+            ),
+            "Linear.from_quantized",
+            **variables,
+        )
+        layer.activations = activations
         return layer
 
     def _record(self, inputs: jax.Array) -> None:
@@ -329,6 +355,7 @@ class Experts(nnx.Module):
         native weight-only kernel for up to `gemm.WEIGHT_ONLY_MAX_ROWS` rows, decoding each
         expert's weight in registers); with (G, capacity, in) inputs, each expert's
         `gemm.weight_only_matmul`. The weights are not trainable (`QuantizedKernel`).
+        `input_amax` starts at zeros, as a `Linear`'s does; `calibrate` records it.
 
         Example:
           >>> w = jnp.ones((4, 64, 32))
@@ -343,9 +370,13 @@ class Experts(nnx.Module):
                 f"along axis 1 (in), without the RHT, got {kernel!r}"
             )
         dtype = formats.check_dtype(dtype, "Experts.from_quantized")
-        # Built abstract (no float kernel is ever allocated); the kernel is replaced below.
-        layer = nnx.eval_shape(lambda: cls(*kernel.shape, recipe=None, rngs=nnx.Rngs(0)))
-        layer.kernel = QuantizedKernel(kernel)
+        layer = _frozen_layer(
+            lambda: cls(*kernel.shape, recipe=None, rngs=nnx.Rngs(0)),
+            "Experts.from_quantized",
+            kernel=QuantizedKernel(kernel),
+            # Weight-only: nothing recorded yet (calibration fills it), as a Linear's.
+            input_amax=InputAmax(jnp.zeros(kernel.shape[:1], jnp.float32)),
+        )
         layer.dtype = dtype
         return layer
 
