@@ -28,6 +28,7 @@ built from these three.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import jax
@@ -157,6 +158,9 @@ def weight_only_matmul(
     `dequantize` gives it in `x.dtype`, the products and their sum are f32 in the kernel's
     fixed order (docs/NUMERICS.md section 9), then cast to `preferred_element_type` (default
     `x.dtype`). Elsewhere, the dequantized weight and XLA's matmul, as before.
+
+    Derivatives (forward and reverse mode) are those of the XLA expression on every path, bit
+    for bit (`_native_product`); the frozen weight `q` has none.
     """
     if preferred_element_type is not None and not jnp.issubdtype(
         jnp.dtype(preferred_element_type), jnp.floating
@@ -164,13 +168,8 @@ def weight_only_matmul(
         native = False
     else:
         native = uses_native_weight_only(jnp.shape(x), jnp.result_type(x), q, implementation)
-    if not native:
-        weight = ops.dequantize(q, jnp.result_type(x), implementation=implementation)
-        return jnp.matmul(x, weight, preferred_element_type=preferred_element_type)
-    k, n = q.shape
-    out = kernels._gemm.w4a16(jnp.reshape(x, (-1, k)), q.codes, q.scales, q.global_scale)
-    out_dtype = jnp.result_type(x) if preferred_element_type is None else preferred_element_type
-    return jnp.reshape(out, (*jnp.shape(x)[:-1], n)).astype(out_dtype)
+    product = _native_product if native else _dequantized_product
+    return product(x, q, None, preferred_element_type, implementation)
 
 
 def expert_weight(q: NVFP4Array, g: int) -> NVFP4Array:
@@ -205,7 +204,8 @@ def weight_only_ragged_dot(
     batches on the CPU), each expert's weight is decoded in registers: every expert's product
     is computed for all M rows and each row keeps its own expert's, each row bit for bit
     `weight_only_matmul` of that row (the kernel sums every output element on its own).
-    Elsewhere, the dequantized experts and `jax.lax.ragged_dot`.
+    Elsewhere, the dequantized experts and `jax.lax.ragged_dot`. Derivatives are those of
+    `jax.lax.ragged_dot` of the dequantized experts on every path, bit for bit; `q` has none.
     """
     if len(q.shape) != 3 or q.axis != -2:
         raise ValueError(
@@ -224,19 +224,57 @@ def weight_only_ragged_dot(
             f"weight_only_ragged_dot: group_sizes must be ({g},) integers, one per expert, got "
             f"{sizes_dtype} of shape {jnp.shape(group_sizes)}"
         )
-    if not uses_native_weight_only(
+    native = uses_native_weight_only(
         jnp.shape(x), jnp.result_type(x), expert_weight(q, 0), implementation
-    ):
-        weight = ops.dequantize(q, jnp.result_type(x), implementation=implementation)
-        return jax.lax.ragged_dot(x, weight, group_sizes)
+    )
+    product = _native_product if native else _dequantized_product
+    return product(x, q, group_sizes, None, implementation)
+
+
+def _dequantized_product(x, q, group_sizes, preferred_element_type, implementation):
+    """The XLA path: `x @ dequantize(q, x.dtype)`, or per group `ragged_dot` with sizes.
+
+    The weight is frozen: no derivative flows into `q` (a stop_gradient), on this path as on
+    the native one.
+    """
+    weight = ops.dequantize(
+        jax.lax.stop_gradient(q), jnp.result_type(x), implementation=implementation
+    )
+    if group_sizes is None:
+        return jnp.matmul(x, weight, preferred_element_type=preferred_element_type)
+    return jax.lax.ragged_dot(x, weight, group_sizes)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4))
+def _native_product(x, q, group_sizes, preferred_element_type, implementation):
+    """`_dequantized_product` with the weight decoded in registers (`kernels._gemm.w4a16`).
+
+    Its derivative is `_dequantized_product`'s: the product is linear in x, and its JVP is
+    the XLA expression applied to the tangent of x, so reverse mode transposes that very
+    expression (the gradient in x is the XLA path's, bit for bit, at every row count).
+    """
+    if group_sizes is None:
+        k, n = q.shape
+        out = kernels._gemm.w4a16(jnp.reshape(x, (-1, k)), q.codes, q.scales, q.global_scale)
+        dtype = jnp.result_type(x) if preferred_element_type is None else preferred_element_type
+        return jnp.reshape(out, (*jnp.shape(x)[:-1], n)).astype(dtype)
     ends = jnp.cumsum(jnp.asarray(group_sizes).astype(jnp.int32))
     rows = jnp.arange(jnp.shape(x)[0], dtype=jnp.int32)
     row_group = jnp.sum(rows[:, None] >= ends[None, :], axis=1)  # G past the last group
     out = jnp.zeros((jnp.shape(x)[0], q.shape[-1]), jnp.result_type(x))
-    for e in range(g):
-        y = weight_only_matmul(x, expert_weight(q, e), implementation=implementation)
+    for e in range(q.shape[0]):
+        y = _native_product(x, expert_weight(q, e), None, None, implementation)
         out = jnp.where((row_group == e)[:, None], y, out)
     return out
+
+
+@_native_product.defjvp
+def _native_product_jvp(preferred_element_type, implementation, primals, tangents):
+    x, q, group_sizes = primals
+    y = _native_product(x, q, group_sizes, preferred_element_type, implementation)
+    # The tangents of the frozen weight (and of group_sizes) are dropped: it has none.
+    dy = _dequantized_product(tangents[0], q, group_sizes, preferred_element_type, implementation)
+    return y, dy
 
 
 # --- operands ---------------------------------------------------------------------------------

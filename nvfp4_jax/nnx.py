@@ -152,6 +152,9 @@ class Linear(nnx.Linear):
             values saturate).
           dtype: the dtype activations and the dequantized weight are multiplied in.
 
+        The layer is differentiable in its inputs (`gemm.weight_only_matmul`: the gradient
+        of `x @ dequantize(W)` at every batch size); the weight has no gradient.
+
         Example:
           >>> q = nvfp4_jax.quantize(jnp.ones((64, 32)), axis=0)
           >>> Linear.from_quantized(q)(jnp.ones((2, 64))).shape
@@ -354,8 +357,10 @@ class Experts(nnx.Module):
         Called with `group_sizes` it computes `gemm.weight_only_ragged_dot` (on the CPU the
         native weight-only kernel for up to `gemm.WEIGHT_ONLY_MAX_ROWS` rows, decoding each
         expert's weight in registers); with (G, capacity, in) inputs, each expert's
-        `gemm.weight_only_matmul`. The weights are not trainable (`QuantizedKernel`).
-        `input_amax` starts at zeros, as a `Linear`'s does; `calibrate` records it.
+        `gemm.weight_only_matmul`. The weights are not trainable (`QuantizedKernel`); the
+        layer is differentiable in its inputs (the gradient of the dequantized experts'
+        product at every batch size). `input_amax` starts at zeros, as a `Linear`'s does;
+        `calibrate` records it.
 
         Example:
           >>> w = jnp.ones((4, 64, 32))
