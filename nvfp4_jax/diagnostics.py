@@ -816,7 +816,10 @@ def inspect_model(
     `nnx.scan`) is reported per slice, `path[i]` with `module_path` the layer's path: each
     slice is its own GEMM with its own amax. An `nvfp4_jax.nnx.Experts` layer (an MoE
     block's (G, K, N) experts) is reported per expert the same way, `path[e]` (`path[i,e]`
-    when stacked): expert e's tokens, weight and output gradient, its own GEMMs.
+    when stacked): expert e's tokens, weight and output gradient, its own GEMMs. A frozen
+    layer (`Linear.from_quantized`, `Experts.from_quantized`) is not analyzed (skipped under
+    rules that reach it, `rules.frozen_problem`; high precision without); the pass
+    differentiates through it as through any other.
     Memory: the pass keeps x, W and dy of every analyzed layer at once (one batch).
 
     Args:

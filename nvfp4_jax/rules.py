@@ -15,6 +15,9 @@ wins and a layer no rule matches stays as it is.
 * Mixture-of-experts layers (`nvfp4_jax.nnx.Experts`, `nvfp4_jax.linen.Experts`: a
   (G, K, N) kernel) are matched by their path like a linear and take the rule's recipe (None:
   high precision), each expert's GEMMs with its own tensor amaxes.
+* A frozen layer (an NVFP4 weight: `Linear.from_quantized`, `Experts.from_quantized`, a linen
+  `Dense` with an `NVFP4Array` kernel) computes as it is: a rule matching it reports it
+  "skipped" (`frozen_problem`).
 * `default_rules(num_layers)` is the NVIDIA NVFP4 paper's policy scaled to a model: the
   embeddings, the output head and the first and last blocks in high precision (the paper
   keeps the first 2 and last 8 of 62 blocks of its 12B model), everything else in NVFP4;
@@ -56,6 +59,7 @@ from flax import nnx
 from nvfp4_jax import formats
 from nvfp4_jax import linen as nvfp4_linen
 from nvfp4_jax import nnx as nvfp4_nnx
+from nvfp4_jax.array import NVFP4Array
 from nvfp4_jax.dot_general import constrain_output, dot_general, nvfp4_dot_general
 from nvfp4_jax.recipe import NVFP4Recipe
 
@@ -558,15 +562,17 @@ def layer_recipe(layer) -> NVFP4Recipe | None:
     An `nvfp4_jax.nnx.Linear` computes with its `recipe`, an `nnx.Linear` built with
     `dot_general=nvfp4_dot_general(recipe)` with that recipe, an `nnx.Einsum` with
     `einsum_op=NVFP4Einsum(recipe)` with that one, an `nvfp4_jax.nnx.Experts` with its
-    `recipe`; any other layer in high precision.
+    `recipe`; a frozen layer (`frozen_problem`) and any other layer in high precision.
 
     Example:
       >>> layer = nnx.Linear(32, 16, dot_general=nvfp4_dot_general(), rngs=nnx.Rngs(0))
       >>> layer_recipe(layer) == NVFP4Recipe()
       True
     """
+    if frozen_problem(layer):
+        return None
     if _is_nvfp4_linear(layer):
-        return layer.recipe if layer.activations is None else None
+        return layer.recipe
     if isinstance(layer, nnx.Linear):
         return _dot_general_recipe(layer.dot_general)
     if isinstance(layer, nnx.Einsum) and isinstance(layer.einsum_op, NVFP4Einsum):
@@ -576,11 +582,25 @@ def layer_recipe(layer) -> NVFP4Recipe | None:
     return None
 
 
+def frozen_problem(layer) -> str:
+    """Why rules leave `layer` as it is because its weight is frozen ("" if it is not).
+
+    Every frozen nnx layer (`Linear.from_quantized`, `Experts.from_quantized`) holds its
+    weight as an `nvfp4_jax.nnx.QuantizedKernel`: an `NVFP4Array` that computes the same
+    whatever a rule says, and that has no float weight to quantize or keep in high precision.
+
+    Example:
+      >>> frozen_problem(nnx.Linear(32, 16, rngs=nnx.Rngs(0)))
+      ''
+    """
+    if isinstance(getattr(layer, "kernel", None), nvfp4_nnx.QuantizedKernel):
+        return f"a frozen quantized weight ({type(layer).__name__}.from_quantized)"
+    return ""
+
+
 def _linear_kind_problem(layer: nnx.Linear) -> str:
     if type(layer) not in (nnx.Linear, nvfp4_nnx.Linear):
         return f"a subclass of nnx.Linear ({type(layer).__name__}) computes its own way"
-    if _is_nvfp4_linear(layer) and layer.activations is not None:
-        return "a frozen quantized weight (Linear.from_quantized)"
     return ""
 
 
@@ -634,12 +654,16 @@ def experts_stack(layer: nvfp4_nnx.Experts) -> tuple[int, ...] | None:
 def experts_problem(layer: nvfp4_nnx.Experts) -> str:
     """Why an `nvfp4_jax.nnx.Experts` layer cannot compute in NVFP4 ("" if it can).
 
-    Each expert's (K, N) matrix is one GEMM's weight: K and N must be multiples of 16.
+    Each expert's (K, N) matrix is one GEMM's weight: K and N must be multiples of 16. Frozen
+    experts (`Experts.from_quantized`) cannot (`frozen_problem`).
 
     Example:
       >>> experts_problem(nvfp4_nnx.Experts(4, 24, 16, recipe=None, rngs=nnx.Rngs(0)))
       'in_features=24 and out_features=16 must be multiples of 16'
     """
+    problem = frozen_problem(layer)
+    if problem:
+        return problem
     if type(layer) is not nvfp4_nnx.Experts:
         return f"a subclass of Experts ({type(layer).__name__}) computes its own way"
     if experts_stack(layer) is None:
@@ -680,7 +704,7 @@ def linear_problem(layer: nnx.Linear) -> str:
       >>> linear_problem(nnx.Linear(32, 16, rngs=nnx.Rngs(0)))
       ''
     """
-    return _linear_kind_problem(layer) or _linear_shape_problem(layer)
+    return frozen_problem(layer) or _linear_kind_problem(layer) or _linear_shape_problem(layer)
 
 
 def _linear_config(layer: nnx.Linear) -> dict[str, Any]:
@@ -878,24 +902,35 @@ def _check_rngs(rngs, stream: str) -> nnx.Rngs:
     return rngs
 
 
+def _convert_experts(layer: nvfp4_nnx.Experts, rule: Rule, rngs: nnx.Rngs, stream: str):
+    problem = experts_problem(layer) if rule.recipe is not None else ""
+    if problem:
+        return layer, "skipped", problem
+    _set_experts_recipe(layer, rule.recipe, rngs, stream)
+    return layer, "nvfp4" if rule.recipe is not None else "high_precision", ""
+
+
+def _convert_einsum(layer: nnx.Einsum, rule: Rule):
+    if rule.recipe is None:
+        if isinstance(layer.einsum_op, NVFP4Einsum):
+            layer.einsum_op = jnp.einsum
+        return layer, "high_precision", ""
+    problem = _einsum_problem(layer)
+    if problem:
+        return layer, "skipped", problem
+    layer.einsum_op = NVFP4Einsum(rule.recipe)
+    return layer, "nvfp4", ""
+
+
 def _convert(layer, rule: Rule, rngs: nnx.Rngs, stream: str):
     """(new layer, action, reason) for a layer a rule matched."""
+    problem = frozen_problem(layer)
+    if problem:  # whatever the rule's recipe: a frozen weight stays as it is
+        return layer, "skipped", problem
     if isinstance(layer, nvfp4_nnx.Experts):
-        problem = experts_problem(layer) if rule.recipe is not None else ""
-        if problem:
-            return layer, "skipped", problem
-        _set_experts_recipe(layer, rule.recipe, rngs, stream)
-        return layer, "nvfp4" if rule.recipe is not None else "high_precision", ""
+        return _convert_experts(layer, rule, rngs, stream)
     if isinstance(layer, nnx.Einsum):
-        if rule.recipe is None:
-            if isinstance(layer.einsum_op, NVFP4Einsum):
-                layer.einsum_op = jnp.einsum
-            return layer, "high_precision", ""
-        problem = _einsum_problem(layer)
-        if problem:
-            return layer, "skipped", problem
-        layer.einsum_op = NVFP4Einsum(rule.recipe)
-        return layer, "nvfp4", ""
+        return _convert_einsum(layer, rule)
     problem = _linear_kind_problem(layer)
     if problem:
         return layer, "skipped", problem
@@ -924,8 +959,9 @@ def quantize_model(
     built with `dot_general=nvfp4_dot_general()`). An `nnx.Einsum` whose contraction is a
     plain dense one (`einsum_plan`) gets `einsum_op=NVFP4Einsum(recipe)`. A layer whose sizes
     are not multiples of 16, an einsum with batch dimensions or sums, and a frozen quantized
-    layer (`Linear.from_quantized`) stay as they are, reported "skipped" with the reason. A
-    layer no rule matches is left alone. An `nvfp4_jax.nnx.Experts` layer (the (G, K, N)
+    layer (`Linear.from_quantized`, `Experts.from_quantized`: `frozen_problem`; whatever the
+    rule's recipe) stay as they are, reported "skipped" with the reason. A layer no rule
+    matches is left alone. An `nvfp4_jax.nnx.Experts` layer (the (G, K, N)
     experts of an MoE block) stays the same object and takes the rule's recipe
     (`Experts.set_recipe`; None: high precision); its sizes K and N must be multiples of 16.
 
@@ -1117,6 +1153,10 @@ def _linen_decision(module: nn.Module, found, args: tuple, kwargs: dict) -> tupl
     """(action, reason) for a linen layer call, given the matching rule (or None)."""
     if found is None:
         return "unmatched", ""
+    if module.has_variable("params", "kernel") and isinstance(
+        module.get_variable("params", "kernel"), NVFP4Array
+    ):
+        return "skipped", "a frozen quantized weight (an NVFP4Array kernel)"
     if type(module) not in _LINEN_KNOWN:
         return "skipped", f"a subclass ({type(module).__name__}) is not intercepted"
     is_nvfp4 = isinstance(module, nvfp4_linen.Dense)
@@ -1145,7 +1185,8 @@ def quantize_linen(
     from the `rng_collection` rngs when `apply` is given them (`rngs={"quantize": key}`),
     else from a key derived from the incoming gradient. An `nvfp4_jax.linen.Dense` a rule
     matches takes the rule's recipe, and so does an `nvfp4_jax.linen.Experts` (None: high
-    precision). A layer built with `dot_general=nvfp4_dot_general()`
+    precision); a `Dense` whose kernel is an `NVFP4Array` (frozen) computes as it is, reported
+    "skipped". A layer built with `dot_general=nvfp4_dot_general()`
     that a rule with recipe None matches computes with `jax.lax.dot_general` (high
     precision, as reported); one a rule with a recipe matches, with that recipe.
 

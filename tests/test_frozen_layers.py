@@ -1,4 +1,4 @@
-"""Frozen NVFP4 layers (`from_quantized`, an `NVFP4Array` kernel): state, derivatives.
+"""Frozen NVFP4 layers (`from_quantized`, an `NVFP4Array` kernel): state, derivatives, rules.
 
 * State: `Experts.from_quantized` holds concrete variables, as `Linear.from_quantized` does,
   so a model holding it runs under `nnx.jit`, saves as a checkpoint and calibrates.
@@ -8,6 +8,8 @@
   that of the XLA expression (`x @ dequantize(W)`, `ragged_dot`), eagerly and under `jit`,
   forward and reverse mode, and they have none in the frozen weight. The frozen layers
   built on them differentiate the same way, and `inspect_model` sees through them.
+* Rules: every frozen layer (linear, experts, a linen `Dense` with an `NVFP4Array` kernel)
+  is "skipped" by `quantize_model`, `quantize_linen` and `inspect_model`, and left as it is.
 """
 
 from __future__ import annotations
@@ -18,11 +20,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import linen as nn
 from flax import nnx
 from helpers import assert_same_bits, heavy_tailed
 
 import nvfp4_jax
-from nvfp4_jax import NVFP4Recipe, gemm, inspect_model, ops
+from nvfp4_jax import NVFP4Recipe, Rule, gemm, inspect_model, ops, quantize_model, rules
+from nvfp4_jax.rules import layer_recipe, quantize_linen
 
 G, K, N = 3, 64, 32
 ROWS = [1, 8, gemm.WEIGHT_ONLY_MAX_ROWS, gemm.WEIGHT_ONLY_MAX_ROWS + 1]  # native, then XLA
@@ -301,3 +305,63 @@ def rest(model: FrozenNet, x, y):
     return jax.lax.ragged_dot(h, ops.dequantize(q, jnp.bfloat16), sizes_for(x.shape[0])).astype(
         jnp.float32
     )
+
+
+# --- rules and diagnostics leave every frozen layer as it is ------------------------------
+
+
+@pytest.mark.parametrize("recipe", [RTN, None], ids=["nvfp4_rule", "high_precision_rule"])
+def test_quantize_model_skips_frozen_experts_as_it_skips_a_frozen_linear(recipe):
+    model = MoE()
+    x, sizes = activations((6, K), seed=50, dtype=jnp.float32), sizes_for(6)
+    before, kernel = model(x, sizes), model.experts.kernel
+    report = quantize_model(model, [Rule(".*", recipe)])
+    for path, kind in (("experts", "Experts"), ("linear", "Linear")):
+        entry = report[path]
+        assert (entry.action, entry.recipe) == ("skipped", None), entry
+        assert entry.reason == f"a frozen quantized weight ({kind}.from_quantized)"
+    assert model.experts.kernel is kernel and model.experts.recipe is None
+    assert model.experts.quantize_rngs is None  # no stochastic-rounding stream attached
+    assert layer_recipe(model.experts) is None and layer_recipe(model.linear) is None
+    assert_same_bits(model(x, sizes), before, "unchanged")
+
+
+def test_frozen_problem_names_every_frozen_layer():
+    model = MoE()
+    assert (
+        rules.frozen_problem(model.experts) == "a frozen quantized weight (Experts.from_quantized)"
+    )
+    assert rules.frozen_problem(model.linear) == "a frozen quantized weight (Linear.from_quantized)"
+    assert rules.frozen_problem(nvfp4_jax.nnx.Experts(G, K, N, rngs=nnx.Rngs(0))) == ""
+    assert rules.frozen_problem(nnx.Linear(K, N, rngs=nnx.Rngs(0))) == ""
+
+
+def test_inspect_model_with_a_rule_reaching_frozen_layers():
+    model = FrozenNet(nnx.Rngs(0))
+    x = activations((8, K), seed=51, dtype=jnp.float32)
+    report = inspect_model(model, x, rules=[Rule(".*", RTN)], key=2)
+    assert [s.path for s in report.layers] == ["a"]
+    assert report.skipped == {
+        "experts": "a frozen quantized weight (Experts.from_quantized)",
+        "frozen": "a frozen quantized weight (Linear.from_quantized)",
+    }
+    # Only frozen layers: nothing to analyze, both reported.
+    frozen_only = inspect_model(MoE(), x, sizes_for(8), rules=[Rule("", RTN)])
+    assert frozen_only.layers == () and set(frozen_only.skipped) == {"experts", "linear"}
+
+
+def test_quantize_linen_skips_a_dense_with_an_nvfp4_kernel():
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nvfp4_jax.linen.Dense(N, name="frozen")(nn.Dense(K, name="dense")(x))
+
+    x = activations((4, K), seed=52, dtype=jnp.float32)
+    params = Net().init(jax.random.key(0), x)
+    params["params"]["frozen"]["kernel"] = weight(seed=53)
+    with quantize_linen([Rule(".*", RTN)]) as report:
+        y = Net().apply(params, x)
+    assert report["dense"].action == "nvfp4"
+    assert report["frozen"].action == "skipped"
+    assert report["frozen"].reason == "a frozen quantized weight (an NVFP4Array kernel)"
+    assert y.shape == (4, N) and np.all(np.isfinite(np.asarray(y)))
