@@ -308,7 +308,9 @@ class MoE(nnx.Module):
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         shape, k = x.shape, self.cfg.top_k
-        tokens = x.reshape(-1, shape[-1])
+        # Dropless routing sorts all the tokens: under Explicit mesh axes they are gathered
+        # here and the result sharded as x again (XLA does the same by itself under Auto axes).
+        tokens = _gathered(x).reshape(-1, shape[-1])
         probs, chosen, weights = self.route(tokens)
         expert = chosen.reshape(-1)  # pair p: token p // K, its choice p % K
         order = jnp.argsort(expert, stable=True)
@@ -318,7 +320,7 @@ class MoE(nnx.Module):
         place = jnp.zeros_like(order).at[order].set(pairs)  # the inverse permutation
         out = out[place].reshape(tokens.shape[0], k, -1).astype(jnp.float32)
         y = jnp.sum(out * weights[..., None], axis=1)
-        return y.reshape(shape), load_balancing_loss(probs, chosen)
+        return _sharded_as(y.reshape(shape), x), load_balancing_loss(probs, chosen)
 
 
 class DecoderLayer(nnx.Module):
@@ -339,6 +341,36 @@ class DecoderLayer(nnx.Module):
         return x + y.astype(x.dtype), aux
 
 
+def _embedding_sharding(tokens: jax.Array):
+    """The embeddings' sharding where the types hold shardings (Explicit mesh axes): the tokens'.
+
+    A gather from a replicated table by sharded tokens must state its result's sharding there;
+    elsewhere None (XLA decides).
+    """
+    sharding = _explicit_sharding(tokens)
+    return None if sharding is None else jax.sharding.PartitionSpec(*sharding.spec, None)
+
+
+def _explicit_sharding(x: jax.Array):
+    """x's sharding where the types hold shardings (Explicit mesh axes), else None."""
+    sharding = jax.typeof(x).sharding
+    if sharding.mesh.empty or not sharding.mesh.explicit_axes:
+        return None
+    return sharding
+
+
+def _gathered(x: jax.Array) -> jax.Array:
+    """x replicated where its type holds a sharding, else x."""
+    sharding = _explicit_sharding(x)
+    return x if sharding is None else jax.sharding.reshard(x, sharding.update(spec=()))
+
+
+def _sharded_as(y: jax.Array, like: jax.Array) -> jax.Array:
+    """y with the sharding `like`'s type holds, if any."""
+    sharding = _explicit_sharding(like)
+    return y if sharding is None else jax.sharding.reshard(y, sharding)
+
+
 class TransformerLM(nnx.Module):
     """A Llama: tokens (B, T) -> f32 logits (B, T, V). Module names are Hugging Face's."""
 
@@ -351,7 +383,7 @@ class TransformerLM(nnx.Module):
 
     def forward(self, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
         """(f32 logits for every position, the mean load-balancing loss of the MoE layers)."""
-        x = self.embed_tokens(tokens)
+        x = self.embed_tokens(tokens, out_sharding=_embedding_sharding(tokens))
         aux = jnp.zeros((), jnp.float32)
         for layer in self.layers:
             x, layer_aux = layer(x)

@@ -33,8 +33,10 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from nvfp4_jax import backends, formats, kernels, layout, ops
+from nvfp4_jax import backends, formats, kernels, layout, ops, types
 from nvfp4_jax.array import NVFP4Array
 from nvfp4_jax.backends import Implementation
 from nvfp4_jax.recipe import GEMM_BACKENDS, GemmBackend
@@ -395,7 +397,11 @@ def transpose_2d_blocks(q: NVFP4Array) -> NVFP4Array:
         )
     codes = formats.pack_nibbles(formats.unpack_nibbles(q.codes).T)
     tiles = q.scales[:: formats.BLOCK_SIZE].T  # (K/16, N/16): one scale per tile
-    scales = jnp.repeat(tiles, formats.BLOCK_SIZE, axis=0)
+    # Each tile row 16 times: a broadcast and a merge of leading dims, which keep a sharding
+    # of the tile rows in the type (`jnp.repeat` needs its result's sharding spelled out).
+    k_tiles, n_tiles = tiles.shape
+    scales = jnp.broadcast_to(tiles[:, None, :], (k_tiles, formats.BLOCK_SIZE, n_tiles))
+    scales = scales.reshape(k_tiles * formats.BLOCK_SIZE, n_tiles)
     # The logical (K, N) is the same; the quantized axis flips between its two dims.
     return dataclasses.replace(q, codes=codes, scales=scales, axis=-3 - q.axis)
 
@@ -411,10 +417,33 @@ def matmul(a: Operand, b: Operand) -> jax.Array:
     if isinstance(a_data, NVFP4Array):
         product = _cudnn_product(a_data, b_data)
     else:
+        a_data, b_data = _whole_contraction(a_data, b_data)
         batch = tuple(range(a_data.ndim - 2))
         dims = (((a_data.ndim - 1,), (b_data.ndim - 1,)), (batch, batch))
         product = jax.lax.dot_general(a_data, b_data, dims, preferred_element_type=_F32)
     return product * alpha
+
+
+def _whole_contraction(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`a (..., M, K)` and `b (..., N, K)` resharded so that every device holds whole rows.
+
+    Only under Explicit mesh axes, where the sharding is in the types and the GEMM's must be
+    stated: K is gathered, so that each product is summed over K in one device's order (as
+    on one device; XLA's partitioner does the same under Auto axes), b's batch dims follow
+    a's, and N gives up an axis M already uses.
+    """
+    sharding = types.explicit_spec(jax.typeof(a)) or types.explicit_spec(jax.typeof(b))
+    if sharding is None:
+        return a, b
+    spec_a, spec_b = (types.spec_entries(x) for x in (a, b))
+    spec_a[-1] = spec_b[-1] = None
+    spec_b[:-2] = spec_a[:-2]
+    if set(types.axis_names(spec_a[-2])) & set(types.axis_names(spec_b[-2])):
+        spec_b[-2] = None
+    return (
+        jax.sharding.reshard(a, NamedSharding(sharding.mesh, P(*spec_a))),
+        jax.sharding.reshard(b, NamedSharding(sharding.mesh, P(*spec_b))),
+    )
 
 
 def _cudnn_product(lhs: NVFP4Array, rhs: NVFP4Array) -> jax.Array:
