@@ -37,6 +37,10 @@ A GEMM the recipe puts in high precision (`fprop`, `dgrad` or `wgrad` False) is
 `jax.lax.ragged_dot` on the unquantized operands with f32 accumulation (the backward ones as
 its autodiff computes them), over the same clamped groups; the forward then saves W itself
 for a high-precision dgrad and x itself for a high-precision wgrad, as `dot_general` does.
+
+Under `vmap` (a batch of token sets, each with its own group sizes) every element is its own
+call, bit for bit: the grouped GEMMs broadcast what is shared (`_ragged_gemm`; JAX batches
+`ragged_dot_general` only with every operand batched), the grouped kernel runs per element.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.custom_batching import custom_vmap
 
 from nvfp4_jax import backends, formats, gemm, kernels
 from nvfp4_jax import ops as nvfp4_ops
@@ -425,14 +430,49 @@ def _weight_values(qw, recipe: NVFP4Recipe):
 # --- the GEMMs --------------------------------------------------------------------------------
 
 
-def _grouped(lhs, rhs, group_sizes, lhs_contract, rhs_contract, rhs_group):
-    """`jax.lax.ragged_dot_general` with the rows of lhs ragged, f32 accumulation."""
+@functools.cache
+def _ragged_gemm(lhs_contract: int, rhs_contract: int, rhs_group: int | None, batch: int = 0):
+    """`jax.lax.ragged_dot_general` with the rows (axis 0) of lhs ragged, f32 accumulation.
+
+    With `rhs_group` the rows stay (each group times its slice of rhs along `rhs_group`);
+    None contracts them (wgrad's form: the result (G, ...)). The dims are the unbatched
+    operands'; `batch` leading dims of all three operands are batch dims, first in the result.
+
+    Under `vmap` JAX's own rule takes only operands that are all batched; this one broadcasts
+    the others (a per-sequence MoE's shared experts) and adds the batch as a leading batch dim
+    of the dot, whose every element is the unbatched GEMM.
+    """
+    b = tuple(range(batch))
     dims = jax.lax.RaggedDotDimensionNumbers(
-        dot_dimension_numbers=(((lhs_contract,), (rhs_contract,)), ((), ())),
-        lhs_ragged_dimensions=[0],
-        rhs_group_dimensions=[rhs_group],
+        dot_dimension_numbers=(((batch + lhs_contract,), (batch + rhs_contract,)), (b, b)),
+        lhs_ragged_dimensions=[batch],
+        rhs_group_dimensions=[] if rhs_group is None else [batch + rhs_group],
     )
-    return jax.lax.ragged_dot_general(lhs, rhs, group_sizes, dims, preferred_element_type=_F32)
+
+    @custom_vmap
+    def gemm(lhs, rhs, group_sizes):
+        out = jax.lax.ragged_dot_general(lhs, rhs, group_sizes, dims, preferred_element_type=_F32)
+        return jnp.moveaxis(out, 0, batch) if rhs_group is None and batch else out
+
+    @gemm.def_vmap
+    def _vmap_rule(axis_size, in_batched, *operands):
+        operands = [
+            a if batched else jnp.broadcast_to(a, (axis_size, *a.shape))
+            for a, batched in zip(operands, in_batched, strict=True)
+        ]
+        return _ragged_gemm(lhs_contract, rhs_contract, rhs_group, batch + 1)(*operands), True
+
+    return gemm
+
+
+def _alpha(d_a, d_b):
+    """Each group's `alpha = D_a * D_b` (G,), from the two decode factors as they are.
+
+    The barrier keeps XLA from reassociating the product with the constant inside each
+    `D = A * RCP2688`, which it does where a factor is broadcast (under `vmap`): other bits.
+    """
+    d_a, d_b = jax.lax.optimization_barrier((d_a, d_b))
+    return d_a * d_b
 
 
 def _row_scale(product, alpha, groups: _Groups, num_groups: int):
@@ -446,8 +486,8 @@ def _fprop(x, w, groups: _Groups, recipe: NVFP4Recipe):
     qx, amax_x = _quantize_rows(x, groups, g, recipe)
     qw = _quantize_weights(w, recipe, axis=0)  # stored (G, N, K)
     w_values, d_w = _weight_values(qw, recipe)
-    product = _grouped(_block_values(qx, recipe.gemm_dtype), w_values, groups.sizes, 1, 2, 0)
-    return _row_scale(product, decode_scale(amax_x) * d_w, groups, g), qw
+    product = _ragged_gemm(1, 2, 0)(_block_values(qx, recipe.gemm_dtype), w_values, groups.sizes)
+    return _row_scale(product, _alpha(decode_scale(amax_x), d_w), groups, g), qw
 
 
 # --- the GEMMs a recipe puts in high precision (`fprop`, `dgrad` or `wgrad` False) -------------
@@ -459,8 +499,22 @@ def _high_precision(x, w, sizes, out_dtype):
     `sizes` are the clamped group sizes (`_Groups.sizes`: none negative, summing to at most
     M), so the rows in no group are zero, as in the NVFP4 GEMMs.
     """
-    y = jax.lax.ragged_dot(x, w, sizes, preferred_element_type=_F32)
-    return y.astype(out_dtype)
+    return _ragged_gemm(1, 1, 0)(x, w, sizes).astype(out_dtype)
+
+
+# The backward ones are the GEMMs JAX's transpose rule of `_high_precision` runs (the
+# cotangent in f32, the result cast to the operand's dtype), written out: `vmap` of a
+# transpose would bind JAX's ragged_dot_general without `_ragged_gemm`'s batching rule.
+
+
+def _high_precision_dgrad(dy, w, sizes, x_dtype):
+    """The high-precision dx (M, K): row i of group g is `dy[i] @ W[g]^T`, as autodiff has it."""
+    return _ragged_gemm(1, 2, 0)(dy.astype(_F32), w, sizes).astype(x_dtype)
+
+
+def _high_precision_wgrad(x, dy, sizes, w_dtype):
+    """The high-precision dW (G, K, N): `x_g^T dy_g` of every group g, as autodiff has it."""
+    return _ragged_gemm(0, 0, None)(x, dy.astype(_F32), sizes).astype(w_dtype)
 
 
 def _forward(x, w, groups: _Groups, recipe: NVFP4Recipe, out_dtype):
@@ -503,7 +557,7 @@ def _ragged_matmul_fwd(x, w, group_sizes, key, recipe, out_dtype):
 
 def _ragged_matmul_bwd(recipe, out_dtype, residuals, dy):
     qw, qx_tokens, d_x_tokens, group_sizes, key, x_dtype = residuals
-    m, n = dy.shape
+    m = dy.shape[0]
     g = qw.shape[0] if not recipe.dgrad else qw.global_scale.shape[0]
     groups = _groups(group_sizes, m)
     sr = recipe.stochastic_rounding and (recipe.dgrad or recipe.wgrad)
@@ -513,38 +567,25 @@ def _ragged_matmul_bwd(recipe, out_dtype, residuals, dy):
 
     # dgrad: dx (M, K) = dy (M, N) @ W[g]^T, both operands quantized along N.
     if not recipe.dgrad:
-        x_struct = jax.ShapeDtypeStruct((m, qw.shape[1]), x_dtype.dtype)
-        hp = functools.partial(_high_precision, w=qw, sizes=groups.sizes, out_dtype=out_dtype)
-        (dx,) = jax.linear_transpose(hp, x_struct)(dy)
+        dx = _high_precision_dgrad(dy, qw, groups.sizes, x_dtype.dtype)
     else:
         q_dy, amax_dy = _quantize_rows(dy, groups, g, recipe, dgrad_words)
         w_values, d_w = _weight_values(qw, recipe)  # 2D: (G, N, K) as in fprop; 1D: (G, K, N)
         w_contract = 1 if recipe.weight_2d else 2
-        product = _grouped(
-            _block_values(q_dy, recipe.gemm_dtype), w_values, groups.sizes, 1, w_contract, 0
+        product = _ragged_gemm(1, w_contract, 0)(
+            _block_values(q_dy, recipe.gemm_dtype), w_values, groups.sizes
         )
-        dx = _row_scale(product, decode_scale(amax_dy) * d_w, groups, g)
+        dx = _row_scale(product, _alpha(decode_scale(amax_dy), d_w), groups, g)
 
     # wgrad: dW[g] (K, N) = x_g^T dy_g, both quantized along group g's (padded) tokens.
     if not recipe.wgrad:
-        x = qx_tokens  # the unquantized x (M, K)
-        w_struct = jax.ShapeDtypeStruct((g, x.shape[1], n), qw.dtype)
-        (dw,) = jax.linear_transpose(
-            lambda w: _high_precision(x, w, groups.sizes, out_dtype), w_struct
-        )(dy)
+        dw = _high_precision_wgrad(qx_tokens, dy, groups.sizes, qw.dtype)  # x itself (M, K)
     else:
         q_dy_tokens, amax_dy_tokens = _quantize_tokens(dy, groups, g, recipe, wgrad_words)
         x_values = _block_values(_unpack(qx_tokens), recipe.gemm_dtype).T  # (Mp, K)
         dy_values = _block_values(q_dy_tokens, recipe.gemm_dtype).T  # (Mp, N)
-        dims = jax.lax.RaggedDotDimensionNumbers(
-            dot_dimension_numbers=(((0,), (0,)), ((), ())),
-            lhs_ragged_dimensions=[0],
-            rhs_group_dimensions=[],
-        )
-        product = jax.lax.ragged_dot_general(
-            x_values, dy_values, groups.padded_sizes, dims, preferred_element_type=_F32
-        )  # (G, K, N)
-        dw = product * (d_x_tokens * decode_scale(amax_dy_tokens))[:, None, None]
+        product = _ragged_gemm(0, 0, None)(x_values, dy_values, groups.padded_sizes)  # (G, K, N)
+        dw = product * _alpha(d_x_tokens, decode_scale(amax_dy_tokens))[:, None, None]
     return dx.astype(x_dtype.dtype), dw.astype(qw.dtype), None, None
 
 

@@ -8,7 +8,8 @@ stochastic-rounding key words, its elements numbered from its own first one
 columns mode it is columns `[start, start + size)` of every row (multiples of 16: the
 grouped padded layout). What no group covers gets codes 0 and scales +0; a group whose
 amax is NaN gets codes 0 and E4M3 NaN scales. No sharding rule: under a sharding XLA
-gathers the operands and runs it whole (the groups' bounds are data).
+gathers the operands and runs it whole (the groups' bounds are data). Under `vmap` the
+kernel runs once per batch element (`vmap_method="sequential"`), each call the unbatched one.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ def grouped_quantize(x, bounds, amax, keys, *, columns: bool, stochastic_roundin
             jax.ShapeDtypeStruct((rows, cols // 2), jnp.uint8),
             jax.ShapeDtypeStruct((rows, cols // _BLOCK), jnp.float8_e4m3fn),
         ),
+        vmap_method="sequential",
     )
     return call(
         x,
