@@ -425,16 +425,22 @@ def matmul(a: Operand, b: Operand) -> jax.Array:
 
 
 def _whole_contraction(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """`a (..., M, K)` and `b (..., N, K)` resharded so that every device holds whole rows.
+    """`a (..., M, K)` and `b (..., N, K)` with whole rows (all of K) on every device.
 
-    Only under Explicit mesh axes, where the sharding is in the types and the GEMM's must be
-    stated: K is gathered, so that each product is summed over K in one device's order (as
-    on one device; XLA's partitioner does the same under Auto axes), b's batch dims follow
-    a's, and N gives up an axis M already uses.
+    So that each product is summed over K in one device's order, as on one device. Under
+    Explicit mesh axes, where the types hold the shardings, K is gathered (b's batch dims
+    follow a's, and N gives up an axis M already uses); under `jax.set_mesh` with Auto axes
+    K is constrained to be unsharded and XLA picks the rest. Without a mesh in the context
+    XLA's partitioner decides, and may split K (f32 sums in another order).
     """
     sharding = types.explicit_spec(jax.typeof(a)) or types.explicit_spec(jax.typeof(b))
     if sharding is None:
-        return a, b
+        if not jax.sharding.get_abstract_mesh().auto_axes:
+            return a, b
+        return tuple(
+            jax.lax.with_sharding_constraint(x, P(*[P.UNCONSTRAINED] * (x.ndim - 1), None))
+            for x in (a, b)
+        )
     spec_a, spec_b = (types.spec_entries(x) for x in (a, b))
     spec_a[-1] = spec_b[-1] = None
     spec_b[:-2] = spec_a[:-2]

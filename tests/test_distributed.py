@@ -22,11 +22,14 @@ the training step also with Auto axes under `jax.set_mesh` (`helpers.MESH_MODES`
 from __future__ import annotations
 
 import functools
+import pathlib
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from helpers import (
     DENSE,
     MESH_MODES,
@@ -39,6 +42,7 @@ from helpers import (
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import nvfp4_jax
 from nvfp4_jax import (
     NVFP4Recipe,
     apply_rht,
@@ -51,6 +55,11 @@ from nvfp4_jax import (
     quantize_master_weights,
     tensor_amax,
 )
+from nvfp4_jax import linen as nvfp4_linen
+from nvfp4_jax import nnx as nvfp4_nnx
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+import lm_model
 
 AXIS = "x"
 
@@ -498,3 +507,109 @@ def test_shard_map_replicated_weight_grads(impl, op, recipe_name, mode):
     np.testing.assert_allclose(
         dw, expected_dw, rtol=1e-6, atol=1e-6 * float(jnp.abs(expected_dw).max())
     )
+
+
+# --- the Flax layers and the example's step under each mesh mode ----------------------------
+
+
+def _nnx_linear_grads(impl_name, x):
+    layer = nvfp4_nnx.Linear(
+        64, 32, recipe=NVFP4Recipe(implementation=impl_name), rngs=nnx.Rngs(0, quantize=1)
+    )
+
+    @nnx.jit
+    def step(layer, x):
+        return nnx.value_and_grad(lambda m, x: jnp.sum(m(x) ** 2), argnums=(0, 1))(layer, x)
+
+    loss, (grads, dx) = step(layer, x)
+    return loss, {"kernel": grads.kernel[...], "bias": grads.bias[...], "x": dx}
+
+
+def _linen_dense_grads(impl_name, x):
+    layer = nvfp4_linen.Dense(32, recipe=NVFP4Recipe(implementation=impl_name))
+    params = layer.init(jax.random.key(0), jnp.zeros((16, 64)))
+
+    @jax.jit
+    def step(params, x):
+        def loss(params, x):
+            y = layer.apply(params, x, rngs={"quantize": jax.random.key(1)})
+            return jnp.sum(y**2)
+
+        return jax.value_and_grad(loss, argnums=(0, 1))(params, x)
+
+    loss, (grads, dx) = step(params, x)
+    return loss, {"kernel": grads["params"]["kernel"], "bias": grads["params"]["bias"], "x": dx}
+
+
+LAYERS = {"nnx_linear": _nnx_linear_grads, "linen_dense": _linen_dense_grads}
+
+
+@pytest.mark.parametrize("mode", MESH_MODES)
+@pytest.mark.parametrize("layer", list(LAYERS))
+def test_layer_data_parallel_equals_one_device(impl, layer, mode):
+    """A layer's loss and gradients with a batch sharded over the mesh, as on one device.
+
+    The parameters are made under the mesh (replicated); the NVFP4 gradients (the kernel's,
+    the input's) are the same bits, the bias gradient and loss plain f32 sums. One exception,
+    documented: the reference's emulated wgrad GEMM with Auto axes and no mesh in the
+    context, where XLA's partitioner may split its sum over the sharded tokens (f32 order).
+    """
+    x = data((128, 64), seed=8)
+    loss_1, grads_1 = LAYERS[layer](impl.implementation, *on_one_device(x))
+    with mesh_context(mesh(mode), mode):
+        sharded = jax.device_put(x, NamedSharding(mesh(mode), P(AXIS, None)))
+        loss_8, grads_8 = LAYERS[layer](impl.implementation, sharded)
+    np.testing.assert_allclose(loss_8, loss_1, rtol=F32_SUM_TOLERANCE)
+    if impl.implementation == "reference" and mode == "auto":
+        np.testing.assert_allclose(grads_8["kernel"], grads_1["kernel"], rtol=1e-6)
+    else:
+        assert_same_bits(grads_8["kernel"], grads_1["kernel"], "kernel")
+    assert_same_bits(grads_8["x"], grads_1["x"], "x")
+    scale = float(jnp.max(jnp.abs(grads_1["bias"])))
+    np.testing.assert_allclose(grads_8["bias"], grads_1["bias"], atol=F32_SUM_TOLERANCE * scale)
+
+
+def _example_grads(batch, experts: int = 0):
+    """The example LM's (examples/lm_model.py) NVFP4 training loss and gradients."""
+    cfg = lm_model.LMConfig(width=64, depth=1, heads=2, max_len=32, experts=experts, top_k=2)
+    model = lm_model.TransformerLM(cfg, nnx.Rngs(params=0))
+    rules = [nvfp4_jax.Rule(".*", NVFP4Recipe())]
+    nvfp4_jax.quantize_model(model, rules, rngs=nnx.Rngs(quantize=1))
+
+    @nnx.jit
+    def step(model, batch):
+        value_and_grad = nnx.value_and_grad(lm_model.train_loss_fn, has_aux=True)
+        (_, (loss, _)), grads = value_and_grad(model, batch)
+        return loss, nnx.to_pure_dict(grads)
+
+    return step(model, batch)
+
+
+@pytest.mark.parametrize("experts", [0, 4], ids=["dense", "moe"])
+def test_example_step_data_parallel(experts):
+    """The example's training step with its batch sharded, under each way to use a mesh.
+
+    Under `jax.set_mesh`, with Auto or Explicit axes, the step gives the same bits as with
+    the shardings only on the arrays (Auto axes). That equals one device's up to the f32
+    sums of the layers around the NVFP4 GEMMs (norms, attention, router), which XLA
+    compiles differently per program; a gradient that moves by an ulp may flip an NVFP4
+    code of the next GEMM, so the gradients are compared at the recipe's error.
+    """
+    rng = np.random.default_rng(0)
+    batch = jnp.asarray(rng.integers(0, 256, (8, 33)), jnp.int32)
+    loss_1, grads_1 = _example_grads(*on_one_device(batch), experts)
+    results = {}
+    for mode in MESH_MODES:
+        with mesh_context(mesh(mode), mode):
+            sharded = jax.device_put(batch, NamedSharding(mesh(mode), P(AXIS)))
+            results[mode] = _example_grads(sharded, experts)
+    loss_8, grads_8 = results["auto"]
+    np.testing.assert_allclose(loss_8, loss_1, rtol=F32_SUM_TOLERANCE)
+    flat_1 = jax.tree_util.tree_flatten_with_path(grads_1)[0]
+    for (path, a), b in zip(flat_1, jax.tree.leaves(grads_8), strict=True):
+        scale = float(jnp.max(jnp.abs(a)))
+        np.testing.assert_allclose(b, a, atol=3e-2 * scale, err_msg=jax.tree_util.keystr(path))
+    for mode in ("auto_set_mesh", "explicit"):
+        leaves = zip(jax.tree.leaves(results["auto"]), jax.tree.leaves(results[mode]), strict=True)
+        for a, b in leaves:
+            assert_same_bits(b, a, mode)
