@@ -137,10 +137,11 @@ def _group_amax(xs: jax.Array, ids: jax.Array, groups: int, axis: int) -> jax.Ar
     """The stored amax of every group of `xs` (f32): `max |x|`, 0 if empty, NaN if non-finite.
 
     `ids` numbers the slices of `xs` along `axis` (id `groups`: in no group). Finiteness is
-    an explicit reduction, as in the reference (XLA's CPU max may drop a NaN).
+    an explicit reduction, as in the reference (XLA's CPU max may drop a NaN). Slices of no
+    element (K or N zero) have the max 0, as the reference's empty tensors.
     """
     other = 1 - axis
-    slice_max = jnp.max(jnp.abs(xs), axis=other)
+    slice_max = jnp.max(jnp.abs(xs), axis=other, initial=_F32(0))
     slice_bad = jnp.any(~jnp.isfinite(xs), axis=other)
     amax = jnp.maximum(jax.ops.segment_max(slice_max, ids, num_segments=groups), _F32(0))
     bad = jax.ops.segment_max(slice_bad.astype(_I32), ids, num_segments=groups) > 0
@@ -651,7 +652,8 @@ def ragged_dot(
     The grouped GEMM of a dropless mixture of experts: `lhs` (M, K) holds the tokens sorted
     by expert, `group_sizes` (G,) how many rows each expert gets (a traced array is fine:
     every shape inside is static), `rhs` (G, K, N) the experts' weights. Row i of group g
-    of the result is `lhs[i] @ rhs[g]`; the rows after `sum(group_sizes)` are zero.
+    of the result is `lhs[i] @ rhs[g]`; the rows after `sum(group_sizes)` are zero. With M,
+    K, N or G zero the result and gradients are `jax.lax.ragged_dot`'s zeros (or empty).
 
     Every group is its own dense layer under `recipe` (docs/NUMERICS.md section 12): group
     g's rows of lhs, expert g's weight and group g's rows of the output gradient each have

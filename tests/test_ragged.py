@@ -589,3 +589,43 @@ def test_vmap_of_every_gemm_form_is_the_loop(impl, recipe_name):
         want = one(x[index], w, sizes[index], dy[index])
         for name, a, e in zip(("y", "dx", "dW"), got, want, strict=True):
             assert_same_bits(a[index], e, f"{name} of token set {index}")
+
+
+# --- empty dimensions: what jax.lax.ragged_dot returns -------------------------------------
+
+# name -> (M, K, N, group sizes); `vmap_data`'s shapes where they can be (eagerly, the
+# reference compiles each op once per shape).
+EMPTY = {
+    "k0": (48, 0, 32, VMAP_SIZES[0]),
+    "n0": (48, 32, 0, VMAP_SIZES[0]),
+    "k0_n0": (48, 0, 0, VMAP_SIZES[0]),
+    "m0": (0, 32, 32, [0, 0, 0, 0]),
+    "all_groups_empty": (48, 32, 32, [0, 0, 0, 0]),
+}
+
+
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+@pytest.mark.parametrize("case", list(EMPTY))
+def test_empty_dimensions_give_jax_ragged_dots_zeros(impl, case, mode):
+    """K = 0 (every product an empty sum), N = 0, M = 0 and no rows in any group: the
+    result and both gradients are `jax.lax.ragged_dot`'s (zeros or empty, of its shapes and
+    dtypes), with a key and without, as `dot_general` gives for its empty dimensions."""
+    m, k, n, sizes = EMPTY[case]
+    x, w, dy = data(m, k, n, len(sizes), 14)
+    sizes = jnp.array(sizes, jnp.int32)
+    recipe = NVFP4Recipe(implementation=impl.implementation)
+
+    def ours(x, w, sizes, dy, key):
+        return one_sequence_vjp(x, w, sizes, dy, key, recipe)
+
+    def theirs(x, w, sizes, dy):
+        y, pullback = jax.vjp(lambda a, b: jax.lax.ragged_dot(a, b, sizes), x, w)
+        return (y, *pullback(dy))
+
+    if mode == "jit":
+        ours = jax.jit(ours)
+    want = theirs(x, w, sizes, dy)
+    for key in (jax.random.key(3), None):
+        for name, a, e in zip(("y", "dx", "dW"), ours(x, w, sizes, dy, key), want, strict=True):
+            assert (a.shape, a.dtype) == (e.shape, e.dtype), f"{name}: {a.shape} {a.dtype}"
+            np.testing.assert_array_equal(np.asarray(a, np.float32), 0.0, err_msg=name)
