@@ -31,8 +31,9 @@ import jax
 import jax.extend.random
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
-from nvfp4_jax import backends, formats, gemm, kernels
+from nvfp4_jax import backends, formats, gemm, kernels, types
 from nvfp4_jax.ops import quantize as ops_quantize
 from nvfp4_jax.recipe import NVFP4Recipe
 from nvfp4_jax.seed import SRSeed, constant_words
@@ -451,7 +452,25 @@ def batched_matmul(x, w, key, recipe: NVFP4Recipe, out_dtype) -> jax.Array:
     def one(x_b, w_b, key_b):
         return _nvfp4_matmul(x_b, w_b, key_b, recipe, out_dtype)
 
-    return jax.vmap(one, in_axes=(0, 0, None if keys is None else 0))(x, w, keys)
+    def run(x, w, keys):
+        return jax.vmap(one, in_axes=(0, 0, None if keys is None else 0))(x, w, keys)
+
+    sharding = types.explicit_spec(jax.typeof(x))
+    batch = None if sharding is None else types.spec_entries(x)[0]
+    if batch is None:
+        return run(x, w, keys)
+    # B sharded over Explicit mesh axes (e.g. expert parallelism): each device runs its own
+    # elements, w and the keys sharded along B as x is; the other axes keep their types.
+    w = types.leading_axis_like(w, x)
+    operands = (x, w) if keys is None else (x, w, types.leading_axis_like(keys, x))
+    mapped = jax.shard_map(
+        lambda x, w, *keys: run(x, w, keys[0] if keys else None),
+        mesh=sharding.mesh,
+        in_specs=(P(batch),) * len(operands),
+        out_specs=P(batch),
+        axis_names=set(types.axis_names(batch)),
+    )
+    return mapped(*operands)
 
 
 def nvfp4_dot_general(recipe: NVFP4Recipe = NVFP4Recipe(), key: jax.Array | None = None):

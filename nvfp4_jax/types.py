@@ -127,3 +127,18 @@ def whole_blocks(x, dims: tuple[int, ...], block: int = 16):
     if not split:
         return x
     return jax.sharding.reshard(x, jax.sharding.NamedSharding(sharding.mesh, P(*spec)))
+
+
+def leading_axis_like(value, like):
+    """`value` with its leading axis sharded as `like`'s and the rest unsharded.
+
+    Only under Explicit mesh axes (where mapping over the leading axis needs every operand
+    sharded alike along it); elsewhere `value` itself.
+    """
+    sharding = explicit_spec(jax.typeof(like)) or explicit_spec(jax.typeof(value))
+    if sharding is None:
+        return value
+    spec = [spec_entries(like)[0]] + [None] * (jax.typeof(value).ndim - 1)
+    if spec_entries(value) == spec:
+        return value
+    return jax.sharding.reshard(value, jax.sharding.NamedSharding(sharding.mesh, P(*spec)))

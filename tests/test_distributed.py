@@ -613,3 +613,18 @@ def test_example_step_data_parallel(experts):
         leaves = zip(jax.tree.leaves(results["auto"]), jax.tree.leaves(results[mode]), strict=True)
         for a, b in leaves:
             assert_same_bits(b, a, mode)
+
+
+@pytest.mark.parametrize("sr", [False, True], ids=["rn", "sr"])
+@pytest.mark.parametrize("mode", ["auto", "explicit"])
+def test_vmap_over_a_sharded_batch(impl, mode, sr):
+    """`jax.vmap` of quantize over a batch sharded over the mesh: each element as unsharded."""
+    x = data((8, 32, 64), seed=9)
+    key = jax.random.key(1) if sr else None
+
+    def one(a):
+        return quantize(a, stochastic_rounding=sr, key=key, implementation=impl.implementation)
+
+    expected = jax.jit(jax.vmap(one))(*on_one_device(x))
+    q = run_sharded(jax.vmap(one), mode, jax.device_put(x, NamedSharding(mesh(mode), P(AXIS))))
+    assert_same_q(q, expected, f"{mode} vmap")

@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_same_bits
-from jax.sharding import AxisType, NamedSharding
+from helpers import assert_same_bits, make_mesh, mesh_context
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nvfp4_jax import NVFP4Recipe, dot_general, nvfp4_dot_general
@@ -269,7 +269,8 @@ def vjp_and_residuals(lhs, rhs, dy, recipe, key):
 
 
 @pytest.mark.skipif(jax.device_count("cpu") < 8, reason="needs 8 CPU devices")
-def test_expert_axis_sharded_over_8_devices_equals_one_device(impl):
+@pytest.mark.parametrize("mode", ["auto", "explicit"])
+def test_expert_axis_sharded_over_8_devices_equals_one_device(impl, mode):
     # One expert per device. Everything the recipe decides (every operand's amax, scales,
     # codes, stochastic rounding) is the same bits; the GEMMs' f32 sums may run in another
     # order (XLA picks another CPU kernel for a GEMM of batch 1 than of batch 8), so the
@@ -282,11 +283,12 @@ def test_expert_axis_sharded_over_8_devices_equals_one_device(impl):
         *(jax.device_put(a, cpu[0]) for a in (lhs, rhs, dy)), recipe, key
     )
 
-    mesh = jax.make_mesh((8,), ("expert",), axis_types=(AxisType.Auto,), devices=cpu)
+    mesh = make_mesh((8,), ("expert",), mode)
     experts = NamedSharding(mesh, P("expert", None, None))
-    sharded, sharded_res = vjp_and_residuals(
-        *(jax.device_put(a, experts) for a in (lhs, rhs, dy)), recipe, key
-    )
+    with mesh_context(mesh, mode):
+        sharded, sharded_res = vjp_and_residuals(
+            *(jax.device_put(a, experts) for a in (lhs, rhs, dy)), recipe, key
+        )
 
     assert len(one_res) == len(sharded_res) >= 6
     for got, want in zip(sharded_res, one_res, strict=True):

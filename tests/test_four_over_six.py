@@ -21,11 +21,14 @@ import numerics_oracle as oracle
 import numpy as np
 import pytest
 from helpers import (
+    MESH_MODES,
     assert_same_bits,
     assert_same_q,
     build_host_check,
     heavy_tailed,
     make_impl,
+    make_mesh,
+    mesh_context,
     with_underflow_block,
 )
 from jax.sharding import NamedSharding, PartitionSpec
@@ -442,15 +445,22 @@ def test_vmap_batches_the_decode_scale():
         np.testing.assert_array_equal(np.asarray(q.dequantize())[i], oracle.dequantize(o))
 
 
-def test_sharded_quantize_is_the_unsharded_one():
-    make_impl("cpu")
-    mesh = jax.make_mesh((8,), ("d",))
+@pytest.mark.parametrize("mode", MESH_MODES)
+@pytest.mark.parametrize("name", ["reference", "cpu"])
+def test_sharded_quantize_is_the_unsharded_one(name, mode):
+    impl = make_impl(name)
+    mesh = make_mesh((8,), ("d",), mode)
     x = sample((128, 64), "bf16", seed=8)
     placed = jax.device_put(x, NamedSharding(mesh, PartitionSpec("d", None)))
     for block_2d, sr in ((False, True), (True, False)):
         kw = flags("mse", 256, block_2d=block_2d, sr=sr)
-        fn = jax.jit(lambda v, kw=kw: nvfp4_jax.quantize(v, key=KEY, implementation="ffi", **kw))
-        assert_same_q(fn(placed), expected(x, "mse", 256, block_2d=block_2d, sr=sr), "sharded")
+
+        def fn(v, kw=kw):
+            return nvfp4_jax.quantize(v, key=KEY, implementation=impl.implementation, **kw)
+
+        with mesh_context(mesh, mode):
+            q = jax.jit(fn)(placed)
+        assert_same_q(q, expected(x, "mse", 256, block_2d=block_2d, sr=sr), f"sharded {mode}")
 
 
 # --- inputs at the edges -------------------------------------------------------------------

@@ -181,6 +181,37 @@ def _explicit_call(partition, mesh, args):
     return mapped(*args)
 
 
+def _explicit_vmap(raw, mesh, in_axes, args):
+    """`jax.vmap(raw, in_axes)(*args)` with the batch axis sharded over Explicit mesh axes.
+
+    The examples are independent: each device runs `raw` on the whole examples it holds
+    (`shard_map` over the batch axis's mesh axes; every other dim gathered), and the results
+    stay sharded along the batch axis.
+    """
+    first = next(a for a, axis in zip(args, in_axes, strict=True) if axis == 0)
+    batch = types.spec_entries(first)[0]
+    manual = set(axes(batch))
+    if not manual:  # sharded, but not along the batch axis: gather, one device's loop
+        specs = [P() for _ in args]
+        manual = set(mesh.explicit_axes)
+    else:
+        specs = [P(batch) if axis == 0 else P() for axis in in_axes]
+    args = [
+        jax.sharding.reshard(a, NamedSharding(mesh, spec))
+        for a, spec in zip(args, specs, strict=True)
+    ]
+    out_spec = P(batch) if axes(batch) else P()
+    mapped = jax.shard_map(
+        jax.vmap(raw, in_axes=in_axes),
+        mesh=mesh,
+        in_specs=tuple(specs),
+        out_specs=out_spec,  # a prefix of every result: the batch axis
+        axis_names=manual,
+        check_vma=False,
+    )
+    return mapped(*args)
+
+
 def _manual_spec(sharding, manual: set) -> P:
     """`sharding`'s spec, keeping only the axes `shard_map` makes manual."""
     kept = []
@@ -217,7 +248,12 @@ def with_rule(raw, partition, infer, rule: str, **rule_options):
     @call.def_vmap
     def _vmap_rule(axis_size, in_batched, *args):
         del axis_size
-        out = jax.vmap(raw, in_axes=tuple(0 if b else None for b in in_batched))(*args)
+        in_axes = tuple(0 if b else None for b in in_batched)
+        mesh = explicit_mesh([a for a, b in zip(args, in_batched, strict=True) if b])
+        if mesh is None:
+            out = jax.vmap(raw, in_axes=in_axes)(*args)
+        else:
+            out = _explicit_vmap(raw, mesh, in_axes, args)
         return out, jax.tree.map(lambda _: True, out)
 
     return jax.jit(call, inline=True)
