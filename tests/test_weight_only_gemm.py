@@ -20,8 +20,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import assert_same_bits, heavy_tailed
-from jax.sharding import AxisType, NamedSharding
+from helpers import assert_same_bits, heavy_tailed, make_mesh, mesh_context
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import nvfp4_jax
@@ -291,14 +291,13 @@ needs_8_devices = pytest.mark.skipif(jax.device_count("cpu") < 8, reason="needs 
 B, M, N, K = 4, 8, 64, 256  # the unsharded problem of every layout below
 
 
-def mesh():
+def mesh(mode: str = "auto"):
     """2 x 4: "data" for the rows of x, "model" for the weight's N (tensor parallelism)."""
-    types = (AxisType.Auto, AxisType.Auto)
-    return jax.make_mesh((2, 4), ("data", "model"), axis_types=types, devices=jax.devices("cpu"))
+    return make_mesh((2, 4), ("data", "model"), mode)
 
 
-def put(a, spec):
-    return jax.device_put(a, NamedSharding(mesh(), spec))
+def put(a, spec, mode: str = "auto"):
+    return jax.device_put(a, NamedSharding(mesh(mode), spec))
 
 
 def batched_weight(batch, seed):
@@ -343,19 +342,21 @@ def call_operand_shapes(hlo: str) -> list[str]:
 
 
 @needs_8_devices
+@pytest.mark.parametrize("mode", ["auto", "explicit"])
 @pytest.mark.parametrize("case", list(SHARDED_CASES))
-def test_sharded_equals_unsharded(case):
+def test_sharded_equals_unsharded(case, mode):
     _, _, x_spec, w_spec, out_spec, gathers = SHARDED_CASES[case]
     x, codes, scales, decode = sharded_operands(case)
     expected = jax.jit(_gemm.w4a16)(x, codes, scales, decode)  # one device
-    args = (put(x, x_spec), put(codes, w_spec), put(scales, w_spec), decode)
+    args = (put(x, x_spec, mode), put(codes, w_spec, mode), put(scales, w_spec, mode), decode)
     fn = jax.jit(_gemm.w4a16)
-    got = fn(*args)
+    with mesh_context(mesh(mode), mode):
+        got = fn(*args)
+        hlo = fn.lower(*args).compile().as_text()
     assert_same_bits(got, expected, case)
     if out_spec is not None:
-        want = NamedSharding(mesh(), out_spec)
+        want = NamedSharding(mesh(mode), out_spec)
         assert got.sharding.is_equivalent_to(want, got.ndim), (got.sharding, want)
-    hlo = fn.lower(*args).compile().as_text()
     assert len(re.findall(r"\ball-gather\(", hlo)) == gathers, hlo
     # The kernel sees each device's shard: x's rows and the weight's N as the result has them.
     local = got.addressable_shards[0].data.shape
