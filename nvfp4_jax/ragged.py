@@ -65,8 +65,6 @@ _BLOCK = formats.BLOCK_SIZE
 # `nvfp4_jax.dot_general`'s seed of the key derived from dy when the caller gives none
 # (docs/NUMERICS.md section 12 spells the derivation out; the tests hold the two equal).
 _GRADIENT_KEY_SEED = 0x4E564650
-# Stochastic rounding numbers a group's elements with 32-bit counters (section 7).
-_MAX_SR_ELEMENTS = 2**35
 
 
 # --- the groups ------------------------------------------------------------------------------
@@ -304,17 +302,32 @@ def _threefry_2x32(k0, k1, x0, x1) -> tuple[jax.Array, jax.Array]:
     return x0, x1
 
 
-def _random_bytes(words, chunk_group, counter) -> jax.Array:
-    """The 8 SR bytes of every 8-element chunk: uint8 `(*counter.shape, 8)`.
+def _counter(a, b, c) -> tuple[jax.Array, jax.Array]:
+    """The 64-bit counters `a * b + c` of uint32 arrays (broadcast): (high, low) uint32 words.
 
-    Chunk c draws `threefry2x32((k0, k1), (0, counter[c]))` with its group's key words
-    (`words` (G, 2); group G, no group, draws with zero words: its elements are zero), and
-    its element e takes byte e of `w0 | w1 << 32`, least significant first (section 7).
+    Section 7's counters are 64-bit (a group past 2**35 elements has a high word), as the
+    kernels' are; JAX has no uint64 without x64, so the product is formed from 16-bit halves.
+    """
+    half, sixteen = _U32(0xFFFF), _U32(16)
+    a_lo, a_hi, b_lo, b_hi = a & half, a >> sixteen, b & half, b >> sixteen
+    cross_a, cross_b = a_lo * b_hi, a_hi * b_lo  # each below 2**32
+    middle = ((a_lo * b_lo) >> sixteen) + (cross_a & half) + (cross_b & half)
+    high = a_hi * b_hi + (cross_a >> sixteen) + (cross_b >> sixteen) + (middle >> sixteen)
+    low = a * b + c  # wraps modulo 2**32: the carry goes into the high word
+    return high + (low < c).astype(_U32), low
+
+
+def _random_bytes(words, chunk_group, counter) -> jax.Array:
+    """The 8 SR bytes of every 8-element chunk: uint8 `(*chunk_group.shape, 8)`.
+
+    Chunk c draws `threefry2x32((k0, k1), (high[c], low[c]))` with its group's key words
+    (`words` (G, 2); group G, no group, draws with zero words: its elements are zero) and its
+    64-bit counter (`counter`: `_counter`'s words), and its element e takes byte e of
+    `w0 | w1 << 32`, least significant first (section 7).
     """
     table = jnp.concatenate([words, jnp.zeros((1, 2), _U32)])
     k = table[chunk_group]
-    count = counter.astype(_U32)
-    hashed = _threefry_2x32(k[..., 0], k[..., 1], jnp.zeros_like(count), count)
+    hashed = _threefry_2x32(k[..., 0], k[..., 1], *counter)
     shifts = jnp.arange(0, 32, 8, dtype=_U32)
     parts = [(word[..., None] >> shifts) & _U32(0xFF) for word in hashed]
     return jnp.concatenate(parts, axis=-1).astype(jnp.uint8)
@@ -326,9 +339,9 @@ def _row_random(words, groups: _Groups, n: int) -> jax.Array:
     Element (i, c) of group g is element `row_local[i] * N + c` of dy_g.
     """
     chunks = jnp.arange(n // 8, dtype=_U32)
-    counter = groups.row_local.astype(_U32)[:, None] * _U32(n // 8) + chunks
-    group = jnp.broadcast_to(groups.row_group[:, None], counter.shape)
-    return _random_bytes(words, group, counter).reshape(counter.shape[0], n)
+    counter = _counter(groups.row_local.astype(_U32)[:, None], _U32(n // 8), chunks)
+    group = jnp.broadcast_to(groups.row_group[:, None], counter[1].shape)
+    return _random_bytes(words, group, counter).reshape(group.shape[0], n)
 
 
 def _padded_random(words, groups: _Groups, n: int) -> jax.Array:
@@ -340,8 +353,8 @@ def _padded_random(words, groups: _Groups, n: int) -> jax.Array:
     first = groups.pad_group[::8]  # the group of every 8-token chunk
     local = groups.pad_local[::8].astype(_U32) // _U32(8)
     rows = _gather(groups.padded_sizes, first, 0).astype(_U32) // _U32(8)
-    counter = jnp.arange(n, dtype=_U32)[:, None] * rows + local
-    group = jnp.broadcast_to(first, counter.shape)
+    counter = _counter(jnp.arange(n, dtype=_U32)[:, None], rows, local)
+    group = jnp.broadcast_to(first, counter[1].shape)
     return _random_bytes(words, group, counter).reshape(n, groups.pad_group.shape[0])
 
 
@@ -627,13 +640,6 @@ def _check(lhs, rhs, group_sizes):
                 f"{op}: the {name} size must be a multiple of {_BLOCK} for NVFP4 blocks, "
                 f"got {size} for lhs {lhs.shape} and rhs {rhs.shape}"
             )
-    m, n = lhs.shape[0], rhs.shape[2]
-    largest = n * (-(-m // _BLOCK) * _BLOCK)  # the largest group's padded (N, L_g)
-    if largest >= _MAX_SR_ELEMENTS:
-        raise ValueError(
-            f"{op}: stochastic rounding numbers a group's elements below 2**35; a group of "
-            f"up to {m} rows of {n} outputs has {largest}"
-        )
     return lhs, rhs, group_sizes
 
 
