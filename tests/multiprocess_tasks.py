@@ -11,6 +11,8 @@ results are gathered with `multihost_utils.process_allgather`.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import os
 
 import jax
@@ -26,19 +28,24 @@ AXIS = "x"
 IMPLEMENTATIONS = ("reference", "ffi")
 
 
-def mesh() -> jax.sharding.Mesh:
+def mesh(axis_type: AxisType = AxisType.Auto) -> jax.sharding.Mesh:
     return jax.make_mesh(
-        (jax.device_count(),), (AXIS,), axis_types=(AxisType.Auto,), devices=jax.devices()
+        (jax.device_count(),), (AXIS,), axis_types=(axis_type,), devices=jax.devices()
     )
 
 
-def put(value, spec: P) -> jax.Array:
+# How the train task uses its mesh: Auto axes (shardings on the arrays only), or Explicit
+# axes under `jax.set_mesh` (the shardings in the types).
+MESH_MODES = {"auto": AxisType.Auto, "explicit": AxisType.Explicit}
+
+
+def put(value, spec: P, axis_type: AxisType = AxisType.Auto) -> jax.Array:
     """A global array holding the host value `value`, sharded by `spec` over `mesh()`."""
     if isinstance(value, jax.Array) and jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
-        data = put(np.asarray(jax.random.key_data(value)), spec)
+        data = put(np.asarray(jax.random.key_data(value)), spec, axis_type)
         return jax.random.wrap_key_data(data, impl=jax.random.key_impl(value))
     host = np.asarray(value)
-    sharding = NamedSharding(mesh(), spec)
+    sharding = NamedSharding(mesh(axis_type), spec)
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
@@ -94,16 +101,19 @@ def train_task(workdir: str) -> dict[str, np.ndarray]:
     from test_distributed import TRAIN_SPECS, mlp_loss, train_setup  # noqa: PLC0415
 
     out = {}
-    for implementation in IMPLEMENTATIONS:
+    for implementation, (mode, axis_type) in itertools.product(IMPLEMENTATIONS, MESH_MODES.items()):
         recipe = nvfp4_jax.NVFP4Recipe(implementation=implementation)
         step = jax.jit(jax.value_and_grad(mlp_loss), static_argnums=4)
         for layout, specs in TRAIN_SPECS.items():
             params, x, y, key = train_setup()
-            params = {name: put(value, specs[name]) for name, value in params.items()}
+            params = {name: put(value, specs[name], axis_type) for name, value in params.items()}
             batch = P(AXIS, None)
-            loss, grads = step(params, put(x, batch), put(y, batch), put(key, P()), recipe)
-            out[f"{implementation}/{layout}/loss"] = gather(loss)
-            out.update({f"{implementation}/{layout}/{k}": gather(v) for k, v in grads.items()})
+            args = (put(x, batch, axis_type), put(y, batch, axis_type), put(key, P(), axis_type))
+            with jax.set_mesh(mesh(axis_type)) if mode == "explicit" else contextlib.nullcontext():
+                loss, grads = step(params, *args, recipe)
+            name = f"{implementation}/{mode}/{layout}"
+            out[f"{name}/loss"] = gather(loss)
+            out.update({f"{name}/{k}": gather(v) for k, v in grads.items()})
     return out
 
 
