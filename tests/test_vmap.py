@@ -36,8 +36,7 @@ def keys(seed=0):
     return jax.random.split(jax.random.key(seed), B)
 
 
-# name -> (function of (implementation, *operands), operands, in_axes): None in in_axes is an
-# operand shared by the whole batch.
+# The cases' functions: of (implementation, *operands), each one public op.
 def _quantize(impl, x, key=None, **flags):
     sr = dict(stochastic_rounding=True, key=key) if key is not None else {}
     return ops.quantize(x, implementation=impl, **flags, **sr)
@@ -89,48 +88,82 @@ X = normal((B, 32, 64), 1)
 X_BF16 = normal((B, 8, 64), 2, jnp.bfloat16)
 W = normal((64, 32), 3)
 SIZES = jnp.array([[5, 0, 20], [16, 16, 0], [0, 0, 32]], jnp.int32)
+Q = "nvfp4_quantize"
+# name -> (function, operands, in_axes (None: an operand the whole batch shares), the custom
+# call it reaches on the CPU kernels).
 CASES = {
-    "quantize": (_quantize, (X,), (0,)),
-    "quantize_axis0_rht": (functools.partial(_quantize, axis=0, rht=True), (X,), (0,)),
-    "quantize_2d": (functools.partial(_quantize, block_2d=True), (X,), (0,)),
-    "quantize_sr_batched_keys": (_quantize, (X, keys(1)), (0, 0)),
-    "quantize_sr_shared_key": (_quantize, (X, jax.random.key(2)), (0, None)),
-    "quantize_four_over_six": (functools.partial(_quantize, four_over_six="mse"), (X,), (0,)),
-    "fake_quantize_rht_sr": (functools.partial(_fake_quantize, rht=True), (X, keys(3)), (0, 0)),
-    "dequantize_bf16": (functools.partial(_dequantize, dtype=jnp.bfloat16), (X,), (0,)),
-    "tensor_amax": (lambda impl, x: ops.tensor_amax(x, implementation=impl), (X,), (0,)),
+    "quantize": (_quantize, (X,), (0,), Q),
+    "quantize_axis0_rht": (functools.partial(_quantize, axis=0, rht=True), (X,), (0,), Q),
+    "quantize_2d": (functools.partial(_quantize, block_2d=True), (X,), (0,), Q),
+    "quantize_sr_batched_keys": (_quantize, (X, keys(1)), (0, 0), Q),
+    "quantize_sr_shared_key": (_quantize, (X, jax.random.key(2)), (0, None), Q),
+    "quantize_four_over_six": (
+        functools.partial(_quantize, four_over_six="mse"),
+        (X,),
+        (0,),
+        "nvfp4_quantize_4over6",
+    ),
+    "fake_quantize_rht_sr": (
+        functools.partial(_fake_quantize, rht=True),
+        (X, keys(3)),
+        (0, 0),
+        "nvfp4_fake_quantize",
+    ),
+    "dequantize_bf16": (
+        functools.partial(_dequantize, dtype=jnp.bfloat16),
+        (X,),
+        (0,),
+        "nvfp4_dequantize",
+    ),
+    "tensor_amax": (
+        lambda impl, x: ops.tensor_amax(x, implementation=impl),
+        (X,),
+        (0,),
+        "nvfp4_amax",
+    ),
     "tensor_amax_rht": (
         lambda impl, x: ops.tensor_amax(x, axis=0, rht=True, implementation=impl),
         (X,),
         (0,),
+        "nvfp4_amax",
     ),
     "apply_rht_inverse": (
         lambda impl, x: ops.apply_rht(x, inverse=True, implementation=impl),
         (X_BF16,),
         (0,),
+        "nvfp4_rht",
     ),
     "dot_general_gemm_vjp": (
         _dot_general_vjp,
         (X, W, normal((B, 32, 32), 4), keys(5)),
         (0, None, 0, 0),
+        "nvfp4_gemm",
     ),
-    "weight_only_matmul_shared_weight": (_weight_only, (X_BF16, W), (0, None)),
+    "weight_only_matmul_shared_weight": (_weight_only, (X_BF16, W), (0, None), "nvfp4_w4a16"),
     "weight_only_matmul_batched_weight": (
         _weight_only,
         (X_BF16, jnp.stack([W, 2 * W, -W])),
         (0, 0),
+        "nvfp4_w4a16",
     ),
     "weight_only_ragged_dot": (
         _weight_only_ragged,
         (normal((B, 32, 64), 6, jnp.bfloat16), normal((3, 64, 32), 7), SIZES),
         (0, None, 0),
+        "nvfp4_w4a16",
     ),
     "ragged_dot": (
         _ragged_dot,
         (normal((B, 32, 64), 8), normal((3, 64, 32), 9), SIZES, keys(10)),
         (0, None, 0, 0),
+        "nvfp4_grouped_quantize",
     ),
-    "fold_in": (_fold_in, (keys(11), jnp.arange(B, dtype=jnp.uint32)), (0, 0)),
+    "fold_in": (
+        _fold_in,
+        (keys(11), jnp.arange(B, dtype=jnp.uint32)),
+        (0, 0),
+        "nvfp4_threefry2x32",
+    ),
 }
 
 
@@ -157,7 +190,7 @@ XLA_PATH_KNOWN_FAILURES = {
 @pytest.mark.parametrize("mode", ["eager", "jit"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_vmap_is_the_loop_of_per_element_calls(impl, case, mode, request):
-    fn, operands, in_axes = CASES[case]
+    fn, operands, in_axes, target = CASES[case]
     modes, where = XLA_PATH_KNOWN_FAILURES.get(case, ((), None))
     if mode in modes and where(impl.implementation):
         reason = f"{case} under vmap on the jnp path (XLA_PATH_KNOWN_FAILURES)"
@@ -166,6 +199,8 @@ def test_vmap_is_the_loop_of_per_element_calls(impl, case, mode, request):
     batched = jax.vmap(one, in_axes=in_axes)
     if mode == "jit":
         one, batched = jax.jit(one), jax.jit(batched)
+        if impl.name == "cpu":
+            assert f"@{target}(" in batched.lower(*operands).as_text(), case
     got = batched(*operands)
     for b in range(B):
         element = [a if axis is None else a[b] for a, axis in zip(operands, in_axes, strict=True)]
