@@ -33,6 +33,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.custom_batching import custom_vmap
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -244,7 +245,46 @@ def _dequantized_product(x, q, group_sizes, preferred_element_type, implementati
     )
     if group_sizes is None:
         return jnp.matmul(x, weight, preferred_element_type=preferred_element_type)
-    return jax.lax.ragged_dot(x, weight, group_sizes)
+    return lax_ragged_dot(x, weight, group_sizes)
+
+
+def lax_ragged_dot(x, w, group_sizes, precision=None) -> jax.Array:
+    """`jax.lax.ragged_dot(x, w, group_sizes, precision)`, under Explicit axes and vmap too.
+
+    JAX infers no sharding for a ragged dot under Explicit axes: there the operands are
+    gathered (the groups are rows of the whole x) and the result sharded along M as x is.
+    JAX batches a ragged dot only with every operand batched: under `vmap` the shared ones
+    (e.g. the experts of a per-sequence MoE) are broadcast.
+    """
+    mesh = types.mesh_of(x, w, group_sizes)
+    if mesh is None or not mesh.explicit_axes:
+        return _batchable_ragged_dot(precision, None)(x, w, group_sizes)
+    gathered = [types.replicated(a) for a in (x, w, group_sizes)]
+    y = _batchable_ragged_dot(precision, mesh)(*gathered)
+    return types.leading_axis_like(y, x)
+
+
+@functools.cache
+def _batchable_ragged_dot(precision, explicit_mesh):
+    """`jax.lax.ragged_dot` with `precision` (replicated result on `explicit_mesh`, if any)."""
+    sharding = {} if explicit_mesh is None else {"out_sharding": NamedSharding(explicit_mesh, P())}
+
+    def raw(x, w, group_sizes):
+        return jax.lax.ragged_dot(x, w, group_sizes, precision=precision, **sharding)
+
+    @custom_vmap
+    def call(x, w, group_sizes):
+        return raw(x, w, group_sizes)
+
+    @call.def_vmap
+    def _vmap_rule(axis_size, in_batched, *operands):
+        operands = [
+            a if batched else jnp.broadcast_to(a, (axis_size, *a.shape))
+            for a, batched in zip(operands, in_batched, strict=True)
+        ]
+        return jax.vmap(raw)(*operands), True
+
+    return call
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4))
@@ -412,7 +452,10 @@ def matmul(a: Operand, b: Operand) -> jax.Array:
         # The same `product * alpha`, the product summed in the kernel's fixed order.
         qa, qb = a.data.q, b.data.q
         return kernels.gemm(qa.codes, qa.scales, qb.codes, qb.scales, a.decode, b.decode)
-    alpha = a.decode * b.decode
+    # The barrier keeps XLA from reassociating the product with the constant inside each
+    # `D = amax * RCP2688`, which it does where a factor is broadcast (under `vmap`).
+    d_a, d_b = jax.lax.optimization_barrier((a.decode, b.decode))
+    alpha = d_a * d_b
     a_data, b_data = (d.values() if isinstance(d, NativeBlocks) else d for d in (a.data, b.data))
     if isinstance(a_data, NVFP4Array):
         product = _cudnn_product(a_data, b_data)
@@ -435,7 +478,7 @@ def _whole_contraction(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array
     """
     sharding = types.explicit_spec(jax.typeof(a)) or types.explicit_spec(jax.typeof(b))
     if sharding is None:
-        if not jax.sharding.get_abstract_mesh().auto_axes:
+        if not types.has_auto_axes(a, b):
             return a, b
         return tuple(
             jax.lax.with_sharding_constraint(x, P(*[P.UNCONSTRAINED] * (x.ndim - 1), None))

@@ -185,7 +185,7 @@ class Experts(nn.Module):
         if self.recipe is None:
             if group_sizes is None:
                 return jnp.einsum("gck,gkn->gcn", inputs, kernel, precision=self.precision)
-            return jax.lax.ragged_dot(inputs, kernel, group_sizes, precision=self.precision)
+            return gemm.lax_ragged_dot(inputs, kernel, group_sizes, self.precision)
         key = None
         if self.recipe.stochastic_rounding and self.has_rng(self.rng_collection):
             key = self.make_rng(self.rng_collection)

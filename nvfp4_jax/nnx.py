@@ -423,7 +423,7 @@ class Experts(nnx.Module):
         if self.recipe is None:
             if group_sizes is None:
                 return jnp.einsum("gck,gkn->gcn", inputs, kernel, precision=self.precision)
-            return jax.lax.ragged_dot(inputs, kernel, group_sizes, precision=self.precision)
+            return gemm.lax_ragged_dot(inputs, kernel, group_sizes, self.precision)
         key = _step_key(self.quantize_rngs, self.recipe)
         if group_sizes is None:
             dims = (((2,), (1,)), ((0,), (0,)))

@@ -52,11 +52,14 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from nvfp4_jax import backends, formats, gemm, kernels
+from nvfp4_jax import backends, formats, gemm, kernels, types
 from nvfp4_jax import ops as nvfp4_ops
 from nvfp4_jax.recipe import NVFP4Recipe
 from nvfp4_jax.reference import decode_scale, encode_scale, stochastic_magnitude
+from nvfp4_jax.types import PrimalTypes
 
 _F32 = jnp.float32
 _U32 = jnp.uint32
@@ -444,9 +447,28 @@ def _weight_values(qw, recipe: NVFP4Recipe):
 # --- the GEMMs --------------------------------------------------------------------------------
 
 
-@functools.cache
 def _ragged_gemm(lhs_contract: int, rhs_contract: int, rhs_group: int | None, batch: int = 0):
     """`jax.lax.ragged_dot_general` with the rows (axis 0) of lhs ragged, f32 accumulation.
+
+    One cached function per form and per kind of mesh the operands' types are on: under
+    Explicit axes the result's sharding must be stated (JAX infers none for a ragged dot;
+    `ragged_dot` gathers the operands there).
+    """
+
+    def call(lhs, rhs, group_sizes):
+        mesh = types.mesh_of(lhs, rhs, group_sizes)
+        explicit = mesh if mesh is not None and mesh.explicit_axes else None
+        form = _cached_ragged_gemm(lhs_contract, rhs_contract, rhs_group, batch, explicit)
+        return form(lhs, rhs, group_sizes)
+
+    return call
+
+
+@functools.cache
+def _cached_ragged_gemm(
+    lhs_contract: int, rhs_contract: int, rhs_group: int | None, batch: int, explicit
+):
+    """`_ragged_gemm`'s function; `explicit`: the Explicit-axis mesh of the operands, or None.
 
     With `rhs_group` the rows stay (each group times its slice of rhs along `rhs_group`);
     None contracts them (wgrad's form: the result (G, ...)). The dims are the unbatched
@@ -465,7 +487,10 @@ def _ragged_gemm(lhs_contract: int, rhs_contract: int, rhs_group: int | None, ba
 
     @custom_vmap
     def gemm(lhs, rhs, group_sizes):
-        out = jax.lax.ragged_dot_general(lhs, rhs, group_sizes, dims, preferred_element_type=_F32)
+        sharding = {} if explicit is None else {"out_sharding": NamedSharding(explicit, P())}
+        out = jax.lax.ragged_dot_general(
+            lhs, rhs, group_sizes, dims, preferred_element_type=_F32, **sharding
+        )
         return jnp.moveaxis(out, 0, batch) if rhs_group is None and batch else out
 
     @gemm.def_vmap
@@ -564,13 +589,13 @@ def _ragged_matmul_fwd(x, w, group_sizes, key, recipe, out_dtype):
     else:
         qx_tokens, amax_x = _quantize_tokens(x, groups, w.shape[0], recipe)  # stored (K, Mp)
         x_res, d_x_tokens = _pack(qx_tokens), decode_scale(amax_x)
-    x_dtype = jnp.zeros((0,), x.dtype)  # dx's dtype, as a residual
-    residuals = (qw, x_res, d_x_tokens, group_sizes, key, x_dtype)
+    residuals = (qw, x_res, d_x_tokens, group_sizes, key, PrimalTypes.of(x, w))
     return y, residuals
 
 
 def _ragged_matmul_bwd(recipe, out_dtype, residuals, dy):
-    qw, qx_tokens, d_x_tokens, group_sizes, key, x_dtype = residuals
+    qw, qx_tokens, d_x_tokens, group_sizes, key, primal_types = residuals
+    x_dtype, w_dtype = (aval.dtype for aval in primal_types.avals)
     m = dy.shape[0]
     g = qw.shape[0] if not recipe.dgrad else qw.global_scale.shape[0]
     groups = _groups(group_sizes, m)
@@ -581,7 +606,7 @@ def _ragged_matmul_bwd(recipe, out_dtype, residuals, dy):
 
     # dgrad: dx (M, K) = dy (M, N) @ W[g]^T, both operands quantized along N.
     if not recipe.dgrad:
-        dx = _high_precision_dgrad(dy, qw, groups.sizes, x_dtype.dtype)
+        dx = _high_precision_dgrad(dy, qw, groups.sizes, x_dtype)
     else:
         q_dy, amax_dy = _quantize_rows(dy, groups, g, recipe, dgrad_words)
         w_values, d_w = _weight_values(qw, recipe)  # 2D: (G, N, K) as in fprop; 1D: (G, K, N)
@@ -593,14 +618,17 @@ def _ragged_matmul_bwd(recipe, out_dtype, residuals, dy):
 
     # wgrad: dW[g] (K, N) = x_g^T dy_g, both quantized along group g's (padded) tokens.
     if not recipe.wgrad:
-        dw = _high_precision_wgrad(qx_tokens, dy, groups.sizes, qw.dtype)  # x itself (M, K)
+        dw = _high_precision_wgrad(qx_tokens, dy, groups.sizes, w_dtype)  # x itself (M, K)
     else:
         q_dy_tokens, amax_dy_tokens = _quantize_tokens(dy, groups, g, recipe, wgrad_words)
         x_values = _block_values(_unpack(qx_tokens), recipe.gemm_dtype).T  # (Mp, K)
         dy_values = _block_values(q_dy_tokens, recipe.gemm_dtype).T  # (Mp, N)
         product = _ragged_gemm(0, 0, None)(x_values, dy_values, groups.padded_sizes)  # (G, K, N)
         dw = product * _alpha(d_x_tokens, decode_scale(amax_dy_tokens))[:, None, None]
-    return dx.astype(x_dtype.dtype), dw.astype(qw.dtype), None, None
+    # Each gradient with its primal's type: dW of experts replicated over shard_map's axes
+    # is the sum of the shards' wgrads, as for `jax.lax.ragged_dot`.
+    dx, dw = primal_types.conform(dx.astype(x_dtype), dw.astype(w_dtype))
+    return dx, dw, None, None
 
 
 _ragged_matmul.defvjp(_ragged_matmul_fwd, _ragged_matmul_bwd)
@@ -726,7 +754,11 @@ def ragged_dot(
     m, n = lhs.shape[0], rhs.shape[2]
     if rhs.shape[0] == 0:
         return jnp.zeros((m, n), out_dtype)
-    return _ragged_matmul(lhs, rhs, group_sizes, key, recipe, out_dtype)
+    # Under Explicit mesh axes the grouped GEMMs run on whole operands (the groups are rows
+    # of the whole lhs): gathered here, the result sharded along M as lhs is.
+    operands = (types.replicated(a) for a in (lhs, rhs, group_sizes))
+    y = _ragged_matmul(*operands, key, recipe, out_dtype)
+    return types.leading_axis_like(y, lhs)
 
 
 __all__ = ["group_amax", "padded_rows", "ragged_dot"]

@@ -142,3 +142,36 @@ def leading_axis_like(value, like):
     if spec_entries(value) == spec:
         return value
     return jax.sharding.reshard(value, jax.sharding.NamedSharding(sharding.mesh, P(*spec)))
+
+
+def replicated(value):
+    """`value` gathered onto every device where its type names Explicit mesh axes, else itself."""
+    sharding = explicit_spec(jax.typeof(value))
+    if sharding is None:
+        return value
+    return jax.sharding.reshard(value, jax.sharding.NamedSharding(sharding.mesh, P()))
+
+
+def mesh_of(*values):
+    """The mesh the values' types are on (the context's, under `jax.set_mesh`), or None.
+
+    Read from the types rather than the context: a traced function's types are part of
+    every trace cache's key (custom_vjp's, custom_vmap's), the context is not.
+    """
+    for value in jax.tree.leaves(values):
+        mesh = getattr(getattr(jax.typeof(value), "sharding", None), "mesh", None)
+        if mesh is not None and not mesh.empty:
+            return mesh
+    return None
+
+
+def has_explicit_axes(*values) -> bool:
+    """Whether the values' types are on a mesh with Explicit axes (ops state their shardings)."""
+    mesh = mesh_of(*values)
+    return mesh is not None and bool(mesh.explicit_axes)
+
+
+def has_auto_axes(*values) -> bool:
+    """Whether the values' types are on a mesh with Auto axes (`jax.set_mesh` with Auto axes)."""
+    mesh = mesh_of(*values)
+    return mesh is not None and bool(mesh.auto_axes)

@@ -170,31 +170,12 @@ CASES = {
 # Cases whose jnp path (the reference, and CUDA where no native kernel serves the op) does not
 # give the loop's bits under vmap yet, while the CPU kernels' does: (modes, where). Both are
 # gemm.py's (reported on the issue); strict, so a fix shows here.
-XLA_PATH_KNOWN_FAILURES = {
-    # `gemm.matmul`'s `alpha = D_a * D_b` next to XLA's dot: under jit and vmap (the weight
-    # shared) XLA reassociates it with the constant inside each `D = A * RCP2688`: dW 1 ulp off.
-    "dot_general_gemm_vjp": (("jit",), lambda impl: not gemm.uses_native_gemm("emulated", impl)),
-    # `jax.lax.ragged_dot` of the dequantized experts: JAX batches it only with every operand
-    # batched ("ragged_dot vmap over any dim but 0 - NYI" for the shared experts).
-    "weight_only_ragged_dot": (
-        ("eager", "jit"),
-        lambda impl: (
-            not gemm.uses_native_weight_only(
-                (32, 64), jnp.bfloat16, ops.quantize(W, axis=0, implementation="reference"), impl
-            )
-        ),
-    ),
-}
 
 
 @pytest.mark.parametrize("mode", ["eager", "jit"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_vmap_is_the_loop_of_per_element_calls(impl, case, mode, request):
+def test_vmap_is_the_loop_of_per_element_calls(impl, case, mode):
     fn, operands, in_axes, target = CASES[case]
-    modes, where = XLA_PATH_KNOWN_FAILURES.get(case, ((), None))
-    if mode in modes and where(impl.implementation):
-        reason = f"{case} under vmap on the jnp path (XLA_PATH_KNOWN_FAILURES)"
-        request.applymarker(pytest.mark.xfail(reason=reason, strict=True))
     one = functools.partial(fn, impl.implementation)
     batched = jax.vmap(one, in_axes=in_axes)
     if mode == "jit":
