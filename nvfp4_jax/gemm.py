@@ -33,7 +33,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.custom_batching import custom_vmap
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -249,42 +248,18 @@ def _dequantized_product(x, q, group_sizes, preferred_element_type, implementati
 
 
 def lax_ragged_dot(x, w, group_sizes, precision=None) -> jax.Array:
-    """`jax.lax.ragged_dot(x, w, group_sizes, precision)`, under Explicit axes and vmap too.
+    """`jax.lax.ragged_dot(x, w, group_sizes, precision)`, under Explicit mesh axes too.
 
     JAX infers no sharding for a ragged dot under Explicit axes: there the operands are
     gathered (the groups are rows of the whole x) and the result sharded along M as x is.
-    JAX batches a ragged dot only with every operand batched: under `vmap` the shared ones
-    (e.g. the experts of a per-sequence MoE) are broadcast.
     """
     mesh = types.mesh_of(x, w, group_sizes)
     if mesh is None or not mesh.explicit_axes:
-        return _batchable_ragged_dot(precision, None)(x, w, group_sizes)
+        return jax.lax.ragged_dot(x, w, group_sizes, precision=precision)
     gathered = [types.replicated(a) for a in (x, w, group_sizes)]
-    y = _batchable_ragged_dot(precision, mesh)(*gathered)
+    out_sharding = NamedSharding(mesh, P())
+    y = jax.lax.ragged_dot(*gathered, precision=precision, out_sharding=out_sharding)
     return types.leading_axis_like(y, x)
-
-
-@functools.cache
-def _batchable_ragged_dot(precision, explicit_mesh):
-    """`jax.lax.ragged_dot` with `precision` (replicated result on `explicit_mesh`, if any)."""
-    sharding = {} if explicit_mesh is None else {"out_sharding": NamedSharding(explicit_mesh, P())}
-
-    def raw(x, w, group_sizes):
-        return jax.lax.ragged_dot(x, w, group_sizes, precision=precision, **sharding)
-
-    @custom_vmap
-    def call(x, w, group_sizes):
-        return raw(x, w, group_sizes)
-
-    @call.def_vmap
-    def _vmap_rule(axis_size, in_batched, *operands):
-        operands = [
-            a if batched else jnp.broadcast_to(a, (axis_size, *a.shape))
-            for a, batched in zip(operands, in_batched, strict=True)
-        ]
-        return jax.vmap(raw)(*operands), True
-
-    return call
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4))
@@ -478,10 +453,13 @@ def _whole_contraction(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array
     """
     sharding = types.explicit_spec(jax.typeof(a)) or types.explicit_spec(jax.typeof(b))
     if sharding is None:
-        if not types.has_auto_axes(a, b):
+        mesh = types.mesh_of(a, b)
+        if mesh is None or not mesh.auto_axes:
             return a, b
         return tuple(
-            jax.lax.with_sharding_constraint(x, P(*[P.UNCONSTRAINED] * (x.ndim - 1), None))
+            jax.lax.with_sharding_constraint(
+                x, NamedSharding(mesh, P(*[P.UNCONSTRAINED] * (x.ndim - 1), None))
+            )
             for x in (a, b)
         )
     spec_a, spec_b = (types.spec_entries(x) for x in (a, b))

@@ -169,9 +169,3 @@ def has_explicit_axes(*values) -> bool:
     """Whether the values' types are on a mesh with Explicit axes (ops state their shardings)."""
     mesh = mesh_of(*values)
     return mesh is not None and bool(mesh.explicit_axes)
-
-
-def has_auto_axes(*values) -> bool:
-    """Whether the values' types are on a mesh with Auto axes (`jax.set_mesh` with Auto axes)."""
-    mesh = mesh_of(*values)
-    return mesh is not None and bool(mesh.auto_axes)

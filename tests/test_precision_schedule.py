@@ -154,7 +154,7 @@ def test_the_forward_saves_only_what_the_backward_needs():
 
     def residuals(**switches):
         r = dataclasses.replace(recipe, **switches)
-        _, (w_res, x_res, _) = dot_general_module._nvfp4_matmul_fwd(x, w, KEY, r, jnp.bfloat16)
+        _, (w_res, x_res, *_) = dot_general_module._nvfp4_matmul_fwd(x, w, KEY, r, jnp.bfloat16)
         return w_res, x_res
 
     w_res, x_res = residuals()

@@ -172,10 +172,24 @@ CASES = {
 # gemm.py's (reported on the issue); strict, so a fix shows here.
 
 
+# JAX batches `jax.lax.ragged_dot` only with every operand batched ("ragged_dot vmap over any
+# dim but 0 - NYI"): the jnp path of `weight_only_ragged_dot` with shared experts.
+XLA_PATH_KNOWN_FAILURES = {
+    "weight_only_ragged_dot": lambda impl: (
+        not gemm.uses_native_weight_only(
+            (32, 64), jnp.bfloat16, ops.quantize(W, axis=0, implementation="reference"), impl
+        )
+    ),
+}
+
+
 @pytest.mark.parametrize("mode", ["eager", "jit"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_vmap_is_the_loop_of_per_element_calls(impl, case, mode):
+def test_vmap_is_the_loop_of_per_element_calls(impl, case, mode, request):
     fn, operands, in_axes, target = CASES[case]
+    if case in XLA_PATH_KNOWN_FAILURES and XLA_PATH_KNOWN_FAILURES[case](impl.implementation):
+        reason = f"{case} under vmap on the jnp path (XLA_PATH_KNOWN_FAILURES)"
+        request.applymarker(pytest.mark.xfail(reason=reason, strict=True))
     one = functools.partial(fn, impl.implementation)
     batched = jax.vmap(one, in_axes=in_axes)
     if mode == "jit":
