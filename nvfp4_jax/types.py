@@ -22,7 +22,10 @@ from jax.sharding import PartitionSpec as P
 
 def varying(value) -> frozenset:
     """The mesh axes `value` varies over inside `shard_map` (empty outside)."""
-    aval = jax.typeof(value)
+    return _aval_varying(jax.typeof(value))
+
+
+def _aval_varying(aval) -> frozenset:
     manual = getattr(aval, "mat", None)  # JAX 0.10: ShapedArray.mat.varying
     return frozenset(manual.varying if manual is not None else getattr(aval, "vma", ()))
 
@@ -92,9 +95,7 @@ class PrimalTypes:
 
 
 def _conform_one(ct, aval):
-    want = frozenset(getattr(getattr(aval, "mat", None), "varying", None) or ())
-    want = want or frozenset(getattr(aval, "vma", ()) or ())
-    have = varying(ct)
+    want, have = _aval_varying(aval), varying(ct)
     extra, missing = tuple(sorted(have - want)), tuple(sorted(want - have))
     if extra:
         ct = lax.psum(ct, extra)

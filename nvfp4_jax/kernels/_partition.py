@@ -144,12 +144,9 @@ def explicit_mesh(operands):
     Auto axes: it would run the kernel on each shard and call the result global.
     """
     for operand in jax.tree.leaves(operands):
-        sharding = getattr(jax.typeof(operand), "sharding", None)
-        mesh = getattr(sharding, "mesh", None)
-        if mesh is None or mesh.empty or not mesh.explicit_axes:
-            continue
-        if set(used_axes(sharding.spec)) & set(mesh.explicit_axes):
-            return mesh
+        sharding = types.explicit_spec(jax.typeof(operand))
+        if sharding is not None:
+            return sharding.mesh
     return None
 
 
