@@ -57,7 +57,10 @@ def signature_of(value) -> str:
         signature = inspect.signature(value)
     except (TypeError, ValueError):
         return ""
-    if isinstance(value, type) and str(signature) == "(*args, **kwargs)":
+    if isinstance(value, type) and [p.kind for p in signature.parameters.values()] == [
+        inspect.Parameter.VAR_POSITIONAL,
+        inspect.Parameter.VAR_KEYWORD,
+    ]:
         # nnx modules hide `__init__` behind their metaclass.
         init = inspect.signature(value.__init__)
         signature = init.replace(parameters=list(init.parameters.values())[1:])
