@@ -26,7 +26,8 @@ import jax
 import jax.numpy as jnp
 from bench_kernels import median_seconds  # this folder is on sys.path when run as a script
 
-from nvfp4_jax import NVFP4Recipe, dot_general, kernels
+from nvfp4_jax import NVFP4Recipe, dot_general
+from nvfp4_jax._src.core import kernels
 
 DENSE = (((1,), (0,)), ((), ()))
 

@@ -38,7 +38,9 @@ import numpy as np
 from roofline import ISA_CHOICES, ISA_HELP, force_kernel_isa  # this folder is on sys.path
 
 import nvfp4_jax
-from nvfp4_jax import NVFP4Recipe, dot_general, gemm, kernels, ops
+from nvfp4_jax import NVFP4Recipe, dot_general
+from nvfp4_jax._src.core import kernels, ops
+from nvfp4_jax._src.training import gemm
 
 DENSE = (((1,), (0,)), ((), ()))
 NT = (((1,), (1,)), ((), ()))  # (M, K) x (N, K): the GEMM's layout, XLA's fastest bf16 form here

@@ -59,7 +59,7 @@ import numpy as np
 from bench_kernels import heavy_tailed  # this folder is on sys.path when run as a script
 
 import nvfp4_jax
-from nvfp4_jax import kernels
+from nvfp4_jax._src.core import kernels
 
 SHAPES = {
     "example": [(1024, 352), (1024, 128)],

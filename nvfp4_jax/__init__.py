@@ -1,6 +1,7 @@
 """nvfp4_jax: NVFP4 quantization for JAX and Flax, bit-exact with TransformerEngine.
 
-The package is layered (docs/ARCHITECTURE.md); this module only re-exports the public API.
+The implementation lives in `nvfp4_jax._src`, one package per layer (docs/ARCHITECTURE.md);
+this module and the public submodules (`nvfp4_jax.nnx`, `nvfp4_jax.hf`, ...) only re-export.
 
 Example:
   >>> import jax, jax.numpy as jnp, nvfp4_jax
@@ -21,25 +22,14 @@ from nvfp4_jax import (
     layout,
     linen,
     nnx,
+    ops,
     ptq,
     reference,
     rules,
 )
-from nvfp4_jax._version import __version__
-from nvfp4_jax.array import NVFP4Array, is_nvfp4_array, validate_nvfp4_array
-from nvfp4_jax.checkpoint import restore_checkpoint, save_checkpoint
-from nvfp4_jax.diagnostics import ModelReport, analyze_layer, inspect_model
-from nvfp4_jax.distributed import quantize_master_weights
-from nvfp4_jax.dot_general import dot_general, nvfp4_dot_general
-from nvfp4_jax.formats import BLOCK_SIZE, E4M3_MAX, FP4_MAX
-from nvfp4_jax.gemm import from_scaled_matmul_operands, scaled_matmul, to_scaled_matmul_operands
-from nvfp4_jax.hf import (
-    export_hf_checkpoint,
-    load_hf_checkpoint,
-    mixtral_name_map,
-    qwen3_moe_name_map,
-)
-from nvfp4_jax.layout import (
+from nvfp4_jax._src.core.array import NVFP4Array, is_nvfp4_array, validate_nvfp4_array
+from nvfp4_jax._src.core.formats import BLOCK_SIZE, E4M3_MAX, FP4_MAX
+from nvfp4_jax._src.core.layout import (
     GEMM_ALIGNMENT,
     packed_shape,
     pad_to_alignment,
@@ -48,17 +38,24 @@ from nvfp4_jax.layout import (
     unpad,
     unswizzle_scales,
 )
-from nvfp4_jax.ops import apply_rht, dequantize, fake_quantize, quantize, tensor_amax
-from nvfp4_jax.ptq import PTQReport, quantize_for_export
-from nvfp4_jax.ragged import ragged_dot
-from nvfp4_jax.recipe import NVFP4Recipe
-from nvfp4_jax.reference import (
+from nvfp4_jax._src.core.ops import apply_rht, dequantize, fake_quantize, quantize, tensor_amax
+from nvfp4_jax._src.core.reference import (
     get_hadamard_matrix,
     get_rht_matrix,
     get_sign_from_vector,
     get_wgrad_sign_vector,
 )
-from nvfp4_jax.rules import (
+from nvfp4_jax._src.core.seed import SRSeed
+from nvfp4_jax._src.io.checkpoint import restore_checkpoint, save_checkpoint
+from nvfp4_jax._src.io.hf import (
+    export_hf_checkpoint,
+    load_hf_checkpoint,
+    mixtral_name_map,
+    qwen3_moe_name_map,
+)
+from nvfp4_jax._src.model.diagnostics import ModelReport, analyze_layer, inspect_model
+from nvfp4_jax._src.model.ptq import PTQReport, quantize_for_export
+from nvfp4_jax._src.model.rules import (
     NVFP4Einsum,
     QuantizeReport,
     Rule,
@@ -68,7 +65,16 @@ from nvfp4_jax.rules import (
     quantize_model,
     quantized,
 )
-from nvfp4_jax.seed import SRSeed
+from nvfp4_jax._src.training.distributed import quantize_master_weights
+from nvfp4_jax._src.training.dot_general import dot_general, nvfp4_dot_general
+from nvfp4_jax._src.training.gemm import (
+    from_scaled_matmul_operands,
+    scaled_matmul,
+    to_scaled_matmul_operands,
+)
+from nvfp4_jax._src.training.ragged import ragged_dot
+from nvfp4_jax._src.training.recipe import NVFP4Recipe
+from nvfp4_jax._version import __version__
 
 # Register the native targets now (no JAX backend is started), so that a function
 # serialized with `jax.export` runs in a fresh process before any op has been called.
@@ -107,6 +113,7 @@ __all__ = [
     "ModelReport",
     "nnx",
     "nvfp4_dot_general",
+    "ops",
     "NVFP4Array",
     "NVFP4Einsum",
     "NVFP4Recipe",

@@ -125,7 +125,7 @@ MODELOPT_FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "modelopt
 def hf_load_task(workdir: str) -> dict[str, np.ndarray]:
     """The ModelOpt fixture loaded with one sharding over all devices: its leaves, and the
     bytes of distinct tensor slices each process read from the files."""
-    from nvfp4_jax import hf  # noqa: PLC0415
+    from nvfp4_jax._src.io import hf  # noqa: PLC0415
 
     slices: dict[tuple, int] = {}
     original = hf.st_io._SafetensorsFile.read

@@ -47,21 +47,31 @@ def imports_of(path: pathlib.Path, modules: dict[str, pathlib.Path]) -> set[str]
     return found
 
 
-def layer_table() -> dict[str, int]:
-    """Top-level module or package name -> layer, from docs/ARCHITECTURE.md's table."""
+def layer_table() -> tuple[dict[str, int], dict[tuple[str, str], int]]:
+    """From docs/ARCHITECTURE.md's table: package -> layer, and (package, module) -> rank
+    inside its package (`<` separates ranks; modules of one rank do not import each other)."""
     text = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
     table = text.split("<!-- layers:begin -->")[1].split("<!-- layers:end -->")[0]
-    layers = {}
-    for layer, modules in re.findall(r"^\| (\d+) \| (.+) \|$", table, re.M):
-        for name in re.findall(r"`(\w+)`", modules):
-            layers[name] = int(layer)
-    return layers
+    layers, ranks = {}, {}
+    for layer, package, modules in re.findall(r"^\| (\d+) \| `(\w+)` \| (.+) \|$", table, re.M):
+        layers[package] = int(layer)
+        for rank, group in enumerate(modules.split("<")):
+            for name in re.findall(r"`(\w+)`", group):
+                ranks[(package, name)] = rank
+    return layers, ranks
 
 
-def top_level(module: str) -> str:
-    """`nvfp4_jax.kernels._amax` -> `kernels`; the package itself -> `__init__`."""
+def unit(module: str) -> tuple[str, str] | None:
+    """`nvfp4_jax._src.core.kernels._amax` -> ("core", "kernels"); `_version` -> ("", "");
+    a public face (`nvfp4_jax`, `nvfp4_jax.nnx`, ...) -> None."""
     parts = module.split(".")
-    return parts[1] if len(parts) > 1 else "__init__"
+    if parts[1:2] == ["_version"]:
+        return ("", "")
+    if parts[1:2] != ["_src"]:
+        return None
+    if len(parts) < 4:
+        return ("", "")  # the `_src` packages' empty __init__ files
+    return (parts[2], parts[3])
 
 
 def import_graph():
@@ -70,25 +80,66 @@ def import_graph():
 
 
 def test_every_module_has_a_layer():
-    layers = layer_table()
+    layers, ranks = layer_table()
     modules, _ = import_graph()
-    unplaced = sorted({top_level(m) for m in modules} - set(layers))
+    units = {unit(m) for m in modules} - {None, ("", "")}
+    unplaced = sorted(f"{p}.{m}" for p, m in units if (p, m) not in ranks)
     assert not unplaced, f"modules missing from docs/ARCHITECTURE.md's layer table: {unplaced}"
+    assert set(layers) >= {p for p, _ in units}
+
+
+def import_allowed(src, dst, layers, ranks) -> bool:
+    """May unit `src` import unit `dst`? (Faces may import anything.)"""
+    if src is None:
+        return True
+    if dst is None:
+        return False  # the implementation never imports the public faces
+    if dst == ("", ""):
+        return True  # `_version` and the empty `_src` packages
+    if src == dst:
+        return True  # inside one module's package (kernels/, reference/, hf/, ...)
+    if src[0] != dst[0]:
+        return layers[dst[0]] < layers[src[0]]
+    return ranks[dst] < ranks[src]
 
 
 def test_no_upward_import():
-    layers = layer_table()
+    layers, ranks = layer_table()
     _, graph = import_graph()
-    upward = []
-    for module, targets in graph.items():
-        for target in targets:
-            src, dst = top_level(module), top_level(target)
-            same_package = src == dst
-            if not same_package and layers[dst] >= layers[src]:
-                upward.append(
-                    f"{module} (layer {layers[src]}) imports {target} (layer {layers[dst]})"
-                )
+    upward = [
+        f"{module} imports {target}"
+        for module, targets in graph.items()
+        for target in targets
+        if not import_allowed(unit(module), unit(target), layers, ranks)
+    ]
     assert not upward, "\n".join(upward)
+
+
+def test_the_faces_only_re_export():
+    """A public face holds imports, `__all__` and its docstring: no code of its own."""
+    for module, path in module_names().items():
+        if unit(module) is not None or module.endswith("_version"):
+            continue
+        tree = ast.parse(path.read_text())
+        extra = [
+            type(node).__name__
+            for node in tree.body
+            if not isinstance(node, (ast.Import, ast.ImportFrom))
+            and not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant))
+            and not (isinstance(node, ast.Assign) and [t.id for t in node.targets] == ["__all__"])
+            and not (module == "nvfp4_jax" and _is_register_call(node))
+        ]
+        assert not extra, f"{module} has code besides re-exports: {extra}"
+
+
+def _is_register_call(node) -> bool:
+    """`kernels.register()` in `nvfp4_jax/__init__.py`: the native targets, registered at
+    import so that a `jax.export`ed function runs in a fresh process."""
+    return (
+        isinstance(node, ast.Expr)
+        and isinstance(node.value, ast.Call)
+        and ast.unparse(node.value) == "kernels.register()"
+    )
 
 
 def test_no_import_cycle():

@@ -21,8 +21,8 @@ from helpers import assert_same_q, normal, same_bits
 import nvfp4_jax.checkpoint
 import nvfp4_jax.nnx
 from nvfp4_jax import quantize
-from nvfp4_jax.array import NVFP4Array, is_nvfp4_array, validate_nvfp4_array
-from nvfp4_jax.checkpoint import restore_checkpoint, save_checkpoint
+from nvfp4_jax._src.core.array import NVFP4Array, is_nvfp4_array, validate_nvfp4_array
+from nvfp4_jax._src.io.checkpoint import restore_checkpoint, save_checkpoint
 
 
 def same_leaf(a, b):

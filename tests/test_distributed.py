@@ -47,7 +47,6 @@ from nvfp4_jax import (
     NVFP4Recipe,
     apply_rht,
     dequantize,
-    distributed,
     dot_general,
     fake_quantize,
     nvfp4_dot_general,
@@ -55,8 +54,9 @@ from nvfp4_jax import (
     quantize_master_weights,
     tensor_amax,
 )
-from nvfp4_jax import linen as nvfp4_linen
-from nvfp4_jax import nnx as nvfp4_nnx
+from nvfp4_jax._src.flax import linen as nvfp4_linen
+from nvfp4_jax._src.flax import nnx as nvfp4_nnx
+from nvfp4_jax._src.training import distributed
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
 import lm_model

@@ -25,11 +25,12 @@ import numpy as np
 import pytest
 from helpers import DENSE, assert_same_bits, bits, normal
 
-from nvfp4_jax import NVFP4Recipe, dequantize, dot_general, kernels, quantize
-from nvfp4_jax.dot_general import _sr_seeds, fold_in
-from nvfp4_jax.reference import block_values
-from nvfp4_jax.reference import decode_scale as global_decode_scale
-from nvfp4_jax.seed import SRSeed, as_seed
+from nvfp4_jax import NVFP4Recipe, dequantize, dot_general, quantize
+from nvfp4_jax._src.core import kernels
+from nvfp4_jax._src.core.reference import block_values
+from nvfp4_jax._src.core.reference import decode_scale as global_decode_scale
+from nvfp4_jax._src.core.seed import SRSeed, as_seed
+from nvfp4_jax._src.training.dot_general import _sr_seeds, fold_in
 
 F32_EPS = 2.0**-24
 # Unit roundoff of a result cast to the output dtype (on top of the f32 budget).

@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from nvfp4_jax import NVFP4Recipe, dot_general, nvfp4_dot_general
 
-dot_general_module = sys.modules["nvfp4_jax.dot_general"]
+dot_general_module = sys.modules["nvfp4_jax._src.training.dot_general"]
 
 MOE = (((2,), (1,)), ((0,), (0,)))
 

@@ -22,11 +22,18 @@ from test_ragged import assert_equals_group_loop
 
 import nvfp4_jax
 import nvfp4_jax.nnx as nvfp4_nnx
-from nvfp4_jax import NVFP4Recipe, kernels, ragged_dot
-from nvfp4_jax.dot_general import pad_tokens
-from nvfp4_jax.rules import Rule, layer_recipe, quantize_model, recipe_from_dict, recipe_to_dict
+from nvfp4_jax import NVFP4Recipe, ragged_dot
+from nvfp4_jax._src.core import kernels
+from nvfp4_jax._src.model.rules import (
+    Rule,
+    layer_recipe,
+    quantize_model,
+    recipe_from_dict,
+    recipe_to_dict,
+)
+from nvfp4_jax._src.training.dot_general import pad_tokens
 
-dot_general_module = importlib.import_module("nvfp4_jax.dot_general")
+dot_general_module = importlib.import_module("nvfp4_jax._src.training.dot_general")
 DIMS = (((1,), (0,)), ((), ()))
 IMPLEMENTATIONS = ["reference"] + (["ffi"] if kernels.is_available("cpu") else [])
 CLASSES = ("weight", "activation", "gradient")

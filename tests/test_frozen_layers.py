@@ -25,8 +25,11 @@ from flax import nnx
 from helpers import assert_same_bits, heavy_tailed
 
 import nvfp4_jax
-from nvfp4_jax import NVFP4Recipe, Rule, gemm, inspect_model, ops, quantize_model, rules
-from nvfp4_jax.rules import layer_recipe, quantize_linen
+from nvfp4_jax import NVFP4Recipe, Rule, inspect_model, quantize_model
+from nvfp4_jax._src.core import ops
+from nvfp4_jax._src.model import rules
+from nvfp4_jax._src.model.rules import layer_recipe, quantize_linen
+from nvfp4_jax._src.training import gemm, ragged
 
 G, K, N = 3, 64, 32
 ROWS = [1, 8, gemm.WEIGHT_ONLY_MAX_ROWS, gemm.WEIGHT_ONLY_MAX_ROWS + 1]  # native, then XLA
@@ -109,7 +112,7 @@ def test_a_model_with_frozen_experts_jits_saves_and_calibrates(rows, tmp_path):
     assert nvfp4_jax.nnx.calibrate(model) == 2
     forward(model, x, sizes)
     model(0.5 * x, sizes)
-    want = nvfp4_jax.ragged.group_amax(x, sizes, G)
+    want = ragged.group_amax(x, sizes, G)
     assert_same_bits(model.experts.input_amax[...], want, "experts' input_amax")
     assert float(model.linear.input_amax[...]) > 0
 

@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 from helpers import assert_same_bits, assert_same_q, heavy_tailed, normal, same_bits
 
-from nvfp4_jax import NVFP4Recipe, dequantize, dot_general, gemm, ops, quantize, reference
+from nvfp4_jax import NVFP4Recipe, dequantize, dot_general, quantize
+from nvfp4_jax._src.core import ops, reference
+from nvfp4_jax._src.training import gemm
 
 # E2M1 code -> value, straight from docs/NUMERICS.md section 1 (bit 3 = sign).
 E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)

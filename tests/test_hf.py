@@ -29,8 +29,8 @@ from flax import nnx
 from helpers import assert_same_bits
 
 import nvfp4_jax
-from nvfp4_jax import hf
-from nvfp4_jax.array import NVFP4Array
+from nvfp4_jax._src.core.array import NVFP4Array
+from nvfp4_jax._src.io import hf
 
 FIXTURE = Path(__file__).parent / "fixtures" / "modelopt_llama_nvfp4"
 REFERENCE = FIXTURE / "reference"

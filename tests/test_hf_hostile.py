@@ -23,7 +23,7 @@ from helpers import assert_same_bits
 from test_hf import FIXTURE, LINEARS, copy_fixture, leaf, model_config, write_st
 
 import nvfp4_jax
-from nvfp4_jax import hf
+from nvfp4_jax._src.io import hf
 
 P = jax.sharding.PartitionSpec
 F32_16 = {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}

@@ -25,7 +25,7 @@ from helpers import (
 )
 
 import nvfp4_jax
-from nvfp4_jax.kernels import _library
+from nvfp4_jax._src.core.kernels import _library
 
 KEY = jax.random.key(7)
 

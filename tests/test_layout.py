@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from nvfp4_jax import layout, quantize
+from nvfp4_jax import quantize
+from nvfp4_jax._src.core import layout
 
 
 def swizzle_oracle(scales: np.ndarray) -> np.ndarray:

@@ -15,10 +15,11 @@ import pytest
 from helpers import DENSE, assert_same_bits, heavy_tailed
 
 import nvfp4_jax
-from nvfp4_jax import gemm, kernels
-from nvfp4_jax.dot_general import dot_general
-from nvfp4_jax.kernels import _library
-from nvfp4_jax.recipe import NVFP4Recipe
+from nvfp4_jax._src.core import kernels
+from nvfp4_jax._src.core.kernels import _library
+from nvfp4_jax._src.training import gemm
+from nvfp4_jax._src.training.dot_general import dot_general
+from nvfp4_jax._src.training.recipe import NVFP4Recipe
 
 pytestmark = pytest.mark.skipif(
     not kernels.is_available("cpu") or kernels.current_platform() != "cpu",

@@ -19,12 +19,12 @@ from flax import nnx
 
 import nvfp4_jax.nnx as nvfp4_nnx
 from nvfp4_jax import NVFP4Recipe, dot_general, ragged_dot
-from nvfp4_jax.array import NVFP4Array
-from nvfp4_jax.rules import Rule, recipe_from_dict, recipe_to_dict
+from nvfp4_jax._src.core.array import NVFP4Array
+from nvfp4_jax._src.model.rules import Rule, recipe_from_dict, recipe_to_dict
 
 DIMS = (((1,), (0,)), ((), ()))
 # `nvfp4_jax.dot_general` is the function; its module holds the custom_vjp.
-dot_general_module = importlib.import_module("nvfp4_jax.dot_general")
+dot_general_module = importlib.import_module("nvfp4_jax._src.training.dot_general")
 GEMMS = ("fprop", "dgrad", "wgrad")
 ALL_HIGH = NVFP4Recipe(fprop=False, dgrad=False, wgrad=False)
 KEY = jax.random.key(7)

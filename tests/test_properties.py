@@ -70,7 +70,7 @@ from hypothesis import HealthCheck, assume, event, given, note, settings
 from hypothesis import strategies as st
 
 import nvfp4_jax
-from nvfp4_jax.array import NVFP4Array
+from nvfp4_jax._src.core.array import NVFP4Array
 
 F32, F64 = np.float32, np.float64
 

@@ -22,7 +22,9 @@ import pytest
 from flax import nnx
 
 import nvfp4_jax
-from nvfp4_jax import formats, hf, ptq
+from nvfp4_jax._src.core import formats
+from nvfp4_jax._src.io import hf
+from nvfp4_jax._src.model import ptq
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))

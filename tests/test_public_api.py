@@ -31,6 +31,7 @@ FACES = (
     "nvfp4_jax.layout",
     "nvfp4_jax.linen",
     "nvfp4_jax.nnx",
+    "nvfp4_jax.ops",
     "nvfp4_jax.ptq",
     "nvfp4_jax.reference",
     "nvfp4_jax.rules",
@@ -147,7 +148,7 @@ def test_faces_do_not_expose_private_modules():
     for face in FACES:
         module = importlib.import_module(face)
         for name, value in vars(module).items():
-            if name.startswith("__"):
+            if name.startswith("_"):
                 continue
             if isinstance(value, types.ModuleType) and value.__name__.startswith("nvfp4_jax._src"):
                 leaked.append(f"{face}.{name} -> {value.__name__}")

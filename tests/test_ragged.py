@@ -26,8 +26,9 @@ from helpers import DENSE, assert_same_bits
 from jax.extend.random import threefry_2x32
 
 import nvfp4_jax
-from nvfp4_jax import NVFP4Recipe, dot_general, kernels, ragged_dot
-from nvfp4_jax import ragged as ragged_module
+from nvfp4_jax import NVFP4Recipe, dot_general, ragged_dot
+from nvfp4_jax._src.core import kernels
+from nvfp4_jax._src.training import ragged as ragged_module
 
 IMPLEMENTATIONS = ["reference"] + (["ffi"] if kernels.is_available("cpu") else [])
 RECIPES = {
@@ -271,8 +272,9 @@ def test_operands_are_bit_for_bit_the_dense_ones(key_kind, implementation):
     that group's rows alone (reference implementation): values, scales and positions of the
     SR bits, and the tensor decode factor; the padded positions outside the groups are 0.
     With "ffi" on the CPU the groups are quantized by the native grouped kernel."""
-    from nvfp4_jax import gemm, ops  # noqa: PLC0415
-    from nvfp4_jax.dot_general import _gradient_key, pad_tokens  # noqa: PLC0415
+    from nvfp4_jax._src.core import ops  # noqa: PLC0415
+    from nvfp4_jax._src.training import gemm  # noqa: PLC0415
+    from nvfp4_jax._src.training.dot_general import _gradient_key, pad_tokens  # noqa: PLC0415
 
     m, sizes = 80, [5, 0, 37, 22]
     x, _, dy = data(m, 64, 32, 4, 10)
@@ -684,8 +686,8 @@ def test_sr_numbering_past_2_to_the_32_counters_is_section_7():
     section 7: the high word is its own, no wrap), past 2**35 elements as below: the bytes
     the dense reference gives those elements (`random_bytes` from the counter offset of the
     row, or of the padded layout's chunk)."""
-    from nvfp4_jax.reference import random_bytes  # noqa: PLC0415
-    from nvfp4_jax.seed import SRSeed  # noqa: PLC0415
+    from nvfp4_jax._src.core.reference import random_bytes  # noqa: PLC0415
+    from nvfp4_jax._src.core.seed import SRSeed  # noqa: PLC0415
 
     words = jnp.array([[0x12345678, 0x9ABCDEF0]], jnp.uint32)
 

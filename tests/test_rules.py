@@ -22,8 +22,9 @@ from flax import linen as nn
 from flax import nnx
 
 import nvfp4_jax
-from nvfp4_jax import NVFP4Recipe, backends
-from nvfp4_jax.rules import (
+from nvfp4_jax import NVFP4Recipe
+from nvfp4_jax._src.core import backends
+from nvfp4_jax._src.model.rules import (
     NVFP4Einsum,
     Rule,
     check_rules,

@@ -19,8 +19,10 @@ import pytest
 from helpers import DENSE, assert_same_bits
 
 import nvfp4_jax
-from nvfp4_jax import NVFP4Recipe, gemm, kernels, ops
-from nvfp4_jax.dot_general import fold_in
+from nvfp4_jax import NVFP4Recipe
+from nvfp4_jax._src.core import kernels, ops
+from nvfp4_jax._src.training import gemm
+from nvfp4_jax._src.training.dot_general import fold_in
 
 B = 3
 

@@ -25,8 +25,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import nvfp4_jax
-from nvfp4_jax import gemm, kernels, ops
-from nvfp4_jax.kernels import _gemm, _library
+from nvfp4_jax._src.core import kernels, ops
+from nvfp4_jax._src.core.kernels import _gemm, _library
+from nvfp4_jax._src.training import gemm
 
 pytestmark = pytest.mark.skipif(
     not kernels.is_available("cpu") or kernels.current_platform() != "cpu",

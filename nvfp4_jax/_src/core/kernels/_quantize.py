@@ -1,0 +1,279 @@
+"""`nvfp4_quantize` and `nvfp4_fake_quantize`: the quantizing kernels and their sharding rule.
+
+Native twins: `QuantizeImpl` / `FakeQuantizeImpl` in ffi/cpu/handlers.cc (the per-block
+work in ffi/cpu/kernels_isa.cc) and ffi/cuda/handlers.cu (ffi/cuda/kernels.cuh); the
+numbers of both in ffi/include/nvfp4/numerics.h.
+
+Operands: the stored layout `x (..., C)`, the f32 tensor amax `A` to use, and the SR seed
+operand uint32 `(k0, k1, counter lo, counter hi)`. Quantize returns codes uint8
+`(..., C/2)`, scales float8_e4m3fn `(..., C/16)` and the stored amax (A, or NaN for
+non-finite input or an invalid A); fake quantize returns the dequantized values.
+
+Four Over Six (docs/NUMERICS.md section 13) runs on the twin targets `nvfp4_quantize_4over6`
+and `nvfp4_fake_quantize_4over6`: the same operands and results, and two more attributes,
+`error` ("mae" or "mse") and `e4m3_max` (i32, 256 or 448); the plain targets keep their
+signature, so functions exported with them still run.
+
+Sharding: every leading dim keeps its sharding, and so does the quantized axis when each
+shard holds a multiple of 16 of it; the kernel runs on the local shard with the global
+amax. With SR only the first stored axis may stay sharded (a shard must be a contiguous slab
+of the flattened layout), and its shard's seed is advanced by `axis_index * local size`, so
+the random bits are the global ones; other sharded axes are gathered along that axis. 16x16
+blocks keep the second-to-last axis sharded only when each shard holds whole tiles.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from nvfp4_jax._src.core import formats
+from nvfp4_jax._src.core.kernels import _library
+from nvfp4_jax._src.core.kernels import _partition as part
+from nvfp4_jax._src.core.seed import SRSeed, constant_words
+
+_F32 = jnp.float32
+_BLOCK = formats.BLOCK_SIZE
+_ZERO_SEED = constant_words([0, 0, 0, 0])
+
+
+def _target(name: str, four_over_six: str | None, e4m3_max: int) -> tuple[str, dict]:
+    """The target and its Four Over Six attributes (none for plain NVFP4)."""
+    if four_over_six is None:
+        return name, {}
+    return f"{name}_4over6", dict(error=four_over_six, e4m3_max=np.int32(e4m3_max))
+
+
+def _call_quantize(
+    x, amax, words, *, block_2d, rht, stochastic_rounding, four_over_six=None, e4m3_max=448
+):
+    lead, cols = x.shape[:-1], x.shape[-1]
+    out = (
+        jax.ShapeDtypeStruct((*lead, cols // 2), jnp.uint8),
+        jax.ShapeDtypeStruct((*lead, cols // _BLOCK), jnp.float8_e4m3fn),
+        jax.ShapeDtypeStruct((), _F32),
+    )
+    target, extra = _target("nvfp4_quantize", four_over_six, e4m3_max)
+    call = jax.ffi.ffi_call(target, out, vmap_method="sequential")
+    flags = dict(block_2d=block_2d, rht=rht, stochastic_rounding=stochastic_rounding)
+    return tuple(call(x, amax, words, **flags, **extra))
+
+
+def _call_fake_quantize(
+    x,
+    amax,
+    words,
+    *,
+    block_2d,
+    rht,
+    stochastic_rounding,
+    global_scale,
+    dtype,
+    four_over_six=None,
+    e4m3_max=448,
+):
+    """(values, stored amax): the stored amax is `_call_quantize`'s, NaN when the values are.
+
+    The kernels decide the NaN fill on the device from it, so it is a result (whose memory
+    outlives the kernels), not scratch memory.
+    """
+    out = (jax.ShapeDtypeStruct(x.shape, dtype), jax.ShapeDtypeStruct((), _F32))
+    target, extra = _target("nvfp4_fake_quantize", four_over_six, e4m3_max)
+    call = jax.ffi.ffi_call(target, out, vmap_method="sequential")
+    flags = dict(block_2d=block_2d, rht=rht, stochastic_rounding=stochastic_rounding)
+    return tuple(call(x, amax, words, global_scale=global_scale, **flags, **extra))
+
+
+def _entries(mesh, x, *, block_2d: bool, sr: bool) -> list:
+    shape = x.shape
+    entries = part.blockwise_entries(mesh, x.sharding, shape)
+    if sr:
+        # A shard must be a contiguous slab of the flattened layout: only axis 0 stays
+        # sharded, and its shard offsets must fit the 32-bit counter arithmetic below.
+        entries = [entries[0]] + [None] * (len(shape) - 1)
+        if len(shape) == 1 or math.prod(shape) // 8 >= part.MAX_SR_COUNTERS:
+            entries = [None] * len(shape)
+    if block_2d:
+        entries = part.keep_whole_blocks(mesh, entries, shape, dim=-2)
+    return entries
+
+
+def _shard_words(words, entries, local_shape):
+    """The seed operand of this shard: advanced by (axis 0 index) * (local elements)."""
+    names = part.axes(entries[0])
+    if not names:
+        return words
+    offset = lax.axis_index(names).astype(jnp.uint32) * jnp.uint32(math.prod(local_shape))
+    return SRSeed.from_operand(words).advance(offset).operand()
+
+
+def _blockwise_rule(raw, *, block_2d: bool, sr: bool, blocked: int, poison):
+    """`infer` and `partition` of a quantizing target (sharded by whole blocks of x).
+
+    x is sharded as `_entries` allows, A and the seed are replicated; the first `blocked`
+    results are sharded as x, the last (the stored amax) is replicated.
+
+    The kernel of each shard follows docs/NUMERICS.md section 8 on its own input; one shard
+    with non-finite input (or an invalid A) must make the whole tensor non-finite, as on
+    one device: `poison(blocked_results, bad)` gives them their section-8 bits where `bad`.
+    """
+
+    def infer(mesh, arg_shapes, result_shape):
+        del result_shape
+        out = part.named(mesh, _entries(mesh, arg_shapes[0], block_2d=block_2d, sr=sr))
+        return (*[out] * blocked, part.replicated(mesh))
+
+    def partition(mesh, arg_shapes, result_shape):
+        del result_shape
+        entries = _entries(mesh, arg_shapes[0], block_2d=block_2d, sr=sr)
+        names = part.used_axes(entries)
+        x_sharding, rep = part.named(mesh, entries), part.replicated(mesh)
+
+        def lower(x, amax, words):
+            if sr:
+                words = _shard_words(words, entries, x.shape)
+            *results, stored = raw(x, amax, words)
+            if not names:
+                return (*results, stored)
+            bad = part.any_device(jnp.isnan(stored), names)
+            return (*poison(results, bad), jnp.where(bad, _F32(jnp.nan), stored))
+
+        return mesh, lower, (*[x_sharding] * blocked, rep), (x_sharding, rep, rep)
+
+    return infer, partition
+
+
+def _poison_codes(results, bad):
+    """Section 8's bits for non-finite input: codes 0, every scale 0x7F (NaN)."""
+    codes, scales = results
+    nan_scales = jnp.full(scales.shape, formats.E4M3_NAN_BYTE, jnp.uint8)
+    return (
+        jnp.where(bad, jnp.uint8(0), codes),
+        jnp.where(bad, lax.bitcast_convert_type(nan_scales, scales.dtype), scales),
+    )
+
+
+def _poison_values(results, bad):
+    """NaN everywhere (the values of codes 0 with NaN scales)."""
+    (out,) = results
+    return (lax.cond(bad, lambda o: jnp.full_like(o, jnp.nan), lambda o: o, out),)
+
+
+@functools.cache
+def _partitioned_quantize(
+    ndim: int, block_2d: bool, rht: bool, sr: bool, one_block: bool, fos=(None, 448)
+):
+    raw = part.positional(
+        _call_quantize,
+        block_2d=block_2d,
+        rht=rht,
+        stochastic_rounding=sr,
+        four_over_six=fos[0],
+        e4m3_max=fos[1],
+    )
+    infer, partition = _blockwise_rule(
+        raw, block_2d=block_2d, sr=sr, blocked=2, poison=_poison_codes
+    )
+    d = part.dims(ndim)
+    if one_block:  # (..., 16): Shardy refuses a compound factor (s k) whose s has size 1
+        return part.with_rule(raw, partition, infer, f"{d} k, , w -> {d} h, {d} s, ")
+    rule = f"{d} (s k), , w -> {d} (s h), {d} s, "
+    return part.with_rule(raw, partition, infer, rule, k=_BLOCK, h=_BLOCK // 2)
+
+
+@functools.cache
+def _partitioned_fake_quantize(ndim, block_2d, rht, sr, global_scale, dtype, fos=(None, 448)):
+    raw = part.positional(
+        _call_fake_quantize,
+        block_2d=block_2d,
+        rht=rht,
+        stochastic_rounding=sr,
+        global_scale=global_scale,
+        dtype=dtype,
+        four_over_six=fos[0],
+        e4m3_max=fos[1],
+    )
+    infer, partition = _blockwise_rule(
+        raw, block_2d=block_2d, sr=sr, blocked=1, poison=_poison_values
+    )
+    d = part.dims(ndim)
+    return part.with_rule(raw, partition, infer, f"{d} c, , w -> {d} c, ")
+
+
+def _seed_operand(seed: SRSeed | None) -> jax.Array:
+    # Round to nearest: the zero seed the kernels ignore, one constant for every call.
+    return _ZERO_SEED if seed is None else seed.operand()
+
+
+def _amax_operand(amax) -> jax.Array:
+    """The f32 scalar operand A, reshaped only where it is not a scalar already.
+
+    JAX emits a reshape even from () to ().
+    """
+    amax = jnp.asarray(amax, _F32)
+    return amax if amax.shape == () else amax.reshape(())
+
+
+def _four_over_six(four_over_six: str | None, e4m3_max: int) -> tuple[str | None, int]:
+    return (None, 448) if four_over_six is None else (four_over_six, int(e4m3_max))
+
+
+def quantize(
+    x: jax.Array,
+    amax: jax.Array,
+    seed: SRSeed | None,
+    *,
+    block_2d: bool,
+    rht: bool,
+    four_over_six: str | None = None,
+    e4m3_max: int = 448,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Quantizes the stored layout x (..., C) with the f32 tensor amax `amax`.
+
+    `seed` None rounds to nearest; an `SRSeed` rounds stochastically with its bits.
+    `four_over_six` "mae" or "mse": Four Over Six with the global scale's E4M3 max `e4m3_max`.
+
+    Returns:
+      codes uint8 (..., C/2), scales float8_e4m3fn (..., C/16) and the stored amax.
+    """
+    _library.require("quantize")
+    sr = seed is not None
+    one_block = x.shape[-1] == _BLOCK
+    fos = _four_over_six(four_over_six, e4m3_max)
+    op = _partitioned_quantize(x.ndim - 1, bool(block_2d), bool(rht), sr, one_block, fos)
+    operands = (x, _amax_operand(amax), _seed_operand(seed))
+    return part.vary_like(tuple(op(*operands)), *operands)
+
+
+def fake_quantize(
+    x: jax.Array,
+    amax: jax.Array,
+    seed: SRSeed | None,
+    *,
+    block_2d: bool,
+    rht: bool,
+    global_scale: bool,
+    dtype,
+    four_over_six: str | None = None,
+    e4m3_max: int = 448,
+) -> jax.Array:
+    """Quantizes x like `quantize` and returns the dequantized values in `dtype`.
+
+    No inverse RHT: `value(code) * (f32(s_b) * D)` with `global_scale` (`D = A * RCP2688`,
+    under Four Over Six `A * f32(1/(6 * e4m3_max))`), else `value(code) * f32(s_b)`.
+    Non-finite input (or an invalid A) gives NaN everywhere.
+    """
+    _library.require("fake_quantize")
+    sr = seed is not None
+    fos = _four_over_six(four_over_six, e4m3_max)
+    op = _partitioned_fake_quantize(
+        x.ndim - 1, bool(block_2d), bool(rht), sr, bool(global_scale), jnp.dtype(dtype), fos
+    )
+    operands = (x, _amax_operand(amax), _seed_operand(seed))
+    values, _ = op(*operands)  # the stored amax only served the NaN fill
+    return part.vary_like(values, *operands)

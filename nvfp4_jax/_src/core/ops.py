@@ -1,0 +1,496 @@
+"""The public NVFP4 ops: argument checks and differentiation rules, once, above the backends.
+
+Each op checks its arguments (the same checks and messages as the reference), moves the
+quantized axis last (the stored layout), asks `backends.resolve` which implementation runs,
+and calls it through a `jax.custom_jvp` whose rule is written here, in jnp, independent of
+the implementation. So every implementation differentiates the same way, forward and
+reverse mode, and the native kernels (which JAX cannot differentiate) are never traced for
+derivatives:
+
+* `apply_rht`: linear; its derivative is the transform itself (the transpose, for reverse
+  mode, is the inverse transform).
+* `tensor_amax`: the derivative of `jnp.max(jnp.abs(.))` (of the RHT with `rht`): the
+  gradient goes to the elements of largest magnitude, split among ties.
+* `fake_quantize`: the straight-through estimator. The derivative is the identity (the RHT
+  with `rht`, since the values stay in the rotated basis; times `S_enc` without
+  `global_scale`), zero only where a caller-given `amax` clips (`|x| > amax`).
+* `dequantize`: differentiable in its float inputs, the scales and the amax (the codes are
+  integers).
+* `quantize`: a step function with integer codes: its outputs carry no derivative (zero);
+  use `fake_quantize` for quantization-aware training.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from nvfp4_jax._src.core import backends, formats, reference
+from nvfp4_jax._src.core.array import NVFP4Array, bind_dequantize
+from nvfp4_jax._src.core.backends import Backend, Implementation
+from nvfp4_jax._src.core.reference import hadamard
+from nvfp4_jax._src.core.reference.quantize import (
+    check_dequantize_call,
+    check_quantize_call,
+    quantized_array,
+)
+from nvfp4_jax._src.core.seed import SRSeed
+
+_F32 = jnp.float32
+
+
+# --- apply_rht ------------------------------------------------------------------------------
+
+
+def apply_rht(
+    x: jax.Array, inverse: bool = False, *, implementation: Implementation | None = None
+) -> jax.Array:
+    """Applies the Random Hadamard Transform in blocks of 16 along the last axis of `x`.
+
+    Args:
+      x: bf16, f16 or f32 array of any rank whose last dimension is a multiple of 16.
+      inverse: apply `M.T` (the inverse) instead of `M`.
+      implementation: None (the native kernel where it runs, else the reference),
+        "reference" or "ffi".
+
+    Returns:
+      An array of x's shape and dtype. Accumulation is in f32, in a fixed order, so every
+      implementation rounds identically (docs/NUMERICS.md section 5).
+
+    Example:
+      >>> x = jnp.arange(16, dtype=jnp.float32)
+      >>> bool(jnp.allclose(apply_rht(apply_rht(x), inverse=True), x))
+      True
+
+    """
+    x = hadamard.check_rht_input(x)
+    inverse = formats.check_flag(inverse, "apply_rht", "inverse")
+    return _rht(x, inverse, backends.resolve(implementation, "apply_rht"))
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
+def _rht(x, inverse: bool, backend: Backend):
+    return backend.rht(x, inverse=inverse)
+
+
+@_rht.defjvp
+def _rht_jvp(inverse, backend, primals, tangents):
+    (x,), (dx,) = primals, tangents
+    return _rht(x, inverse, backend), reference.apply_rht(dx, inverse=inverse)
+
+
+# --- tensor_amax ----------------------------------------------------------------------------
+
+
+def tensor_amax(
+    x: jax.Array,
+    *,
+    axis: int = -1,
+    rht: bool = False,
+    implementation: Implementation | None = None,
+) -> jax.Array:
+    """Returns the f32 tensor amax `max |x|` that `quantize` would use, NaN if x holds NaN/inf.
+
+    With `rht`, the amax of the transformed tensor (the RHT applied along `axis`). Pass the
+    result (or its maximum over devices) as `quantize(..., amax=...)`.
+
+    Example:
+      >>> float(tensor_amax(jnp.array([1.0, -3.0] * 8)))
+      3.0
+    """
+    x, axis, _, _ = check_quantize_call(x, axis, False, rht, False, None, None, "tensor_amax")
+    backend = backends.resolve(implementation, "tensor_amax")
+    return _amax(jnp.moveaxis(x, axis, -1), bool(rht), backend)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
+def _amax(x, rht: bool, backend: Backend):
+    return backend.amax(x, rht=rht)
+
+
+def _max_abs(x, rht: bool):
+    """`max |x|` (of the RHT of x) in jnp: the function whose derivative `_amax` has."""
+    y = reference.apply_rht(x) if rht else x
+    return jnp.max(jnp.abs(y.astype(_F32)), initial=_F32(0))
+
+
+@_amax.defjvp
+def _amax_jvp(rht, backend, primals, tangents):
+    (x,), (dx,) = primals, tangents
+    _, d_amax = jax.jvp(functools.partial(_max_abs, rht=rht), (x,), (dx,))
+    return _amax(x, rht, backend), d_amax
+
+
+# --- quantize -------------------------------------------------------------------------------
+
+
+def quantize(
+    x: jax.Array,
+    *,
+    axis: int = -1,
+    block_2d: bool = False,
+    rht: bool = False,
+    stochastic_rounding: bool = False,
+    key: jax.Array | SRSeed | None = None,
+    amax: jax.Array | None = None,
+    implementation: Implementation | None = None,
+    four_over_six: str | None = None,
+    four_over_six_e4m3_max: int = formats.FOUR_OVER_SIX_DEFAULT_E4M3_MAX,
+) -> NVFP4Array:
+    """Quantizes `x` to NVFP4 in blocks of 16 along `axis`.
+
+    Args:
+      x: bf16, f16 or f32 array; `x.shape[axis]` must be a multiple of 16.
+      axis: the quantized axis. It is stored last (like TransformerEngine's column-wise copy);
+        `dequantize` restores the original layout.
+      block_2d: 16x16 blocks (for weights): one scale per tile, stored once per row. The
+        second-to-last axis of the stored layout must be a multiple of 16.
+      rht: apply the Random Hadamard Transform along `axis` first (`apply_rht`); the tensor
+        amax is taken after it, and `dequantize` applies the inverse.
+      stochastic_rounding: round the E2M1 codes stochastically (docs/NUMERICS.md section 7).
+      key: required with `stochastic_rounding`, ignored otherwise: a JAX PRNG key, or an
+        `SRSeed` (a key with the counter offset of a shard of a larger tensor).
+      amax: an f32 scalar used instead of `max |x|` (after the RHT); larger values saturate.
+        A concrete negative or NaN amax is an error; a traced one gives a NaN result.
+      implementation: None (the native kernels where they run, else the reference),
+        "reference" or "ffi".
+      four_over_six: None (plain NVFP4), "mae" or "mse": Four Over Six (docs/NUMERICS.md
+        section 13). Each block is quantized with its amax mapped to 6 and to 4, and keeps
+        the candidate whose reconstruction has the smaller total absolute ("mae") or
+        squared ("mse") error (16x16 tiles: summed over the tile); ties keep map-to-6. With
+        `stochastic_rounding` the choice is made by rounding to nearest, then the block is
+        rounded stochastically with the chosen scale; with `rht`, on the rotated values.
+      four_over_six_e4m3_max: the E4M3 maximum M of the global scale under 4/6,
+        `S_enc = 6M / A`: 256 (the default, TransformerEngine's: room for the x1.5 of
+        map-to-4) or 448. Ignored when `four_over_six` is None (plain NVFP4 uses 448).
+
+    Returns:
+      An `NVFP4Array` with packed codes, E4M3 scales and the f32 tensor amax. Its leaves
+      carry no derivative (see the module docstring). Under 4/6 it records `four_over_six`
+      and `e4m3_max`, and carries its decode factor `D = A * f32(1/(6M))` as `decode_scale`;
+      the stored format is plain NVFP4.
+
+    Example:
+      >>> x = jnp.linspace(-3.0, 3.0, 32).reshape(2, 16)
+      >>> q = quantize(x)
+      >>> q.codes.shape, q.scales.shape, q.shape
+      ((2, 8), (2, 1), (2, 16))
+
+    """
+    return _quantize(
+        x,
+        axis,
+        block_2d,
+        rht,
+        stochastic_rounding,
+        key,
+        amax,
+        implementation,
+        four_over_six,
+        four_over_six_e4m3_max,
+    )
+
+
+def _quantize(
+    x,
+    axis,
+    block_2d,
+    rht,
+    stochastic_rounding,
+    key,
+    amax,
+    implementation,
+    four_over_six=None,
+    four_over_six_e4m3_max=formats.FOUR_OVER_SIX_DEFAULT_E4M3_MAX,
+    **check,
+):
+    x, axis, seed, amax = check_quantize_call(
+        x, axis, block_2d, rht, stochastic_rounding, key, amax, "quantize", **check
+    )
+    mode, e4m3_max = formats.check_four_over_six(four_over_six, four_over_six_e4m3_max, "quantize")
+    backend = backends.resolve(implementation, "quantize")
+    # A step function: no derivative flows through it, and the kernels are never traced
+    # for one (their tangents are symbolically zero).
+    stored = lax.stop_gradient(jnp.moveaxis(x, axis, -1))
+    amax = None if amax is None else lax.stop_gradient(amax)
+    codes, scales, stored_amax = backend.quantize(
+        stored,
+        amax,
+        seed,
+        block_2d=bool(block_2d),
+        rht=bool(rht),
+        four_over_six=mode,
+        e4m3_max=e4m3_max,
+    )
+    return quantized_array(codes, scales, stored_amax, x.dtype, axis, block_2d, rht, mode, e4m3_max)
+
+
+def quantize_with_data_amax(
+    x: jax.Array,
+    amax: jax.Array,
+    *,
+    axis: int = -1,
+    block_2d: bool = False,
+    rht: bool = False,
+    stochastic_rounding: bool = False,
+    key: jax.Array | SRSeed | None = None,
+    implementation: Implementation | None = None,
+    four_over_six: str | None = None,
+    four_over_six_e4m3_max: int = formats.FOUR_OVER_SIX_DEFAULT_E4M3_MAX,
+) -> NVFP4Array:
+    """`quantize(x, amax=amax, ...)` for an amax the library computed or stores: data.
+
+    The entry point of internal callers (not re-exported): a NaN, inf or negative `amax`
+    gives the NaN tensor, run eagerly as under `jit`, where `quantize` raises for a caller's
+    concrete one. Every other argument is checked as `quantize` checks it.
+    """
+    return _quantize(
+        x,
+        axis,
+        block_2d,
+        rht,
+        stochastic_rounding,
+        key,
+        amax,
+        implementation,
+        four_over_six,
+        four_over_six_e4m3_max,
+        amax_is_data=True,
+    )
+
+
+# --- fake_quantize --------------------------------------------------------------------------
+
+
+def fake_quantize(
+    x: jax.Array,
+    *,
+    axis: int = -1,
+    block_2d: bool = False,
+    rht: bool = False,
+    stochastic_rounding: bool = False,
+    key: jax.Array | SRSeed | None = None,
+    amax: jax.Array | None = None,
+    global_scale: bool = True,
+    dtype=None,
+    implementation: Implementation | None = None,
+    four_over_six: str | None = None,
+    four_over_six_e4m3_max: int = formats.FOUR_OVER_SIX_DEFAULT_E4M3_MAX,
+) -> jax.Array:
+    """Quantizes and dequantizes in one step, without materializing packed codes.
+
+    Takes `quantize`'s arguments and returns an array of x's shape. The values are those of
+    `dequantize(quantize(x, ...))` except that no inverse RHT is applied (with `rht` the
+    result stays in the rotated basis, as a GEMM of two rotated operands wants), and with
+    `global_scale=False` the tensor factor `A * RCP2688` (`A * f32(1/(6M))` under Four Over
+    Six) is left out: each value is then `value(code) * f32(s_b)`, exact in bf16, ready for
+    an emulated block-scaled GEMM.
+
+    Differentiable with the straight-through estimator: the gradient is the identity (see
+    the module docstring), so quantization-aware training learns through it.
+
+    Args:
+      x: as in `quantize`.
+      axis: as in `quantize`.
+      block_2d: as in `quantize`.
+      rht: as in `quantize`.
+      stochastic_rounding: as in `quantize`.
+      key: as in `quantize`.
+      amax: as in `quantize`; where `|x| > amax` the gradient is zero.
+      global_scale: multiply by the tensor decode factor `A * RCP2688` (under Four Over
+        Six `A * f32(1/(6M))`).
+      dtype: the result dtype (default: x's dtype).
+      implementation: as in `quantize`.
+      four_over_six: as in `quantize`.
+      four_over_six_e4m3_max: as in `quantize`.
+
+    Example:
+      >>> x = jnp.linspace(-3.0, 3.0, 32).reshape(2, 16)
+      >>> jax.grad(lambda v: fake_quantize(v).sum())(x).tolist() == jnp.ones_like(x).tolist()
+      True
+    """
+    return _fake_quantize_call(
+        x,
+        axis,
+        block_2d,
+        rht,
+        stochastic_rounding,
+        key,
+        amax,
+        global_scale,
+        dtype,
+        implementation,
+        four_over_six,
+        four_over_six_e4m3_max,
+    )
+
+
+def _fake_quantize_call(
+    x,
+    axis,
+    block_2d,
+    rht,
+    stochastic_rounding,
+    key,
+    amax,
+    global_scale,
+    dtype,
+    implementation,
+    four_over_six=None,
+    four_over_six_e4m3_max=formats.FOUR_OVER_SIX_DEFAULT_E4M3_MAX,
+    **check,
+):
+    op = "fake_quantize"
+    x, axis, seed, amax = check_quantize_call(
+        x, axis, block_2d, rht, stochastic_rounding, key, amax, op, **check
+    )
+    global_scale = formats.check_flag(global_scale, op, "global_scale")
+    dtype = formats.check_dtype(x.dtype if dtype is None else dtype, op)
+    mode, e4m3_max = formats.check_four_over_six(four_over_six, four_over_six_e4m3_max, op)
+    backend = backends.resolve(implementation, op)
+    static = (backend, bool(block_2d), bool(rht), global_scale, dtype, (mode, e4m3_max))
+    values = _fake_quantize(jnp.moveaxis(x, axis, -1), amax, seed, *static)
+    return jnp.moveaxis(values, -1, axis)
+
+
+def fake_quantize_with_data_amax(
+    x: jax.Array,
+    amax: jax.Array,
+    *,
+    axis: int = -1,
+    block_2d: bool = False,
+    rht: bool = False,
+    stochastic_rounding: bool = False,
+    key: jax.Array | SRSeed | None = None,
+    global_scale: bool = True,
+    dtype=None,
+    implementation: Implementation | None = None,
+    four_over_six: str | None = None,
+    four_over_six_e4m3_max: int = formats.FOUR_OVER_SIX_DEFAULT_E4M3_MAX,
+) -> jax.Array:
+    """`fake_quantize(x, amax=amax, ...)` for an amax the library computed or stores.
+
+    As `quantize_with_data_amax`: a NaN, inf or negative `amax` gives a NaN result, run
+    eagerly as under `jit`; for the GEMM operands and the W4A4 layers' stored input amax.
+    """
+    return _fake_quantize_call(
+        x,
+        axis,
+        block_2d,
+        rht,
+        stochastic_rounding,
+        key,
+        amax,
+        global_scale,
+        dtype,
+        implementation,
+        four_over_six,
+        four_over_six_e4m3_max,
+        amax_is_data=True,
+    )
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4, 5, 6, 7, 8))
+def _fake_quantize(x, amax, seed, backend: Backend, block_2d, rht, global_scale, dtype, fos):
+    mode, e4m3_max = fos  # (None, 448), or Four Over Six's (mode, M)
+    return backend.fake_quantize(
+        x,
+        amax,
+        seed,
+        block_2d=block_2d,
+        rht=rht,
+        global_scale=global_scale,
+        dtype=dtype,
+        four_over_six=mode,
+        e4m3_max=e4m3_max,
+    )
+
+
+@_fake_quantize.defjvp
+def _fake_quantize_jvp(backend, block_2d, rht, global_scale, dtype, fos, primals, tangents):
+    x, amax, seed = primals
+    dx = tangents[0]
+    out = _fake_quantize(x, amax, seed, backend, block_2d, rht, global_scale, dtype, fos)
+    d_out = reference.apply_rht(dx) if rht else dx  # the values are in the rotated basis
+    if amax is not None:
+        y = reference.apply_rht(x) if rht else x
+        d_out = jnp.where(jnp.abs(y.astype(_F32)) <= amax, d_out, jnp.zeros_like(d_out))
+    if not global_scale:
+        # value(code) * s_b approximates x * S_enc.
+        used = amax if amax is not None else backend.amax(x, rht=rht)
+        d_out = d_out.astype(_F32) * reference.encode_scale(used, fos[1])
+    return out, d_out.astype(dtype)
+
+
+# --- dequantize -----------------------------------------------------------------------------
+
+
+def dequantize(
+    q: NVFP4Array, dtype=jnp.float32, *, implementation: Implementation | None = None
+) -> jax.Array:
+    """Returns the tensor `q` encodes, in its logical shape, cast to `dtype`.
+
+    `x_hat = value(code) * (f32(s_b) * D)` in f32, with `D = q.global_scale` (`A * RCP2688`,
+    or an imported checkpoint's decode scale), then the inverse RHT if `q` was quantized with
+    one, then the cast. A NaN amax gives NaN everywhere. Also `q.dequantize(dtype)`.
+    Differentiable in `q.scales` and `q.amax` (or `q.decode_scale`).
+
+    Example:
+      >>> x = jnp.full((16,), 1.5, jnp.float32)
+      >>> dequantize(quantize(x)).tolist() == x.tolist()
+      True
+
+    """
+    dtype = check_dequantize_call(q, dtype, "dequantize")
+    backend = backends.resolve(implementation, "dequantize")
+    # D, in jnp: its derivative in `q.amax` (or `q.decode_scale`) is JAX's own.
+    stored = _dequantize_batch(q.codes, q.scales, q.global_scale, backend, q.rht, dtype)
+    return jnp.moveaxis(stored, -1, q.axis)
+
+
+def _dequantize_batch(codes, scales, decode_scale, backend, rht, dtype):
+    if decode_scale.ndim:
+        # A batch of tensors made by vmap (one amax each), dequantized outside of vmap.
+        return jax.vmap(lambda c, s, d: _dequantize_batch(c, s, d, backend, rht, dtype))(
+            codes, scales, decode_scale
+        )
+    return _dequantize(codes, scales, decode_scale, backend, rht, dtype)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4, 5))
+def _dequantize(codes, scales, decode_scale, backend: Backend, rht: bool, dtype):
+    return backend.dequantize(codes, scales, decode_scale, rht=rht, dtype=dtype)
+
+
+@_dequantize.defjvp
+def _dequantize_jvp(backend, rht, dtype, primals, tangents):
+    codes, scales, decode_scale = primals
+    _, d_scales, d_decode = tangents
+
+    def decode(s, d):
+        q = NVFP4Array(codes, s, d * 2688, dtype, -1, False, rht, decode_scale=d)
+        return reference.dequantize(q, dtype)
+
+    _, d_out = jax.jvp(decode, (scales, decode_scale), (d_scales, d_decode))
+    return _dequantize(codes, scales, decode_scale, backend, rht, dtype), d_out
+
+
+def block_values(
+    q: NVFP4Array, dtype=jnp.bfloat16, *, implementation: Implementation | None = None
+) -> jax.Array:
+    """`value(code) * f32(s_b)` in the stored layout: the operand of an emulated GEMM.
+
+    `reference.block_values` on the chosen implementation: the dequantize kernel with the
+    tensor factor 1 and no inverse RHT. The values are exact in every float dtype (at most
+    6 significant bits), so every implementation gives the same bits.
+    """
+    dtype = check_dequantize_call(q, dtype, "block_values")
+    backend = backends.resolve(implementation, "block_values")
+    one = jnp.ones_like(q.global_scale)
+    return _dequantize_batch(q.codes, q.scales, one, backend, False, dtype)
+
+
+bind_dequantize(dequantize)

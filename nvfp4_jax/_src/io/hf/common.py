@@ -1,0 +1,129 @@
+"""What the modules of `nvfp4_jax.hf` share: the format's file names and constants, strict JSON.
+
+JSON files (`config.json`, `hf_quant_config.json`, the index, a safetensors header) are parsed
+strictly (UTF-8, no duplicate keys, no NaN or Infinity, bounded nesting: a hostile file gets a
+ValueError naming it, never a crash) and written with an fsync.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Any
+
+from nvfp4_jax._src.io.storage import fsync_fd
+from nvfp4_jax._version import __version__
+
+CONFIG_NAME = "config.json"
+QUANT_CONFIG_NAME = "hf_quant_config.json"
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+QUANT_ALGOS = ("NVFP4", "W4A16_NVFP4")
+# What an engine needs beyond the weights (heads and layers cannot be read off the tensors).
+REQUIRED_CONFIG_KEYS = (
+    "architectures",
+    "model_type",
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "num_hidden_layers",
+    "vocab_size",
+)
+# The producer of config.json's quantization_config (read by no engine: any name works), and
+# the one of the legacy hf_quant_config.json, which vLLM reads only under ModelOpt's name:
+# the file is ModelOpt's format, written as ModelOpt 0.47 writes it.
+PRODUCER = {"name": "nvfp4_jax", "version": __version__}
+LEGACY_PRODUCER = {
+    "name": "modelopt",
+    "version": "0.47.0",
+    "exported_by": {"name": "nvfp4_jax", "version": __version__},
+}
+# Tensors of a quantized linear besides `.weight`, and FP8 KV-cache scales (read, not written).
+_QUANT_SUFFIXES = ("weight", "weight_scale", "weight_scale_2", "input_scale")
+_KV_SUFFIXES = ("k_scale", "v_scale")
+_MAX_HEADER = 100 * 2**20
+
+
+# --- strict JSON ------------------------------------------------------------------------------
+
+
+def _short(value, limit: int = 80) -> str:
+    """`repr(value)`, cut to `limit` characters (a hostile file's values can be huge)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# A JSON string (escapes included), and every byte but brackets: to measure nesting.
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_MAX_JSON_DEPTH = 64
+
+
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        twice = next(key for key, _ in pairs if key in seen or seen.add(key))
+        raise _DuplicateKey(twice)
+    return out
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def _loads(path: str, blob: bytes, what: str):
+    """Strict JSON from UTF-8 `blob`: no duplicate keys, no NaN/Infinity, bounded nesting.
+
+    Raises a ValueError naming `path` for anything else; the nesting is measured before the
+    parser runs (without recursion), so a hostile file cannot exhaust the stack.
+    """
+    try:
+        text = blob.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path}: {what} is not UTF-8 ({error})") from None
+    # Removing the innermost bracket pairs once per level: what is left after the limit
+    # nests deeper than it, or its brackets do not match.
+    brackets = _JSON_STRING.sub(b"", blob).translate(None, _NOT_BRACKETS)
+    for _ in range(_MAX_JSON_DEPTH):
+        shorter = brackets.replace(b"[]", b"").replace(b"{}", b"")
+        if shorter == brackets:
+            break
+        brackets = shorter
+    if brackets:
+        raise ValueError(
+            f"{path}: {what} is not valid JSON: its brackets nest deeper than "
+            f"{_MAX_JSON_DEPTH} levels or do not match"
+        )
+    try:
+        return json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
+    except _DuplicateKey as error:
+        raise ValueError(f"{path}: {what} holds the key {error.args[0]!r} twice") from None
+    except (ValueError, RecursionError, MemoryError) as error:
+        raise ValueError(f"{path}: {what} is not valid JSON: {_short(error, 200)}") from None
+
+
+def _read_json(path: str) -> dict:
+    """The JSON object in `path` (strict JSON, as `_loads`); a ValueError naming it otherwise."""
+    size = os.path.getsize(path)
+    if size > _MAX_HEADER:
+        raise ValueError(f"{path}: {size} bytes; a JSON config holds at most {_MAX_HEADER}")
+    with open(path, "rb") as file:
+        value = _loads(path, file.read(), "the file")
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: must hold a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _write_json(path: str, value) -> None:
+    with open(path, "w", encoding="utf-8") as file:
+        json.dump(value, file, indent=2)
+        file.write("\n")
+        file.flush()
+        fsync_fd(file.fileno())

@@ -1,0 +1,642 @@
+"""The NVFP4 GEMM: exact emulation anywhere, or `jax.nn.scaled_matmul` on Blackwell.
+
+Shape letters: an operand is quantized along the contraction axis K and held in its stored
+layout `(rows, K)` (or a batch `(B, rows, K)`), G = K / 16. The product of two operands is
+(docs/NUMERICS.md section 9)
+
+    alpha * sum_k (q_a * s_a)(q_b * s_b),    alpha = D_a * D_b,  D = amax * RCP2688
+
+with f32 accumulation: what Blackwell's block-scaled tensor cores compute. Two backends:
+
+* `"emulated"`: each operand as `value(code) * s_b` (at most 6 significant bits, exact in
+  bf16) in the GEMM dtype, `lax.dot_general` with f32 accumulation, times alpha. Runs on
+  any platform and equals the hardware result up to f32 summation order. On the CPU with
+  the native library and the "ffi" implementation (the default there), the operands stay
+  packed (`NativeBlocks`) and the exact native GEMM `kernels.gemm` computes the same
+  numbers with integer block dot products, summed over K in ascending block order
+  (docs/NUMERICS.md section 9); `implementation="reference"` stays pure jnp.
+* `"scaled_matmul"`: `jax.nn.scaled_matmul` (cuDNN) on the packed operands, `float4_e2m1fn`
+  data and `float8_e4m3fn` scales in the plain row-major layout (XLA swizzles them for cuDNN
+  itself); it knows nothing of the tensor scale, so alpha is applied outside. Needs a CUDA
+  GPU of compute capability 10 or newer.
+
+`Operand` is one side of a GEMM in the form its backend takes; `quantize_operand` and
+`array_operand` build it, `matmul` multiplies two. `dot_general` and `scaled_matmul` are
+built from these three.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from nvfp4_jax._src.core import backends, formats, kernels, layout, ops, types
+from nvfp4_jax._src.core.array import NVFP4Array
+from nvfp4_jax._src.core.backends import Implementation
+from nvfp4_jax._src.core.seed import SRSeed
+from nvfp4_jax._src.training.recipe import GEMM_BACKENDS, GemmBackend
+
+_F32 = jnp.float32
+# The first compute capability whose tensor cores run block-scaled FP4 (Blackwell, sm_100).
+SCALED_MATMUL_MIN_CAPABILITY = 10.0
+
+
+# --- backend choice ---------------------------------------------------------------------------
+
+
+def scaled_matmul_unsupported_reason() -> str | None:
+    """Returns why `jax.nn.scaled_matmul` cannot run NVFP4 here, or None if it can."""
+    platform = kernels.current_platform()
+    if platform != "cuda":
+        return f"the default platform is {platform!r}, not a CUDA GPU"
+    device = jax.devices()[0]
+    capability = float(getattr(device, "compute_capability", 0) or 0)
+    if capability < SCALED_MATMUL_MIN_CAPABILITY:
+        return (
+            f"{device.device_kind} has compute capability {capability}; NVFP4 block-scaled "
+            f"GEMMs need {SCALED_MATMUL_MIN_CAPABILITY} or newer (Blackwell)"
+        )
+    return None
+
+
+def resolve_gemm_backend(backend: GemmBackend | None, op: str = "scaled_matmul") -> GemmBackend:
+    """Returns the GEMM backend to use: None picks "scaled_matmul" on Blackwell, else emulated.
+
+    Raises:
+      ValueError: for an unknown backend, or "scaled_matmul" where it cannot run.
+    """
+    if backend not in (None, *GEMM_BACKENDS):
+        raise ValueError(
+            f"{op}: gemm backend must be one of {(None, *GEMM_BACKENDS)}, got {backend!r}"
+        )
+    if backend == "emulated":
+        return "emulated"
+    reason = scaled_matmul_unsupported_reason()
+    if backend is None:
+        return "emulated" if reason else "scaled_matmul"
+    if reason:
+        raise ValueError(
+            f"{op}: gemm backend 'scaled_matmul' (jax.nn.scaled_matmul) was requested, but "
+            f"{reason}. Use 'emulated' (the same numbers, computed in bf16) or None."
+        )
+    return "scaled_matmul"
+
+
+def uses_native_gemm(backend: GemmBackend, implementation: Implementation | None) -> bool:
+    """True when the emulated GEMM runs as the native CPU kernel (`kernels.gemm`).
+
+    That is the "emulated" backend with the "ffi" implementation (named, or None where the
+    native library runs) on the CPU with AVX2 or AVX-512 kernels; never for "reference",
+    which stays pure jnp. On a CPU that runs only the portable baseline kernels (no AVX2:
+    every non-x86 CPU) the GEMM stays XLA's dot of the block values: the baseline's plain
+    integer code is 20x slower than XLA's f32 dot there (`benchmarks/bench_gemm.py --isa
+    baseline`). Either way the result is the exact block products summed in f32, in the
+    kernel's order or in XLA's.
+    """
+    if backend != "emulated" or kernels.current_platform() != "cpu":
+        return False
+    if backends.resolve(implementation, "gemm").name != "ffi":
+        return False
+    return kernels.cpu_isa() != "baseline"
+
+
+# --- weight-only (W4A16): activations times a frozen NVFP4 weight ----------------------------
+
+# Up to this many rows of activations (tokens) the native weight-only GEMM runs; above it the
+# weight is dequantized and XLA's dot runs (prefill-sized batches, where a dense GEMM of the
+# dequantized weight is faster than decoding the weight again for every few rows).
+WEIGHT_ONLY_MAX_ROWS = 32
+
+
+def uses_native_weight_only(
+    x_shape, x_dtype, q: NVFP4Array, implementation: Implementation | None = None
+) -> bool:
+    """True when `weight_only_matmul` runs the native CPU kernel (`nvfp4_w4a16`).
+
+    That is the CPU with the "ffi" implementation (named, or None where the native library
+    runs), a 2-D `(in, out)` weight quantized along `in` without the RHT, activations in bf16
+    or f16, and at most `WEIGHT_ONLY_MAX_ROWS` rows; never for "reference". f32 activations
+    keep XLA's f32 dot of the dequantized weight, bit for bit as before (the kernel computes
+    them too, `kernels._gemm.w4a16`, in its own summation order).
+    """
+    if (
+        kernels.current_platform() != "cpu"
+        or backends.resolve(implementation, "gemm").name != "ffi"
+    ):
+        return False
+    rows = 1
+    for d in x_shape[:-1]:
+        rows *= d
+    return (
+        len(q.codes.shape) == 2
+        and q.axis == -2
+        and not q.rht
+        and jnp.ndim(q.amax) == 0
+        and len(x_shape) >= 1
+        and x_shape[-1] == q.stored_shape[-1]
+        and jnp.dtype(x_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+        and rows <= WEIGHT_ONLY_MAX_ROWS
+    )
+
+
+def weight_only_matmul(
+    x: jax.Array,
+    q: NVFP4Array,
+    *,
+    preferred_element_type=None,
+    implementation: Implementation | None = None,
+) -> jax.Array:
+    """`jnp.matmul(x, dequantize(q, x.dtype), preferred_element_type=...)` for a frozen weight.
+
+    `q` is the `(in, out)` weight quantized along `in` (a frozen layer's kernel). On the CPU
+    with the native library (`uses_native_weight_only`) the weight is decoded in registers,
+    never dequantized into memory (`kernels._gemm.w4a16`): each weight element is the value
+    `dequantize` gives it in `x.dtype`, the products and their sum are f32 in the kernel's
+    fixed order (docs/NUMERICS.md section 9), then cast to `preferred_element_type` (default
+    `x.dtype`). Elsewhere, the dequantized weight and XLA's matmul, as before.
+
+    Derivatives (forward and reverse mode) are those of the XLA expression on every path, bit
+    for bit (`_native_product`); the frozen weight `q` has none.
+    """
+    if preferred_element_type is not None and not jnp.issubdtype(
+        jnp.dtype(preferred_element_type), jnp.floating
+    ):
+        native = False
+    else:
+        native = uses_native_weight_only(jnp.shape(x), jnp.result_type(x), q, implementation)
+    product = _native_product if native else _dequantized_product
+    return product(x, q, None, preferred_element_type, implementation)
+
+
+def expert_weight(q: NVFP4Array, g: int) -> NVFP4Array:
+    """Expert g of a stacked `(G, in, out)` weight: its `(in, out)` NVFP4Array."""
+
+    def pick(leaf):
+        return None if leaf is None else (leaf[g] if jnp.ndim(leaf) else leaf)
+
+    return dataclasses.replace(
+        q,
+        codes=q.codes[g],
+        scales=q.scales[g],
+        amax=pick(q.amax),
+        decode_scale=pick(q.decode_scale),
+    )
+
+
+def weight_only_ragged_dot(
+    x: jax.Array,
+    q: NVFP4Array,
+    group_sizes: jax.Array,
+    *,
+    implementation: Implementation | None = None,
+) -> jax.Array:
+    """`jax.lax.ragged_dot(x, dequantize(q, x.dtype), group_sizes)` for frozen expert weights.
+
+    `q` is the `(G, in, out)` stack of G experts' weights quantized along `in` (stored
+    `(G, out, in)`), with one tensor amax (and decode factor) per expert, `(G,)`, or one for
+    all; `x` is `(M, in)`, its rows sorted by expert, `group_sizes` `(G,)` integers. Row i of
+    group g is `x[i] @ dequantize(W_g, x.dtype)` and rows past `sum(group_sizes)` are zeros,
+    in `x.dtype`. Where `weight_only_matmul` runs its native kernel for M rows (decode
+    batches on the CPU), each expert's weight is decoded in registers: every expert's product
+    is computed for all M rows and each row keeps its own expert's, each row bit for bit
+    `weight_only_matmul` of that row (the kernel sums every output element on its own).
+    Elsewhere, the dequantized experts and `jax.lax.ragged_dot`. Derivatives are those of
+    `jax.lax.ragged_dot` of the dequantized experts on every path, bit for bit; `q` has none.
+    """
+    if len(q.shape) != 3 or q.axis != -2:
+        raise ValueError(
+            "weight_only_ragged_dot: q must be a (G, in, out) NVFP4Array quantized along in, "
+            f"got {q!r}"
+        )
+    g, k, _ = q.shape
+    if jnp.ndim(x) != 2 or jnp.shape(x)[1] != k:
+        raise ValueError(
+            f"weight_only_ragged_dot: x must be (tokens, {k}) for a (G, {k}, out) weight, got "
+            f"shape {jnp.shape(x)}"
+        )
+    sizes_dtype = jnp.result_type(group_sizes)
+    if jnp.shape(group_sizes) != (g,) or not jnp.issubdtype(sizes_dtype, jnp.integer):
+        raise ValueError(
+            f"weight_only_ragged_dot: group_sizes must be ({g},) integers, one per expert, got "
+            f"{sizes_dtype} of shape {jnp.shape(group_sizes)}"
+        )
+    native = uses_native_weight_only(
+        jnp.shape(x), jnp.result_type(x), expert_weight(q, 0), implementation
+    )
+    product = _native_product if native else _dequantized_product
+    return product(x, q, group_sizes, None, implementation)
+
+
+def _dequantized_product(x, q, group_sizes, preferred_element_type, implementation):
+    """The XLA path: `x @ dequantize(q, x.dtype)`, or per group `ragged_dot` with sizes.
+
+    The weight is frozen: no derivative flows into `q` (a stop_gradient), on this path as on
+    the native one.
+    """
+    weight = ops.dequantize(
+        jax.lax.stop_gradient(q), jnp.result_type(x), implementation=implementation
+    )
+    if group_sizes is None:
+        return jnp.matmul(x, weight, preferred_element_type=preferred_element_type)
+    return lax_ragged_dot(x, weight, group_sizes)
+
+
+def lax_ragged_dot(x, w, group_sizes, precision=None) -> jax.Array:
+    """`jax.lax.ragged_dot(x, w, group_sizes, precision)`, under Explicit mesh axes too.
+
+    JAX infers no sharding for a ragged dot under Explicit axes: there the operands are
+    gathered (the groups are rows of the whole x) and the result sharded along M as x is.
+    """
+    mesh = types.mesh_of(x, w, group_sizes)
+    if mesh is None or not mesh.explicit_axes:
+        return jax.lax.ragged_dot(x, w, group_sizes, precision=precision)
+    gathered = [types.replicated(a) for a in (x, w, group_sizes)]
+    out_sharding = NamedSharding(mesh, P())
+    y = jax.lax.ragged_dot(*gathered, precision=precision, out_sharding=out_sharding)
+    return types.leading_axis_like(y, x)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4))
+def _native_product(x, q, group_sizes, preferred_element_type, implementation):
+    """`_dequantized_product` with the weight decoded in registers (`kernels._gemm.w4a16`).
+
+    Its derivative is `_dequantized_product`'s: the product is linear in x, and its JVP is
+    the XLA expression applied to the tangent of x, so reverse mode transposes that very
+    expression (the gradient in x is the XLA path's, bit for bit, at every row count).
+    """
+    if group_sizes is None:
+        k, n = q.shape
+        out = kernels._gemm.w4a16(jnp.reshape(x, (-1, k)), q.codes, q.scales, q.global_scale)
+        dtype = jnp.result_type(x) if preferred_element_type is None else preferred_element_type
+        return jnp.reshape(out, (*jnp.shape(x)[:-1], n)).astype(dtype)
+    ends = jnp.cumsum(jnp.asarray(group_sizes).astype(jnp.int32))
+    rows = jnp.arange(jnp.shape(x)[0], dtype=jnp.int32)
+    row_group = jnp.sum(rows[:, None] >= ends[None, :], axis=1)  # G past the last group
+    out = jnp.zeros((jnp.shape(x)[0], q.shape[-1]), jnp.result_type(x))
+    for e in range(q.shape[0]):
+        y = _native_product(x, expert_weight(q, e), None, None, implementation)
+        out = jnp.where((row_group == e)[:, None], y, out)
+    return out
+
+
+@_native_product.defjvp
+def _native_product_jvp(preferred_element_type, implementation, primals, tangents):
+    x, q, group_sizes = primals
+    y = _native_product(x, q, group_sizes, preferred_element_type, implementation)
+    # The tangents of the frozen weight (and of group_sizes) are dropped: it has none.
+    dy = _dequantized_product(tangents[0], q, group_sizes, preferred_element_type, implementation)
+    return y, dy
+
+
+# --- operands ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class NativeBlocks:
+    """An operand of the native CPU GEMM: a packed `NVFP4Array` quantized along its last axis.
+
+    `dtype` is the GEMM dtype its values take where an emulated GEMM needs them. `.T` is the
+    transposed operand of a 2-D tensor with 16x16 blocks (the dgrad's weight): the same
+    tile values contracted over the other axis, `transpose_2d_blocks`.
+    """
+
+    q: NVFP4Array
+    dtype: jnp.dtype = jnp.dtype(jnp.bfloat16)
+
+    @property
+    def T(self) -> NativeBlocks:
+        """The operand transposed: only for 16x16 blocks, whose values transpose exactly."""
+        return NativeBlocks(transpose_2d_blocks(self.q), self.dtype)
+
+    def values(self) -> jax.Array:
+        """`value(code) * s_b` in `dtype`: the emulated GEMM's operand."""
+        return ops.block_values(self.q, self.dtype)
+
+
+class Operand(NamedTuple):
+    """One GEMM operand, quantized along K, in the stored layout `(..., rows, K)`.
+
+    Attributes:
+      data: for the emulated backend, `value(code) * s_b` in the GEMM dtype, or
+        `NativeBlocks` where the native CPU GEMM runs it; for "scaled_matmul", the packed
+        `NVFP4Array`.
+      decode: the f32 tensor decode factor `D = amax * RCP2688`.
+    """
+
+    data: jax.Array | NVFP4Array | NativeBlocks
+    decode: jax.Array
+
+
+def quantize_operand(
+    x: jax.Array,
+    *,
+    axis: int,
+    backend: GemmBackend,
+    dtype=jnp.bfloat16,
+    block_2d: bool = False,
+    rht: bool = False,
+    stochastic_rounding: bool = False,
+    key: jax.Array | SRSeed | None = None,
+    implementation: Implementation | None = None,
+    four_over_six: str | None = None,
+    four_over_six_e4m3_max: int = formats.FOUR_OVER_SIX_DEFAULT_E4M3_MAX,
+) -> Operand:
+    """Quantizes `x` along its contraction `axis` into a GEMM operand (stored layout).
+
+    The emulated backend never packs: `fake_quantize(global_scale=False)` gives the block
+    values directly, with the tensor amax computed once for both them and `D`. That amax is
+    data (NaN for a NaN/inf `x`): the operand is NaN eagerly as under `jit`, never an error.
+    With `four_over_six` the blocks are Four Over Six's and `D = amax * f32(1/(6M))`,
+    `M = four_over_six_e4m3_max` (docs/NUMERICS.md section 13).
+    """
+    mode, e4m3_max = formats.check_four_over_six(
+        four_over_six, four_over_six_e4m3_max, "quantize_operand"
+    )
+    flags = dict(
+        block_2d=block_2d,
+        rht=rht,
+        stochastic_rounding=stochastic_rounding,
+        key=key,
+        four_over_six=mode,
+        four_over_six_e4m3_max=e4m3_max,
+    )
+    if backend == "scaled_matmul":
+        q = ops.quantize(x, axis=axis, implementation=implementation, **flags)
+        return Operand(q, q.global_scale)
+    amax = ops.tensor_amax(x, axis=axis, rht=rht, implementation=implementation)
+    if uses_native_gemm(backend, implementation):
+        q = ops.quantize_with_data_amax(x, amax, axis=axis, implementation=implementation, **flags)
+        return Operand(NativeBlocks(q, jnp.dtype(dtype)), formats.decode_scale(amax, e4m3_max))
+    values = ops.fake_quantize_with_data_amax(
+        x,
+        amax,
+        axis=axis,
+        global_scale=False,
+        dtype=dtype,
+        implementation=implementation,
+        **flags,
+    )
+    return Operand(jnp.moveaxis(values, axis, -1), formats.decode_scale(amax, e4m3_max))
+
+
+def array_operand(
+    q: NVFP4Array,
+    *,
+    backend: GemmBackend,
+    dtype=jnp.bfloat16,
+    implementation: Implementation | None = None,
+) -> Operand:
+    """A quantized tensor (quantized along K, its stored layout `(..., rows, K)`) as an operand."""
+    if backend == "scaled_matmul":
+        return Operand(q, q.global_scale)
+    if uses_native_gemm(backend, implementation):
+        return Operand(NativeBlocks(q, jnp.dtype(dtype)), q.global_scale)
+    return Operand(ops.block_values(q, dtype, implementation=implementation), q.global_scale)
+
+
+def transpose_2d_blocks(q: NVFP4Array) -> NVFP4Array:
+    """A 16x16-block quantized `(N, K)` stored as `(K, N)`: the same codes and tile scales.
+
+    Every element of a tile has the tile's scale, so the transposed tensor quantized along
+    the other axis has exactly these values (docs/NUMERICS.md section 4).
+    """
+    if not q.block_2d or q.codes.ndim != 2:
+        raise ValueError(
+            f"transpose_2d_blocks: needs a 2-D NVFP4Array with 16x16 blocks, got {q!r}"
+        )
+    codes = formats.pack_nibbles(formats.unpack_nibbles(q.codes).T)
+    tiles = q.scales[:: formats.BLOCK_SIZE].T  # (K/16, N/16): one scale per tile
+    # Each tile row 16 times: a broadcast and a merge of leading dims, which keep a sharding
+    # of the tile rows in the type (`jnp.repeat` needs its result's sharding spelled out).
+    k_tiles, n_tiles = tiles.shape
+    scales = jnp.broadcast_to(tiles[:, None, :], (k_tiles, formats.BLOCK_SIZE, n_tiles))
+    scales = scales.reshape(k_tiles * formats.BLOCK_SIZE, n_tiles)
+    # The logical (K, N) is the same; the quantized axis flips between its two dims.
+    return dataclasses.replace(q, codes=codes, scales=scales, axis=-3 - q.axis)
+
+
+def matmul(a: Operand, b: Operand) -> jax.Array:
+    """`alpha * a @ b^T` in f32: `(..., M, K) x (..., N, K) -> (..., M, N)`."""
+    if isinstance(a.data, NativeBlocks) and isinstance(b.data, NativeBlocks):
+        # The same `product * alpha`, the product summed in the kernel's fixed order.
+        qa, qb = a.data.q, b.data.q
+        return kernels.gemm(qa.codes, qa.scales, qb.codes, qb.scales, a.decode, b.decode)
+    # The barrier keeps XLA from reassociating the product with the constant inside each
+    # `D = amax * RCP2688`, which it does where a factor is broadcast (under `vmap`).
+    d_a, d_b = jax.lax.optimization_barrier((a.decode, b.decode))
+    alpha = d_a * d_b
+    a_data, b_data = (d.values() if isinstance(d, NativeBlocks) else d for d in (a.data, b.data))
+    if isinstance(a_data, NVFP4Array):
+        product = _cudnn_product(a_data, b_data)
+    else:
+        a_data, b_data = _whole_contraction(a_data, b_data)
+        batch = tuple(range(a_data.ndim - 2))
+        dims = (((a_data.ndim - 1,), (b_data.ndim - 1,)), (batch, batch))
+        product = jax.lax.dot_general(a_data, b_data, dims, preferred_element_type=_F32)
+    return product * alpha
+
+
+def _whole_contraction(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`a (..., M, K)` and `b (..., N, K)` with whole rows (all of K) on every device.
+
+    So that each product is summed over K in one device's order, as on one device. Under
+    Explicit mesh axes, where the types hold the shardings, K is gathered (b's batch dims
+    follow a's, and N gives up an axis M already uses); under `jax.set_mesh` with Auto axes
+    K is constrained to be unsharded and XLA picks the rest. Without a mesh in the context
+    XLA's partitioner decides, and may split K (f32 sums in another order).
+    """
+    sharding = types.explicit_spec(jax.typeof(a)) or types.explicit_spec(jax.typeof(b))
+    if sharding is None:
+        mesh = types.mesh_of(a, b)
+        if mesh is None or not mesh.auto_axes:
+            return a, b
+        return tuple(
+            jax.lax.with_sharding_constraint(
+                x, NamedSharding(mesh, P(*[P.UNCONSTRAINED] * (x.ndim - 1), None))
+            )
+            for x in (a, b)
+        )
+    spec_a, spec_b = (types.spec_entries(x) for x in (a, b))
+    spec_a[-1] = spec_b[-1] = None
+    spec_b[:-2] = spec_a[:-2]
+    if set(types.axis_names(spec_a[-2])) & set(types.axis_names(spec_b[-2])):
+        spec_b[-2] = None
+    return (
+        jax.sharding.reshard(a, NamedSharding(sharding.mesh, P(*spec_a))),
+        jax.sharding.reshard(b, NamedSharding(sharding.mesh, P(*spec_b))),
+    )
+
+
+def _cudnn_product(lhs: NVFP4Array, rhs: NVFP4Array) -> jax.Array:
+    """`jax.nn.scaled_matmul` of two packed operands, K zero-padded to the GEMM alignment."""
+    operands = []
+    for q in (lhs, rhs):
+        data, scales, _ = to_scaled_matmul_operands(q)
+        shape = data.shape if data.ndim == 3 else (1, *data.shape)
+        data = data.reshape(shape)
+        scales = scales.reshape(*shape[:2], shape[2] // formats.BLOCK_SIZE)
+        # Zero codes with zero scales add nothing: pad K for the FP4 kernels.
+        pad = -shape[2] % layout.GEMM_ALIGNMENT
+        if pad:
+            data = jnp.pad(data, ((0, 0), (0, 0), (0, pad)))
+            scales = jnp.pad(scales, ((0, 0), (0, 0), (0, pad // formats.BLOCK_SIZE)))
+        operands.append((data, scales))
+    (a, sa), (b, sb) = operands
+    product = jax.nn.scaled_matmul(a, b, sa, sb, preferred_element_type=_F32)
+    return product if lhs.codes.ndim == 3 else product[0]
+
+
+# --- jax.nn.scaled_matmul operands ------------------------------------------------------------
+
+
+class ScaledMatmulOperands(NamedTuple):
+    """One operand of `jax.nn.scaled_matmul`, in the stored layout `(..., K)`.
+
+    Attributes:
+      data: float4_e2m1fn `(..., K)`, one E2M1 value per element.
+      scales: float8_e4m3fn `(..., K / 16)`, row-major (not swizzled).
+      global_scale: f32 scalar `D = amax * RCP2688`, to multiply the GEMM result by.
+    """
+
+    data: jax.Array
+    scales: jax.Array
+    global_scale: jax.Array
+
+
+def to_scaled_matmul_operands(q: NVFP4Array) -> ScaledMatmulOperands:
+    """Returns `q`'s codes as float4_e2m1fn, its scales and its global decode factor.
+
+    The packed byte `b` at `(..., i)` holds element `2i` in its low nibble and `2i + 1` in its
+    high nibble; XLA's bitcast of uint8 to float4_e2m1fn uses the same order, so this is a
+    bitcast, exact. With `q.rht` the values are in the rotated basis (a GEMM of two operands
+    rotated along K needs no inverse).
+
+    Example:
+      >>> ops = to_scaled_matmul_operands(nvfp4_jax.quantize(jnp.ones((4, 32))))
+      >>> ops.data.dtype, ops.data.shape, ops.scales.shape
+      (dtype(float4_e2m1fn), (4, 32), (4, 2))
+
+    """
+    if not isinstance(q, NVFP4Array):
+        raise TypeError(f"to_scaled_matmul_operands: expected an NVFP4Array, got {type(q)}")
+    data = jax.lax.bitcast_convert_type(q.codes, jnp.float4_e2m1fn)  # (..., K/2, 2)
+    data = data.reshape(*q.codes.shape[:-1], 2 * q.codes.shape[-1])
+    return ScaledMatmulOperands(data, q.scales, q.global_scale)
+
+
+def from_scaled_matmul_operands(
+    data: jax.Array,
+    scales: jax.Array,
+    amax: jax.Array,
+    *,
+    dtype=jnp.bfloat16,
+    axis: int = -1,
+    block_2d: bool = False,
+    rht: bool = False,
+) -> NVFP4Array:
+    """Packs float4_e2m1fn values, E4M3 scales and the tensor amax into an `NVFP4Array`.
+
+    Inverse of `to_scaled_matmul_operands` (the amax is passed, not the decode factor: `A`
+    cannot be recovered exactly from `A * RCP2688`). `data` is in the stored layout; `dtype`,
+    `axis`, `block_2d`, `rht` are the metadata of the array it came from.
+    """
+    op = "from_scaled_matmul_operands"
+    data, scales = jnp.asarray(data), jnp.asarray(scales)
+    if data.dtype != jnp.float4_e2m1fn or scales.dtype != jnp.float8_e4m3fn:
+        raise TypeError(
+            f"{op}: data must be float4_e2m1fn and scales float8_e4m3fn, "
+            f"got {data.dtype} and {scales.dtype}"
+        )
+    if (
+        data.ndim < 1
+        or data.shape[-1] % formats.BLOCK_SIZE
+        or scales.shape != (*data.shape[:-1], data.shape[-1] // formats.BLOCK_SIZE)
+    ):
+        raise ValueError(
+            f"{op}: data {data.shape} needs a last axis that is a multiple of "
+            f"{formats.BLOCK_SIZE} and scales of shape (..., K/16), got scales {scales.shape}"
+        )
+    axis = formats.normalize_axis(axis, data.shape, op)
+    pairs = data.reshape(*data.shape[:-1], data.shape[-1] // 2, 2)
+    codes = jax.lax.bitcast_convert_type(pairs, jnp.uint8)
+    return NVFP4Array(
+        codes=codes,
+        scales=scales,
+        amax=jnp.asarray(amax, jnp.float32),
+        dtype=formats.check_dtype(dtype, op),
+        axis=axis,
+        block_2d=formats.check_flag(block_2d, op, "block_2d"),
+        rht=formats.check_flag(rht, op, "rht"),
+    )
+
+
+# --- the public GEMM on two quantized tensors -------------------------------------------------
+
+
+def _check_operand(q, name: str) -> tuple[int, ...]:
+    if not isinstance(q, NVFP4Array) or q.codes.ndim not in (2, 3) or q.amax.ndim:
+        raise ValueError(
+            f"scaled_matmul: {name} must be one 2-D or 3-D NVFP4Array (stored (M, K) or "
+            f"(B, M, K)), got {q!r}"
+        )
+    return q.stored_shape
+
+
+def scaled_matmul(
+    lhs: NVFP4Array,
+    rhs: NVFP4Array,
+    *,
+    preferred_element_type=jnp.float32,
+    backend: GemmBackend | None = None,
+    gemm_dtype=jnp.bfloat16,
+) -> jax.Array:
+    """The NVFP4 GEMM `alpha * sum_k (q_a s_a)(q_b s_b)` of two operands quantized along K.
+
+    Args:
+      lhs: stored layout `(M, K)` or `(B, M, K)`.
+      rhs: stored layout `(N, K)` or `(B, N, K)`, quantized along K as well, and with the RHT
+        exactly when `lhs` is (the rotations cancel only in pairs).
+      preferred_element_type: the result dtype (a float dtype); accumulation is f32.
+      backend: "scaled_matmul" (`jax.nn.scaled_matmul`, Blackwell), "emulated" (any
+        platform) or None (the first where it runs).
+      gemm_dtype: the dtype of the emulated operands: bf16, f16 or f32 (all hold the block
+        values exactly).
+
+    Returns:
+      `(M, N)` or `(B, M, N)`.
+
+    Example:
+      >>> a = nvfp4_jax.quantize(jnp.ones((32, 64)))
+      >>> scaled_matmul(a, a, backend="emulated").shape
+      (32, 32)
+    """
+    op = "scaled_matmul"
+    backend = resolve_gemm_backend(backend, op)
+    lhs_shape, rhs_shape = _check_operand(lhs, "lhs"), _check_operand(rhs, "rhs")
+    if (
+        len(lhs_shape) != len(rhs_shape)
+        or lhs_shape[:-2] != rhs_shape[:-2]
+        or (lhs_shape[-1] != rhs_shape[-1])
+    ):
+        raise ValueError(
+            f"{op}: lhs stored as {lhs_shape} and rhs stored as {rhs_shape} need the same batch "
+            "and K (the last axis)"
+        )
+    if lhs.rht != rhs.rht:
+        raise ValueError(
+            f"{op}: lhs (rht={lhs.rht}) and rhs (rht={rhs.rht}) must both or neither be "
+            "quantized with the RHT: a product of one rotated operand is not the GEMM"
+        )
+    gemm_dtype = formats.check_dtype(gemm_dtype, op, "gemm_dtype")
+    out = jnp.dtype(_F32 if preferred_element_type is None else preferred_element_type)
+    if not jnp.issubdtype(out, jnp.floating):
+        raise TypeError(f"{op}: preferred_element_type must be a float dtype, got {out}")
+    a = array_operand(lhs, backend=backend, dtype=gemm_dtype)
+    b = array_operand(rhs, backend=backend, dtype=gemm_dtype)
+    return matmul(a, b).astype(out)

@@ -1,0 +1,118 @@
+"""NVFP4Recipe: which operand of which GEMM gets which quantization."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import jax.numpy as jnp
+
+from nvfp4_jax._src.core import backends, formats
+from nvfp4_jax._src.core.backends import Implementation
+
+# The GEMM backends of `nvfp4_jax.gemm`: emulated anywhere, or `jax.nn.scaled_matmul`.
+GemmBackend = Literal["emulated", "scaled_matmul"]
+GEMM_BACKENDS = ("emulated", "scaled_matmul")
+# The operand classes Four Over Six is chosen for: W, x and dy.
+FOUR_OVER_SIX_OPERANDS = ("weight", "activation", "gradient")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class NVFP4Recipe:
+    """The NVFP4 training recipe of a dense layer's three GEMMs (NVIDIA's NVFP4 paper).
+
+    | GEMM                | operand | blocks              | RHT            | SR                    |
+    | fprop  y = x W      | x       | 1x16 along K        | no             | no                    |
+    | fprop               | W       | 16x16 (`weight_2d`) | no             | no                    |
+    | dgrad  dx = dy W^T  | dy      | 1x16 along N        | no             | `stochastic_rounding` |
+    | dgrad               | W       | the fprop W         | no             | no                    |
+    | wgrad  dW = x^T dy  | x, dy   | 1x16 along tokens   | `wgrad_rht`    | dy: SR                |
+
+    Every switch is on by default; with all of them off every operand is still quantized
+    (1x16, round to nearest). Hashable, so it can be a static argument of `jax.jit`.
+
+    Four Over Six (docs/NUMERICS.md section 13) per operand class: `weight_four_over_six`
+    (W, both its GEMMs), `activation_four_over_six` (x, in fprop and wgrad) and
+    `gradient_four_over_six` (dy, in dgrad and wgrad), each None (plain NVFP4), "mae" or
+    "mse", with the global scale's E4M3 maximum `four_over_six_e4m3_max` (256 or 448). Under
+    4/6 a stochastically rounded dy keeps SR inside the chosen candidate (section 13).
+
+    `fprop`, `dgrad` and `wgrad` choose each GEMM's precision (a precision schedule, e.g. a
+    high-precision forward late in training): True runs it in NVFP4 as above, False in high
+    precision, on the unquantized operands in their own dtypes with f32 accumulation, as
+    `jax.lax.dot_general(..., preferred_element_type=float32)` and its autodiff compute it
+    (docs/NUMERICS.md section 9). The other switches only concern the GEMMs in NVFP4.
+
+    Example:
+      >>> NVFP4Recipe(stochastic_rounding=False).weight_2d
+      True
+    """
+
+    # 16x16 weight blocks, so that W and W^T quantize to the same values (fprop = dgrad W).
+    weight_2d: bool = True
+    # Random Hadamard Transform of both wgrad operands along the token axis.
+    wgrad_rht: bool = True
+    # Stochastic rounding of the output gradient dy (dgrad and wgrad operands).
+    stochastic_rounding: bool = True
+    # The dtype the quantized operands are handed to the GEMM in; bf16 holds them exactly.
+    gemm_dtype: jnp.dtype = jnp.bfloat16
+    # None: the native kernels where built, else the reference; or "reference" / "ffi".
+    implementation: Implementation | None = None
+    # The three GEMMs: "emulated" (docs/NUMERICS.md section 9 in `gemm_dtype`, anywhere),
+    # "scaled_matmul" (`jax.nn.scaled_matmul` on Blackwell; an error elsewhere), or None:
+    # "scaled_matmul" on CUDA devices of compute capability >= 10, else "emulated".
+    gemm_backend: GemmBackend | None = None
+    # Each GEMM in NVFP4 (True) or in high precision (False): y = x W, dx = dy W^T, dW = x^T dy.
+    fprop: bool = True
+    dgrad: bool = True
+    wgrad: bool = True
+    # Four Over Six per operand class: None, "mae" or "mse"; and the E4M3 maximum M of the
+    # global scale of every operand quantized with it (256 leaves room for the map-to-4).
+    weight_four_over_six: str | None = None
+    activation_four_over_six: str | None = None
+    gradient_four_over_six: str | None = None
+    four_over_six_e4m3_max: int = formats.FOUR_OVER_SIX_DEFAULT_E4M3_MAX
+
+    def __post_init__(self):
+        for name in ("weight_2d", "wgrad_rht", "stochastic_rounding", "fprop", "dgrad", "wgrad"):
+            formats.check_flag(getattr(self, name), "NVFP4Recipe", name)
+        dtype = formats.check_dtype(self.gemm_dtype, "NVFP4Recipe", "gemm_dtype")
+        object.__setattr__(self, "gemm_dtype", dtype)
+        for kind in FOUR_OVER_SIX_OPERANDS:
+            name = f"{kind}_four_over_six"
+            formats.check_four_over_six(getattr(self, name), 256, f"NVFP4Recipe.{name}")
+        _, e4m3_max = formats.check_four_over_six(
+            "mse", self.four_over_six_e4m3_max, "NVFP4Recipe", "four_over_six_e4m3_max"
+        )
+        object.__setattr__(self, "four_over_six_e4m3_max", e4m3_max)
+        names = (None, *backends.REGISTRY)
+        if self.implementation is not None and self.implementation not in backends.REGISTRY:
+            raise ValueError(
+                f"NVFP4Recipe.implementation must be one of {names}, got {self.implementation!r}"
+            )
+        if self.gemm_backend not in (None, *GEMM_BACKENDS):
+            raise ValueError(
+                f"NVFP4Recipe.gemm_backend must be one of {(None, *GEMM_BACKENDS)}, got "
+                f"{self.gemm_backend!r}"
+            )
+
+    def four_over_six(self, operand: str) -> dict:
+        """The `quantize` arguments of Four Over Six for an operand class.
+
+        `operand` is "weight", "activation" or "gradient"; returns `four_over_six` and
+        `four_over_six_e4m3_max` (`four_over_six` None: plain NVFP4).
+        """
+        if operand not in FOUR_OVER_SIX_OPERANDS:
+            raise ValueError(
+                f"NVFP4Recipe.four_over_six: operand must be one of {FOUR_OVER_SIX_OPERANDS}, "
+                f"got {operand!r}"
+            )
+        return dict(
+            four_over_six=getattr(self, f"{operand}_four_over_six"),
+            four_over_six_e4m3_max=self.four_over_six_e4m3_max,
+        )
+
+    @property
+    def uses_four_over_six(self) -> bool:
+        """True when any operand class is quantized with Four Over Six."""
+        return any(getattr(self, f"{k}_four_over_six") for k in FOUR_OVER_SIX_OPERANDS)
