@@ -128,19 +128,19 @@ def hf_load_task(workdir: str) -> dict[str, np.ndarray]:
     from nvfp4_jax._src.io import hf  # noqa: PLC0415
 
     slices: dict[tuple, int] = {}
-    original = hf.st_io._SafetensorsFile.read
+    original = hf.st_io.SafetensorsFile.read
 
     def read(self, name, index=None):
         array = original(self, name, index)
         slices[(self.path, name, repr(index))] = array.nbytes
         return array
 
-    hf.st_io._SafetensorsFile.read = read
+    hf.st_io.SafetensorsFile.read = read
     try:
         sharding = NamedSharding(mesh(), P(None, AXIS))
         tree = nvfp4_jax.load_hf_checkpoint(MODELOPT_FIXTURE, sharding=sharding)
     finally:
-        hf.st_io._SafetensorsFile.read = original
+        hf.st_io.SafetensorsFile.read = original
     flat, _ = jax.tree_util.tree_flatten_with_path(tree)
     out = {jax.tree_util.keystr(path): gather(value) for path, value in flat}
     read_bytes = np.array([sum(slices.values())], np.int64)

@@ -634,7 +634,7 @@ def test_load_onto_a_sharding_reads_only_slices(monkeypatch, exports):
     assert len(devices) == 8
     mesh = jax.sharding.Mesh(np.array(devices), ("x",))
     reads = []
-    original = hf.st_io._SafetensorsFile.read
+    original = hf.st_io.SafetensorsFile.read
 
     def spy(self, name, index=None):
         reads.append((name, index))
@@ -645,7 +645,7 @@ def test_load_onto_a_sharding_reads_only_slices(monkeypatch, exports):
         return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
 
     plain = hf.load_hf_checkpoint(exports["NVFP4"])
-    monkeypatch.setattr(hf.st_io._SafetensorsFile, "read", spy)
+    monkeypatch.setattr(hf.st_io.SafetensorsFile, "read", spy)
     tree = hf.load_hf_checkpoint(exports["sharded"], sharding=rows)
     jax.tree.map(lambda x, y: assert_same_bits(x, y), tree, plain)
     q = leaf(tree, "model.layers.0.mlp.gate_proj")

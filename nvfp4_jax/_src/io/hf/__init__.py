@@ -35,7 +35,12 @@ The package, each module importing only the ones listed above it:
   fused groups.
 * `st_io`: safetensors files, read with every header number checked and written tensor by
   tensor (`read_safetensors`).
-* `export`: `export_hf_checkpoint` and its `ExportReport`.
+* `export_options`, `export_tensors`, `export_plan`, `export_precision`, `export_scales`,
+  `export_units`, `export_config`, `export_tokenizer`, `export_writer`, `export_report`:
+  the stages of an export, one concern each (docs/ARCHITECTURE.md gives their order).
+* `export`: `export_hf_checkpoint` (its keywords checked into one `ExportOptions`, then the
+  stages) and its `ExportReport`.
+* `load_config`, `load_files`, `load_place`, `load_experts`: the stages of an import.
 * `load`: `load_hf_checkpoint`.
 
 This module only re-exports their public names.

@@ -41,15 +41,15 @@ LEGACY_PRODUCER = {
     "exported_by": {"name": "nvfp4_jax", "version": __version__},
 }
 # Tensors of a quantized linear besides `.weight`, and FP8 KV-cache scales (read, not written).
-_QUANT_SUFFIXES = ("weight", "weight_scale", "weight_scale_2", "input_scale")
-_KV_SUFFIXES = ("k_scale", "v_scale")
-_MAX_HEADER = 100 * 2**20
+QUANT_SUFFIXES = ("weight", "weight_scale", "weight_scale_2", "input_scale")
+KV_SUFFIXES = ("k_scale", "v_scale")
+MAX_HEADER = 100 * 2**20
 
 
 # --- strict JSON ------------------------------------------------------------------------------
 
 
-def _short(value, limit: int = 80) -> str:
+def short(value, limit: int = 80) -> str:
     """`repr(value)`, cut to `limit` characters (a hostile file's values can be huge)."""
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
@@ -78,7 +78,7 @@ def _no_constant(name: str):
     raise ValueError(f"{name} is not JSON")
 
 
-def _loads(path: str, blob: bytes, what: str):
+def loads(path: str, blob: bytes, what: str):
     """Strict JSON from UTF-8 `blob`: no duplicate keys, no NaN/Infinity, bounded nesting.
 
     Raises a ValueError naming `path` for anything else; the nesting is measured before the
@@ -106,22 +106,22 @@ def _loads(path: str, blob: bytes, what: str):
     except _DuplicateKey as error:
         raise ValueError(f"{path}: {what} holds the key {error.args[0]!r} twice") from None
     except (ValueError, RecursionError, MemoryError) as error:
-        raise ValueError(f"{path}: {what} is not valid JSON: {_short(error, 200)}") from None
+        raise ValueError(f"{path}: {what} is not valid JSON: {short(error, 200)}") from None
 
 
-def _read_json(path: str) -> dict:
-    """The JSON object in `path` (strict JSON, as `_loads`); a ValueError naming it otherwise."""
+def read_json(path: str) -> dict:
+    """The JSON object in `path` (strict JSON, as `loads`); a ValueError naming it otherwise."""
     size = os.path.getsize(path)
-    if size > _MAX_HEADER:
-        raise ValueError(f"{path}: {size} bytes; a JSON config holds at most {_MAX_HEADER}")
+    if size > MAX_HEADER:
+        raise ValueError(f"{path}: {size} bytes; a JSON config holds at most {MAX_HEADER}")
     with open(path, "rb") as file:
-        value = _loads(path, file.read(), "the file")
+        value = loads(path, file.read(), "the file")
     if not isinstance(value, dict):
         raise ValueError(f"{path}: must hold a JSON object, got {type(value).__name__}")
     return value
 
 
-def _write_json(path: str, value) -> None:
+def write_json(path: str, value) -> None:
     with open(path, "w", encoding="utf-8") as file:
         json.dump(value, file, indent=2)
         file.write("\n")

@@ -194,6 +194,14 @@ class NameMap:
         return f"NameMap({list(self.rules)!r})"
 
 
+def match_hf(name_map: NameMap, name: str, ndim: int | None) -> tuple[str, str, int | None] | None:
+    """(Flax path, kind, expert index or None) of the HF tensor `name`, None if no rule maps it.
+
+    `NameMap.to_flax` and `NameMap.expert_of` at once, for the importer.
+    """
+    return name_map._match_hf(name, ndim)
+
+
 def _groups(match: re.Match) -> list[tuple[str, str]]:
     return list(match.groupdict().items())
 
@@ -204,7 +212,7 @@ def _kind_fits(kind: str, ndim: int | None) -> bool:
     return ndim == (1 if kind == "norm" else 2)
 
 
-def _expert_block(hf_template: str) -> str:
+def expert_block(hf_template: str) -> str:
     """The HF module of an experts rule's name: what precedes `.{expert}`.
 
     E.g. "model.layers.0.mlp.experts" for "model.layers.0.mlp.experts.{expert}.up_proj.weight":
@@ -275,7 +283,8 @@ def mixtral_name_map() -> NameMap:
     return NameMap([*moe, *llama_name_map().rules])
 
 
-def _as_name_map(name_map) -> NameMap:
+def as_name_map(name_map) -> NameMap:
+    """`name_map` as a `NameMap`: None is `llama_name_map()`, a list of rules is wrapped."""
     if name_map is None:
         return llama_name_map()
     return name_map if isinstance(name_map, NameMap) else NameMap(name_map)
@@ -284,12 +293,13 @@ def _as_name_map(name_map) -> NameMap:
 # --- module names as engines match them -------------------------------------------------------
 
 
-def _engine_ignores(module: str, ignore: Sequence[str]) -> bool:
+def engine_ignores(module: str, ignore: Sequence[str]) -> bool:
     """Whether an engine skips `module` for `ignore`: exact, substring, fnmatch (as vLLM)."""
     return any(p == module or p in module or fnmatch.fnmatchcase(module, p) for p in ignore)
 
 
-def _group_of(module: str, fused_groups) -> tuple[str, int] | None:
+def group_of(module: str, fused_groups) -> tuple[str, int] | None:
+    """(parent module, index of its group in `fused_groups`) of a fused linear, else None."""
     parent, _, name = module.rpartition(".")
     for i, group in enumerate(fused_groups):
         if name in group:

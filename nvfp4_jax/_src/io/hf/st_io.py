@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from nvfp4_jax._src.io.hf.common import _MAX_HEADER, _loads, _short
+from nvfp4_jax._src.io.hf.common import MAX_HEADER, loads, short
 from nvfp4_jax._src.io.storage import fsync_fd
 
 _ST_DTYPES = {
@@ -39,10 +39,10 @@ _ST_DTYPES = {
     "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
     "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
 }
-_ST_NAMES = {dtype: name for name, dtype in _ST_DTYPES.items()}
+ST_NAMES = {dtype: name for name, dtype in _ST_DTYPES.items()}
 
 
-def _is_float(dtype: np.dtype) -> bool:
+def is_float(dtype: np.dtype) -> bool:
     return jnp.issubdtype(dtype, jnp.floating)
 
 
@@ -50,14 +50,14 @@ def _is_float(dtype: np.dtype) -> bool:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Entry:
+class Entry:
     dtype: np.dtype
     shape: tuple[int, ...]
     begin: int
     end: int
 
 
-class _SafetensorsFile:
+class SafetensorsFile:
     """The header of one safetensors file; reads tensors, or slices of them, on demand."""
 
     def __init__(self, path: str):
@@ -80,7 +80,7 @@ class _SafetensorsFile:
         return np.array(array if index is None else array[index])
 
 
-def _read_header(path: str) -> tuple[dict[str, _Entry], dict, int]:
+def _read_header(path: str) -> tuple[dict[str, Entry], dict, int]:
     """The entries, metadata and data offset of a safetensors file, every number checked.
 
     Nothing is allocated from the header's numbers: each entry is checked against the file's
@@ -91,12 +91,12 @@ def _read_header(path: str) -> tuple[dict[str, _Entry], dict, int]:
     with open(path, "rb") as file:
         raw = file.read(8)
         length = struct.unpack("<Q", raw)[0] if len(raw) == 8 else -1
-        if not 0 < length <= min(size - 8, _MAX_HEADER):
+        if not 0 < length <= min(size - 8, MAX_HEADER):
             raise ValueError(
                 f"{path}: not a safetensors file (header length {length}, file size {size})"
             )
         blob = file.read(length)
-    header = _loads(path, blob, "the safetensors header")
+    header = loads(path, blob, "the safetensors header")
     if not isinstance(header, dict):
         raise ValueError(
             f"{path}: the safetensors header must be a JSON object, got {type(header).__name__}"
@@ -105,9 +105,7 @@ def _read_header(path: str) -> tuple[dict[str, _Entry], dict, int]:
     if metadata is None:
         metadata = {}
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-        raise ValueError(
-            f"{path}: __metadata__ must map strings to strings, got {_short(metadata)}"
-        )
+        raise ValueError(f"{path}: __metadata__ must map strings to strings, got {short(metadata)}")
     data_size = size - 8 - length
     entries = {name: _parse_entry(path, name, info, data_size) for name, info in header.items()}
     spans = sorted((e.begin, e.end, name) for name, e in entries.items() if e.end > e.begin)
@@ -117,22 +115,22 @@ def _read_header(path: str) -> tuple[dict[str, _Entry], dict, int]:
     return entries, metadata, 8 + length
 
 
-def _parse_entry(path: str, name: str, info, data_size: int) -> _Entry:
+def _parse_entry(path: str, name: str, info, data_size: int) -> Entry:
     """One header entry, checked: dtype, shape and offsets fit each other and the file."""
     where = f"{path}: tensor {name!r}"
     if not isinstance(info, dict):
-        raise ValueError(f"{where}: the entry must be a JSON object, got {_short(info)}")
+        raise ValueError(f"{where}: the entry must be a JSON object, got {short(info)}")
     missing = [key for key in ("dtype", "shape", "data_offsets") if key not in info]
     if missing:
         raise ValueError(f"{where}: the entry lacks {missing}")
     dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
     if not isinstance(dtype, str) or dtype not in _ST_DTYPES:
-        raise ValueError(f"{where}: dtype {_short(dtype)} is not one of {sorted(_ST_DTYPES)}")
+        raise ValueError(f"{where}: dtype {short(dtype)} is not one of {sorted(_ST_DTYPES)}")
     if not _is_int_list(shape) or any(d < 0 for d in shape):
-        raise ValueError(f"{where}: shape {_short(shape)} is not a list of non-negative integers")
+        raise ValueError(f"{where}: shape {short(shape)} is not a list of non-negative integers")
     if not _is_int_list(offsets) or len(offsets) != 2 or not 0 <= offsets[0] <= offsets[1]:
         raise ValueError(
-            f"{where}: data_offsets {_short(offsets)} is not a list [begin, end] of integers "
+            f"{where}: data_offsets {short(offsets)} is not a list [begin, end] of integers "
             "with 0 <= begin <= end"
         )
     (begin, end), nbytes = offsets, math.prod(shape) * _ST_DTYPES[dtype].itemsize
@@ -146,7 +144,7 @@ def _parse_entry(path: str, name: str, info, data_size: int) -> _Entry:
             f"{where}: data_offsets {begin}..{end} run past the end of the file ({data_size} "
             "bytes of data)"
         )
-    return _Entry(_ST_DTYPES[dtype], tuple(shape), begin, end)
+    return Entry(_ST_DTYPES[dtype], tuple(shape), begin, end)
 
 
 def _is_int_list(value) -> bool:
@@ -170,7 +168,7 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
         non-negative ints, offsets that do not match it, run past the file or overlap
         another tensor's (the message names the file and the tensor).
     """
-    file = _SafetensorsFile(os.fspath(path))
+    file = SafetensorsFile(os.fspath(path))
     return {name: file.read(name) for name in file.entries}
 
 
@@ -178,7 +176,7 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
 
 
 @dataclasses.dataclass
-class _Unit:
+class Unit:
     """Tensors written together (one linear's, or one plain tensor): specs, then bytes."""
 
     specs: tuple[tuple[str, str, tuple[int, ...]], ...]  # (name, safetensors dtype, shape)
@@ -189,7 +187,7 @@ class _Unit:
         return sum(math.prod(s) * _ST_DTYPES[d].itemsize for _, d, s in self.specs)
 
 
-def _write_safetensors(path: str, units: Sequence[_Unit], metadata: dict[str, str]) -> None:
+def write_safetensors(path: str, units: Sequence[Unit], metadata: dict[str, str]) -> None:
     """Writes `units` to one file: the header from the specs, then each unit's bytes in turn."""
     header: dict[str, Any] = {"__metadata__": metadata}
     offset = 0

@@ -1,0 +1,152 @@
+"""Export: `config.json`, its `quantization_config`, ModelOpt's `hf_quant_config.json`.
+
+The model config is checked against the weights: engines read what the weights cannot tell
+(heads, layers, the MoE routing) from it, so it must hold those keys, and its sizes must
+agree with the embedding, the experts kernels and the routers.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from nvfp4_jax._src.core import formats
+from nvfp4_jax._src.io.hf.common import (
+    CONFIG_NAME,
+    LEGACY_PRODUCER,
+    PRODUCER,
+    REQUIRED_CONFIG_KEYS,
+    read_json,
+)
+
+
+def quantization_config(quant_algo: str, ignore: list[str]) -> dict:
+    """config.json's `quantization_config`, in the form ModelOpt >= 0.31 writes."""
+    nvfp4 = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": formats.BLOCK_SIZE}
+    group: dict[str, Any] = {"weights": dict(nvfp4)}
+    if quant_algo == "NVFP4":
+        group["input_activations"] = dict(nvfp4)
+    group["targets"] = ["Linear"]
+    return {
+        "config_groups": {"group_0": group},
+        "ignore": list(ignore),
+        "quant_algo": quant_algo,
+        "producer": dict(PRODUCER),
+        "quant_method": "modelopt",
+    }
+
+
+def legacy_quant_config(quant_algo: str, ignore: list[str]) -> dict:
+    """ModelOpt's legacy `hf_quant_config.json` (read by TensorRT-LLM, older engines)."""
+    return {
+        "producer": dict(LEGACY_PRODUCER),
+        "quantization": {
+            "quant_algo": quant_algo,
+            "kv_cache_quant_algo": None,
+            "group_size": formats.BLOCK_SIZE,
+            "exclude_modules": list(ignore),
+        },
+    }
+
+
+def read_model_config(config, directory: str) -> dict:
+    """The caller's model config, or the one in `directory`, checked for what engines need."""
+    path = os.path.join(directory, CONFIG_NAME)
+    if config is None and os.path.isfile(path):
+        config = read_json(path)
+    if config is None:
+        config = {}
+    if not isinstance(config, Mapping):
+        raise TypeError(f"export_hf_checkpoint: config must be a dict, got {type(config).__name__}")
+    missing = [key for key in REQUIRED_CONFIG_KEYS if key not in config]
+    if missing:
+        raise ValueError(
+            f"export_hf_checkpoint: the model config lacks {missing}: engines cannot read them "
+            "off the weights. Pass config= (the model's Hugging Face config.json as a dict, e.g. "
+            "transformers' LlamaConfig(...).to_dict()) or put a config.json in the directory"
+        )
+    if not isinstance(config["architectures"], list) or not config["architectures"]:
+        raise ValueError("export_hf_checkpoint: config['architectures'] must be a non-empty list")
+    return {k: v for k, v in config.items() if k != "quantization_config"}
+
+
+def check_config_against(config: dict, tensors, dtype) -> dict:
+    _check_moe_config(config, tensors)
+    for t in tensors:
+        if t.kind == "embedding":
+            vocab, hidden = tuple(t.value.shape)
+            if (config["vocab_size"], config["hidden_size"]) != (vocab, hidden):
+                raise ValueError(
+                    f"export_hf_checkpoint: the config says vocab_size {config['vocab_size']}, "
+                    f"hidden_size {config['hidden_size']}; the embedding {t.hf} is "
+                    f"{(vocab, hidden)}"
+                )
+    if dtype is not None and "dtype" not in config and "torch_dtype" not in config:
+        config = {**config, "torch_dtype": np.dtype(dtype).name}
+    return config
+
+
+# The config keys of a mixture of experts (engines read routing from the config, not weights).
+_EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts")
+
+
+_MOE_SIZE_KEY_TYPES = ("qwen3_moe", "qwen2_moe")
+
+
+def _check_moe_config(config: dict, tensors) -> None:
+    """The MoE keys of the config, as far as the weights' shapes can be checked against them.
+
+    The expert count (`num_experts`, Qwen3-MoE; `num_local_experts`, Mixtral and
+    transformers 5's alias) must be the experts kernels' E and the routers' output size;
+    `num_experts_per_tok` must lie in 1..E; one expert's MLP size (`moe_intermediate_size`
+    where the config has it or the model is a Qwen-MoE, else Mixtral's `intermediate_size`)
+    must be the experts kernels' other size beside `hidden_size`.
+    """
+    stacks = [t for t in tensors if t.kind == "experts" and t.expert == 0]
+    routers = [t for t in tensors if t.kind == "router"]
+    if not stacks and not routers:
+        return
+    present = [key for key in _EXPERT_COUNT_KEYS if key in config]
+    count = config[present[0]] if present else None
+    per_token = config.get("num_experts_per_tok")
+    problems = []
+    if not _is_count(count):
+        problems.append(f"an expert count ({' or '.join(_EXPERT_COUNT_KEYS)}), got {count!r}")
+    elif not _is_count(per_token) or per_token > count:
+        problems.append(f"num_experts_per_tok from 1 to {count}, got {per_token!r}")
+    moe_size = "moe_intermediate_size" in config or config["model_type"] in _MOE_SIZE_KEY_TYPES
+    size_key = "moe_intermediate_size" if moe_size else "intermediate_size"
+    size = config.get(size_key)
+    if stacks and not _is_count(size):
+        problems.append(f"{size_key} (one expert's MLP size), got {size!r}")
+    if problems:
+        raise ValueError(
+            f"export_hf_checkpoint: the model holds mixture-of-experts layers, and the model "
+            f"config needs {'; '.join(problems)}: engines read the routing from config.json. "
+            "Pass config= the model's Hugging Face config (Qwen3MoeConfig(...).to_dict(), "
+            "MixtralConfig(...).to_dict())"
+        )
+    hidden = config["hidden_size"]
+    for t in stacks:
+        experts, *sizes = (int(n) for n in t.value.shape)
+        if experts != count or sorted(sizes) != sorted((hidden, size)):
+            raise ValueError(
+                f"export_hf_checkpoint: the experts kernel at {t.path} has shape "
+                f"{tuple(t.value.shape)}, but the config says {present[0]}={count}, "
+                f"hidden_size={hidden}, {size_key}={size}: expected ({count}, {hidden}, {size}) "
+                f"or ({count}, {size}, {hidden})"
+            )
+    for t in routers:
+        if tuple(t.value.shape) != (hidden, count):
+            raise ValueError(
+                f"export_hf_checkpoint: the router {t.module} ({t.where}) has kernel shape "
+                f"{tuple(t.value.shape)}; the config says hidden_size={hidden}, "
+                f"{present[0]}={count}: expected (hidden, experts) = ({hidden}, {count})"
+            )
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
