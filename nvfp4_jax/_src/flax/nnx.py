@@ -157,8 +157,9 @@ class Linear(nnx.Linear):
         of `x @ dequantize(W)` at every batch size); the weight has no gradient.
 
         Example:
+          >>> import jax.numpy as jnp, nvfp4_jax
           >>> q = nvfp4_jax.quantize(jnp.ones((64, 32)), axis=0)
-          >>> Linear.from_quantized(q)(jnp.ones((2, 64))).shape
+          >>> nvfp4_jax.nnx.Linear.from_quantized(q)(jnp.ones((2, 64))).shape
           (2, 32)
         """
         validate_nvfp4_array(kernel, "Linear.from_quantized kernel")
@@ -364,9 +365,11 @@ class Experts(nnx.Module):
         `calibrate` records it.
 
         Example:
+          >>> import jax, jax.numpy as jnp, nvfp4_jax
           >>> w = jnp.ones((4, 64, 32))
           >>> q = jax.tree.map(lambda *l: jnp.stack(l), *[nvfp4_jax.quantize(e, axis=0) for e in w])
-          >>> Experts.from_quantized(q)(jnp.ones((10, 64)), jnp.array([3, 0, 5, 2])).shape
+          >>> experts = nvfp4_jax.nnx.Experts.from_quantized(q)
+          >>> experts(jnp.ones((10, 64)), jnp.array([3, 0, 5, 2])).shape
           (10, 32)
         """
         validate_nvfp4_array(kernel, "Experts.from_quantized kernel")

@@ -518,7 +518,8 @@ def to_scaled_matmul_operands(q: NVFP4Array) -> ScaledMatmulOperands:
     rotated along K needs no inverse).
 
     Example:
-      >>> ops = to_scaled_matmul_operands(nvfp4_jax.quantize(jnp.ones((4, 32))))
+      >>> import jax.numpy as jnp, nvfp4_jax
+      >>> ops = nvfp4_jax.to_scaled_matmul_operands(nvfp4_jax.quantize(jnp.ones((4, 32))))
       >>> ops.data.dtype, ops.data.shape, ops.scales.shape
       (dtype(float4_e2m1fn), (4, 32), (4, 2))
 
@@ -612,8 +613,9 @@ def scaled_matmul(
       `(M, N)` or `(B, M, N)`.
 
     Example:
+      >>> import jax.numpy as jnp, nvfp4_jax
       >>> a = nvfp4_jax.quantize(jnp.ones((32, 64)))
-      >>> scaled_matmul(a, a, backend="emulated").shape
+      >>> nvfp4_jax.scaled_matmul(a, a, backend="emulated").shape
       (32, 32)
     """
     op = "scaled_matmul"
