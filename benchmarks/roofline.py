@@ -374,7 +374,7 @@ def main() -> None:
     parser.add_argument(
         "--reuse-memory",
         action="store_true",
-        help=f"rerun this command with GLIBC_TUNABLES={REUSE_MEMORY} (see README, CPU speed)",
+        help=f"rerun this command with GLIBC_TUNABLES={REUSE_MEMORY} (docs/guides/kernels.md)",
     )
     args = parser.parse_args()
     if args.reuse_memory:

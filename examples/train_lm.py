@@ -114,7 +114,7 @@ DEFAULT_FOUR_OVER_SIX_EXPERTS = ("weight",)
 # --high-precision-final-gemms: the GEMMs of the NVFP4 layers run in high precision after the
 # switch (the forward alone, or all three).
 HIGH_PRECISION_GEMMS = {"fprop": ("fprop",), "all": ("fprop", "dgrad", "wgrad")}
-# The default NVFP4 recipe of the example (README "Accuracy"): the first block, the last
+# The default NVFP4 recipe of the example (docs/results/accuracy.md): the first block, the last
 # block and the head in bf16, the last 20% of the steps with the forward in bf16, and Four
 # Over Six on every operand (DEFAULT_FOUR_OVER_SIX). The accuracy study, width 128, 600
 # steps, seeds 0 and 1: +0.18% / +0.36% against +2.47% / +2.43% for the plain recipe.

@@ -1,4 +1,4 @@
-"""What every kind of bad input gets, the same on every implementation (the README's table).
+"""What every kind of bad input gets, the same on every implementation (docs/guides/quantize.md).
 
 Each test runs on every implementation (`impl`): a clear error naming the argument at fault,
 or the defined result of docs/NUMERICS.md section 8 (NaN amax, NaN scales 0x7F, zero codes;
@@ -266,7 +266,7 @@ def test_non_finite_gemm_data_gives_the_same_nan_eagerly_and_under_jit(impl, api
     with jax.default_device(impl.device):
         eager = _value_and_grads(f, x, w, dy)
         jitted = jax.jit(lambda a, b, c: _value_and_grads(f, a, b, c))(x, w, dy)
-    # README: NaN or inf anywhere in an operand -> the GEMM it enters is all NaN.
+    # docs/guides/quantize.md: NaN or inf anywhere in an operand -> the GEMM it enters is all NaN.
     nan_in = {"y": where in ("x", "w"), "dx": where in ("w", "dy"), "dw": where in ("x", "dy")}
     for name, a, b in zip(("y", "dx", "dw"), eager, jitted, strict=True):
         a, b = np.asarray(a), np.asarray(b)

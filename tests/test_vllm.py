@@ -20,7 +20,7 @@ The test trains the example model for a few steps in NVFP4, calibrates it, expor
 * the same model with its last block and output head back in bf16 by rules (the example's
   default policy) exports with those layers in bf16, which vLLM loads as such and runs with
   the same log-probabilities as JAX;
-* `examples/serve_vllm.py generate` (the README's serve command) runs that export with its
+* `examples/serve_vllm.py generate` (docs/guides/serving.md) runs that export with its
   byte-level tokenizer (`tokenizer="bytes"`) from a text prompt, and continues it with the
   tokens vLLM generates from the prompt's bytes as token ids.
 """
@@ -278,7 +278,7 @@ def test_vllm_runs_a_model_partly_kept_in_bf16_by_rules(served_with_rules, recor
 
 
 def test_serve_script_generates_from_text(served_with_rules):
-    """examples/serve_vllm.py, as the README runs it: text in, text out, the CPU build."""
+    """examples/serve_vllm.py, as the serving guide runs it: text in, text out, the CPU build."""
     export, prompts, doc, _, _ = served_with_rules
     text = bytes(prompts[0]).decode("utf-8")  # the documentation text: ASCII
     run = subprocess.run(
