@@ -118,7 +118,17 @@ class NVFP4Array:
 
 
 def is_nvfp4_array(value) -> bool:
-    """Returns True if `value` is an `NVFP4Array`."""
+    """Returns True if `value` is an `NVFP4Array`.
+
+    Useful as `is_leaf` of `jax.tree` functions, to treat each quantized tensor as one leaf.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, nvfp4_jax
+      >>> tree = {"w": nvfp4_jax.quantize(jnp.ones((16, 32))), "b": jnp.zeros(32)}
+      >>> jax.tree.map(nvfp4_jax.is_nvfp4_array, tree, is_leaf=nvfp4_jax.is_nvfp4_array)
+      {'b': False, 'w': True}
+
+    """
     return isinstance(value, NVFP4Array)
 
 

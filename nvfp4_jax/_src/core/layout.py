@@ -34,7 +34,17 @@ GEMM_ALIGNMENT = 32
 
 
 def swizzled_size(rows: int, cols: int) -> int:
-    """Returns the number of scales in the swizzled layout of a `(rows, cols)` scale matrix."""
+    """Returns the number of scales in the swizzled layout of a `(rows, cols)` scale matrix.
+
+    The layout is made of whole 128 x 4 tiles (docs/NUMERICS.md section 11): rows are padded to
+    a multiple of `TILE_ROWS` and columns to a multiple of `TILE_COLS`.
+
+    Example:
+      >>> import nvfp4_jax
+      >>> nvfp4_jax.layout.swizzled_size(200, 5)  # (256 rows) x (8 columns)
+      2048
+
+    """
     return _round_up(rows, TILE_ROWS) * _round_up(cols, TILE_COLS)
 
 
@@ -146,7 +156,26 @@ def pad_to_alignment(x: jax.Array, axis: int = -1, multiple: int = GEMM_ALIGNMEN
 
 
 def unpad(x: jax.Array, axis: int, size: int) -> jax.Array:
-    """Keeps the first `size` entries of `axis` (undoes `pad_to_alignment`)."""
+    """Keeps the first `size` entries of `axis` (undoes `pad_to_alignment`).
+
+    Args:
+      x: an array of any rank.
+      axis: the axis to cut.
+      size: how many leading entries of `axis` to keep, from 0 to `x.shape[axis]`.
+
+    Returns:
+      `x` with `axis` cut to `size` entries.
+
+    Raises:
+      ValueError: `axis` is out of range or `size` is outside `[0, x.shape[axis]]`.
+
+    Example:
+      >>> import jax.numpy as jnp, nvfp4_jax
+      >>> padded = nvfp4_jax.pad_to_alignment(jnp.ones((3, 20)))
+      >>> padded.shape, nvfp4_jax.unpad(padded, -1, 20).shape
+      ((3, 32), (3, 20))
+
+    """
     x = jnp.asarray(x)
     axis = _check_axis(x.shape, axis, "unpad")
     if not 0 <= size <= x.shape[axis]:

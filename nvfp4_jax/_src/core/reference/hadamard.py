@@ -39,7 +39,19 @@ def get_hadamard_matrix(n: int = formats.BLOCK_SIZE, dtype=jnp.float32) -> jax.A
 
 
 def get_wgrad_sign_vector(dtype=jnp.float32) -> jax.Array:
-    """Returns the fixed 16-element sign vector of the wgrad RHT (entries +-1)."""
+    """Returns the fixed 16-element sign vector of the wgrad RHT (entries +-1).
+
+    TransformerEngine's signs, packed as the bits of 0xD7E8 (`get_sign_from_vector`).
+
+    Args:
+      dtype: the dtype of the result.
+
+    Example:
+      >>> import nvfp4_jax
+      >>> nvfp4_jax.get_wgrad_sign_vector().astype(int).tolist()
+      [1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1]
+
+    """
     return jnp.asarray(_WGRAD_SIGNS, dtype=dtype)
 
 
@@ -58,7 +70,22 @@ def get_sign_from_vector(vector) -> int:
 
 
 def get_rht_matrix(dtype=jnp.float32) -> jax.Array:
-    """Returns the 16x16 RHT matrix `M = diag(sign) @ H16 / 4`; every entry is +-0.25."""
+    """Returns the 16x16 RHT matrix `M = diag(sign) @ H16 / 4`; every entry is +-0.25.
+
+    `sign` is `get_wgrad_sign_vector()` and `H16` the Sylvester Hadamard matrix
+    (`get_hadamard_matrix(16)`). `M` is orthogonal: `apply_rht` multiplies each 16-group by it,
+    the inverse by its transpose (docs/NUMERICS.md section 5).
+
+    Args:
+      dtype: the dtype of the result.
+
+    Example:
+      >>> import jax.numpy as jnp, nvfp4_jax
+      >>> m = nvfp4_jax.get_rht_matrix()
+      >>> m.shape, bool(jnp.allclose(m @ m.T, jnp.eye(16)))
+      ((16, 16), True)
+
+    """
     signs = np.asarray(_WGRAD_SIGNS, np.float32)
     hadamard = np.asarray(get_hadamard_matrix(formats.BLOCK_SIZE))
     return jnp.asarray(signs[:, None] * hadamard * np.float32(0.25), dtype=dtype)
