@@ -27,10 +27,10 @@ from helpers import DENSE, assert_same_bits, bits, normal
 
 from nvfp4_jax import NVFP4Recipe, dequantize, dot_general, quantize
 from nvfp4_jax._src.core import kernels
+from nvfp4_jax._src.core.keys import fold_in, sr_seeds
 from nvfp4_jax._src.core.reference import block_values
 from nvfp4_jax._src.core.reference import decode_scale as global_decode_scale
 from nvfp4_jax._src.core.seed import SRSeed, as_seed
-from nvfp4_jax._src.training.dot_general import _sr_seeds, fold_in
 
 F32_EPS = 2.0**-24
 # Unit roundoff of a result cast to the output dtype (on top of the f32 budget).
@@ -392,10 +392,10 @@ def test_without_key_the_rounding_follows_dy():
 )
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_sr_seeds_are_the_split_keys_seeds(make_key, partitionable, implementation):
-    # The backward hashes both SR seeds together where it can (`_sr_seeds`; with "ffi" on the
+    # The backward hashes both SR seeds together where it can (`keys.sr_seeds`; with "ffi" on the
     # CPU by the native hash): they must be `SRSeed.from_key` of the two halves of
     # `jax.random.split(key)`, eagerly, under jit and under vmap, for every kind of key.
-    seeds = functools.partial(_sr_seeds, implementation=implementation)
+    seeds = functools.partial(sr_seeds, implementation=implementation)
     with jax.threefry_partitionable(partitionable):
         key = make_key()
         want = [SRSeed.from_key(k) for k in jax.random.split(key)]

@@ -27,7 +27,8 @@ from jax.extend.random import threefry_2x32
 
 import nvfp4_jax
 from nvfp4_jax import NVFP4Recipe, dot_general, ragged_dot
-from nvfp4_jax._src.core import kernels
+from nvfp4_jax._src.core import backends, kernels
+from nvfp4_jax._src.core import keys as sr_keys
 from nvfp4_jax._src.training import ragged as ragged_module
 
 IMPLEMENTATIONS = ["reference"] + (["ffi"] if kernels.is_available("cpu") else [])
@@ -253,7 +254,9 @@ def ragged_operands(x, dy, group_sizes, key, recipe):
     stored layouts: rows (M, C), padded tokens (C, Mp)) and per-group decode factors D."""
     r, g = ragged_module, 4
     groups = r._groups(group_sizes, x.shape[0])
-    dgrad_words, wgrad_words = r._sr_words(key, dy, groups, g, recipe)
+    dgrad_words, wgrad_words = sr_keys.group_sr_words(
+        key, dy, groups.row_group, g, recipe.implementation
+    )
     out = {}
     for name, (q, amax) in {
         "x": r._quantize_rows(x, groups, g, recipe),
@@ -274,13 +277,13 @@ def test_operands_are_bit_for_bit_the_dense_ones(key_kind, implementation):
     With "ffi" on the CPU the groups are quantized by the native grouped kernel."""
     from nvfp4_jax._src.core import ops  # noqa: PLC0415
     from nvfp4_jax._src.training import gemm  # noqa: PLC0415
-    from nvfp4_jax._src.training.dot_general import _gradient_key, pad_tokens  # noqa: PLC0415
+    from nvfp4_jax._src.training.dot_general import pad_tokens  # noqa: PLC0415
 
     m, sizes = 80, [5, 0, 37, 22]
     x, _, dy = data(m, 64, 32, 4, 10)
     key = jax.random.key(9) if key_kind == "key" else None
     recipe = NVFP4Recipe(implementation=implementation)
-    assert ragged_module.native_grouped(recipe) == (implementation == "ffi")
+    assert backends.runs_natively("grouped_quantize", implementation) == (implementation == "ffi")
     got = ragged_operands(x, dy, jnp.array(sizes, jnp.int32), key, recipe)
     ref = functools.partial(
         gemm.quantize_operand, backend="emulated", dtype=jnp.float32, implementation="reference"
@@ -306,7 +309,7 @@ def test_operands_are_bit_for_bit_the_dense_ones(key_kind, implementation):
     for g, size in enumerate(sizes):
         end, padded = start + size, -(-size // 16) * 16
         x_g, dy_g = x[start:end], dy[start:end]
-        key_g = _gradient_key(dy_g) if key is None else jax.random.fold_in(key, g)
+        key_g = sr_keys.gradient_key(dy_g) if key is None else jax.random.fold_in(key, g)
         expected = dense_operands(x_g, dy_g, key_g)
         for name, (values, decode) in expected.items():
             actual, d = got[name]
@@ -459,7 +462,7 @@ def test_the_written_out_threefry_is_jax_threefry_bit_for_bit():
     rng = np.random.default_rng(7)
     words = rng.integers(0, 2**32, (4, 4096), dtype=np.uint32)
     k0, k1, x0, x1 = (jnp.asarray(w) for w in words)
-    ours = jax.jit(ragged_module._threefry_2x32)(k0, k1, x0, x1)
+    ours = jax.jit(sr_keys.threefry2x32)(k0, k1, x0, x1)
     theirs = jax.vmap(lambda a, b, c, d: threefry_2x32((a, b), jnp.stack([c, d])))(k0, k1, x0, x1)
     np.testing.assert_array_equal(np.stack([np.asarray(o) for o in ours], -1), theirs)
 

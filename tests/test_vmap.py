@@ -21,8 +21,8 @@ from helpers import DENSE, assert_same_bits
 import nvfp4_jax
 from nvfp4_jax import NVFP4Recipe
 from nvfp4_jax._src.core import kernels, ops
+from nvfp4_jax._src.core.keys import fold_in
 from nvfp4_jax._src.training import gemm
-from nvfp4_jax._src.training.dot_general import fold_in
 
 B = 3
 

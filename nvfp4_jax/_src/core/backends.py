@@ -9,6 +9,15 @@ quantized axis last) with arguments the public ops in `nvfp4_jax.ops` have alrea
 
 `resolve(None, op)` picks "ffi" when its kernels run on the current platform, else
 "reference". The backend is always an argument, never an environment variable.
+
+This module is also the one place that answers "does this run natively here?": every
+implementation says which of the ops whose native kernel runs only on some platforms, or for
+some arguments, it runs natively (`Backend.runs_natively`), and `runs_natively(op,
+implementation, ...)` asks the backend an implementation resolves to. The quantizing ops run
+natively wherever the native library does; the NVFP4 GEMM, the weight-only GEMM, the grouped
+quantize of `ragged_dot` and the hash of the SR keys only on the CPU (the GEMM with AVX2 or
+AVX-512, the weight-only GEMM for small bf16/f16 batches); `jax.nn.scaled_matmul`'s cuDNN GEMM
+on Blackwell GPUs (`scaled_matmul_unavailable_reason`). Callers never ask the platform.
 """
 
 from __future__ import annotations
@@ -17,13 +26,24 @@ import dataclasses
 from typing import Literal, Protocol
 
 import jax
+import jax.numpy as jnp
 
 from nvfp4_jax._src.core import kernels, reference
 from nvfp4_jax._src.core.array import NVFP4Array
 from nvfp4_jax._src.core.reference.quantize import fake_quantize_stored, quantize_stored
 from nvfp4_jax._src.core.seed import SRSeed
+from nvfp4_jax._src.core.spec import QuantSpec
 
 Implementation = Literal["reference", "ffi"]
+# The ops whose native kernels run only on some platforms, or for some arguments.
+NativeOp = Literal["quantize", "gemm", "weight_only_gemm", "grouped_quantize", "sr_key_hash"]
+NATIVE_OPS = ("quantize", "gemm", "weight_only_gemm", "grouped_quantize", "sr_key_hash")
+# Up to this many rows of activations (tokens) the native weight-only GEMM runs; above it the
+# weight is dequantized and XLA's dot runs (prefill-sized batches, where a dense GEMM of the
+# dequantized weight is faster than decoding the weight again for every few rows).
+WEIGHT_ONLY_MAX_ROWS = 32
+# The first compute capability whose tensor cores run block-scaled FP4 (Blackwell, sm_100).
+SCALED_MATMUL_MIN_CAPABILITY = 10.0
 
 
 class Backend(Protocol):
@@ -34,39 +54,25 @@ class Backend(Protocol):
     def unavailable_reason(self) -> str:
         """Why this backend cannot run on the current platform ("" when it can)."""
 
+    def runs_natively(self, op: NativeOp, **args) -> bool:
+        """Whether this backend runs `op` as a native kernel here, for these arguments.
+
+        `args` are the op's: `x_shape`, `x_dtype` and `q` for "weight_only_gemm".
+        """
+
     def amax(self, x: jax.Array, *, rht: bool) -> jax.Array:
         """Max |x| as f32 (after the RHT with `rht`); NaN if x is not finite."""
 
     def quantize(
-        self,
-        x,
-        amax: jax.Array | None,
-        seed: SRSeed | None,
-        *,
-        block_2d: bool,
-        rht: bool,
-        four_over_six: str | None = None,
-        e4m3_max: int = 448,
+        self, x, amax: jax.Array | None, seed: SRSeed | None, spec: QuantSpec
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """(packed codes, scales, stored amax); `amax` None: computed; `seed` None: RN.
 
-        `four_over_six` "mae" or "mse" (checked): Four Over Six with the E4M3 max `e4m3_max`.
+        `spec` is checked and of the stored layout (`QuantSpec.stored`).
         """
 
-    def fake_quantize(
-        self,
-        x,
-        amax,
-        seed,
-        *,
-        block_2d: bool,
-        rht: bool,
-        global_scale: bool,
-        dtype,
-        four_over_six: str | None = None,
-        e4m3_max: int = 448,
-    ) -> jax.Array:
-        """The dequantized values of `quantize` (no inverse RHT), in `dtype`."""
+    def fake_quantize(self, x, amax, seed, spec: QuantSpec) -> jax.Array:
+        """The dequantized values of `quantize` (no inverse RHT), in `spec.dtype`."""
 
     def dequantize(self, codes, scales, decode_scale, *, rht: bool, dtype) -> jax.Array:
         """`value(code) * (f32(s_b) * D)` (the inverse RHT with `rht`) in `dtype`; D: f32."""
@@ -85,47 +91,22 @@ class ReferenceBackend:
         """Always "": the reference runs wherever JAX runs."""
         return ""
 
+    def runs_natively(self, op, **args):
+        """Never: the reference is pure jnp (its programs hold no custom call)."""
+        del op, args
+        return False
+
     def amax(self, x, *, rht):
         """`reference.tensor_amax`."""
         return reference.tensor_amax(x, rht=rht)
 
-    def quantize(self, x, amax, seed, *, block_2d, rht, four_over_six=None, e4m3_max=448):
+    def quantize(self, x, amax, seed, spec):
         """(codes, scales, stored amax): `reference.quantize` of the stored layout."""
-        return quantize_stored(
-            x,
-            amax,
-            seed,
-            block_2d=block_2d,
-            rht=rht,
-            four_over_six=four_over_six,
-            e4m3_max=e4m3_max,
-        )
+        return quantize_stored(x, amax, seed, spec)
 
-    def fake_quantize(
-        self,
-        x,
-        amax,
-        seed,
-        *,
-        block_2d,
-        rht,
-        global_scale,
-        dtype,
-        four_over_six=None,
-        e4m3_max=448,
-    ):
+    def fake_quantize(self, x, amax, seed, spec):
         """`reference.fake_quantize` of the stored layout (checked by `ops`)."""
-        return fake_quantize_stored(
-            x,
-            amax,
-            seed,
-            block_2d=block_2d,
-            rht=rht,
-            global_scale=global_scale,
-            dtype=dtype,
-            four_over_six=four_over_six,
-            e4m3_max=e4m3_max,
-        )
+        return fake_quantize_stored(x, amax, seed, spec)
 
     def dequantize(self, codes, scales, decode_scale, *, rht, dtype):
         """`reference.dequantize` of the stored layout."""
@@ -148,57 +129,49 @@ class FfiBackend:
         """Why the native kernels cannot run on the current platform ("" when they can)."""
         return kernels.unavailable_reason()
 
+    def runs_natively(self, op, **args):
+        """Whether the native kernels run `op` here (see the module docstring).
+
+        On the CPU the GEMM runs natively with the AVX2 or AVX-512 kernels only: the portable
+        baseline's plain integer code (every non-x86 CPU) is 20x slower than XLA's f32 dot
+        of the block values (`benchmarks/bench_gemm.py --isa baseline`); either way the
+        result is the exact block products summed in f32, in the kernel's order or XLA's.
+        """
+        if op not in NATIVE_OPS:
+            raise ValueError(f"runs_natively: op must be one of {NATIVE_OPS}, got {op!r}")
+        if self.unavailable_reason():
+            return False
+        if op == "quantize":
+            return True
+        if kernels.current_platform() != "cpu":  # the other kernels are CPU-only
+            return False
+        if op == "gemm":
+            return kernels.cpu_isa() != "baseline"
+        if op == "weight_only_gemm":
+            return _weight_only_fits(**args)
+        return True
+
     def amax(self, x, *, rht):
         """The `nvfp4_amax` kernel."""
         return kernels.amax(x, rht=rht)
 
-    def quantize(self, x, amax, seed, *, block_2d, rht, four_over_six=None, e4m3_max=448):
+    def quantize(self, x, amax, seed, spec):
         """The `nvfp4_quantize` kernel, after `nvfp4_amax` when no amax is given.
 
         Under Four Over Six its twin target `nvfp4_quantize_4over6`.
         """
         if amax is None:
-            amax = kernels.amax(x, rht=rht)
-        return kernels.quantize(
-            x,
-            amax,
-            seed,
-            block_2d=block_2d,
-            rht=rht,
-            four_over_six=four_over_six,
-            e4m3_max=e4m3_max,
-        )
+            amax = kernels.amax(x, rht=spec.rht)
+        return kernels.quantize_spec(x, amax, seed, spec)
 
-    def fake_quantize(
-        self,
-        x,
-        amax,
-        seed,
-        *,
-        block_2d,
-        rht,
-        global_scale,
-        dtype,
-        four_over_six=None,
-        e4m3_max=448,
-    ):
+    def fake_quantize(self, x, amax, seed, spec):
         """The `nvfp4_fake_quantize` kernel, after `nvfp4_amax` when no amax is given.
 
         Under Four Over Six its twin target `nvfp4_fake_quantize_4over6`.
         """
         if amax is None:
-            amax = kernels.amax(x, rht=rht)
-        return kernels.fake_quantize(
-            x,
-            amax,
-            seed,
-            block_2d=block_2d,
-            rht=rht,
-            global_scale=global_scale,
-            dtype=dtype,
-            four_over_six=four_over_six,
-            e4m3_max=e4m3_max,
-        )
+            amax = kernels.amax(x, rht=spec.rht)
+        return kernels.fake_quantize_spec(x, amax, seed, spec)
 
     def dequantize(self, codes, scales, decode_scale, *, rht, dtype):
         """The `nvfp4_dequantize` kernel."""
@@ -209,7 +182,57 @@ class FfiBackend:
         return kernels.rht(x, inverse=inverse)
 
 
+def _weight_only_fits(*, x_shape, x_dtype, q: NVFP4Array) -> bool:
+    """Whether the native weight-only GEMM (`nvfp4_w4a16`) takes `x @ dequantize(q)`.
+
+    A 2-D `(in, out)` weight quantized along `in` without the RHT, activations in bf16 or
+    f16, and at most `WEIGHT_ONLY_MAX_ROWS` rows. f32 activations keep XLA's f32 dot of the
+    dequantized weight, bit for bit as before (the kernel computes them too,
+    `kernels._gemm.w4a16`, in its own summation order).
+    """
+    rows = 1
+    for d in x_shape[:-1]:
+        rows *= d
+    return (
+        len(q.codes.shape) == 2
+        and q.axis == -2
+        and not q.rht
+        and jnp.ndim(q.amax) == 0
+        and len(x_shape) >= 1
+        and x_shape[-1] == q.stored_shape[-1]
+        and jnp.dtype(x_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+        and rows <= WEIGHT_ONLY_MAX_ROWS
+    )
+
+
 REGISTRY: dict[str, Backend] = {"reference": ReferenceBackend(), "ffi": FfiBackend()}
+
+
+def runs_natively(op: NativeOp, implementation: Implementation | None, **args) -> bool:
+    """Whether `op` runs as a native kernel for `implementation` here, for these arguments.
+
+    The one place that answers it: the native kernels must run `op` here
+    (`FfiBackend.runs_natively`), and `implementation` must resolve to them (named "ffi", or
+    None where they run); "reference" never does. `args` as `Backend.runs_natively`'s.
+    """
+    if not REGISTRY["ffi"].runs_natively(op, **args):
+        return False
+    return resolve(implementation, op).runs_natively(op, **args)
+
+
+def scaled_matmul_unavailable_reason() -> str | None:
+    """Why `jax.nn.scaled_matmul` (cuDNN) cannot run NVFP4 GEMMs here, or None if it can."""
+    platform = kernels.current_platform()
+    if platform != "cuda":
+        return f"the default platform is {platform!r}, not a CUDA GPU"
+    device = jax.devices()[0]
+    capability = float(getattr(device, "compute_capability", 0) or 0)
+    if capability < SCALED_MATMUL_MIN_CAPABILITY:
+        return (
+            f"{device.device_kind} has compute capability {capability}; NVFP4 block-scaled "
+            f"GEMMs need {SCALED_MATMUL_MIN_CAPABILITY} or newer (Blackwell)"
+        )
+    return None
 
 
 def resolve(implementation: Implementation | None, op: str) -> Backend:

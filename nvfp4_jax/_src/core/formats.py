@@ -179,19 +179,6 @@ def check_four_over_six(
     return four_over_six, int(e4m3_max)
 
 
-def check_quantize_args(x, *, axis, block_2d, rht, stochastic_rounding, key, op) -> int:
-    """Validates quantize-style arguments; returns `axis` as a negative index."""
-    if x.ndim == 0:
-        raise ValueError(f"{op}: x must have at least one dimension, got shape {x.shape}")
-    axis = normalize_axis(axis, x.shape, op)
-    block_2d = check_flag(block_2d, op, "block_2d")
-    check_flag(rht, op, "rht")
-    if check_flag(stochastic_rounding, op, "stochastic_rounding") and key is None:
-        raise ValueError(f"{op}: stochastic_rounding=True needs a PRNG key, got key=None")
-    check_blocks(x.shape, axis, block_2d, op)
-    return axis
-
-
 # --- scales ---------------------------------------------------------------------------------
 
 

@@ -35,9 +35,11 @@ from nvfp4_jax._src.core.reference import hadamard
 from nvfp4_jax._src.core.reference.quantize import (
     check_dequantize_call,
     check_quantize_call,
-    quantized_array,
+    spec_array,
+    spec_with_dtype,
 )
 from nvfp4_jax._src.core.seed import SRSeed
+from nvfp4_jax._src.core.spec import QuantSpec
 
 _F32 = jnp.float32
 
@@ -101,9 +103,10 @@ def tensor_amax(
       >>> float(tensor_amax(jnp.array([1.0, -3.0] * 8)))
       3.0
     """
-    x, axis, _, _ = check_quantize_call(x, axis, False, rht, False, None, None, "tensor_amax")
+    spec = QuantSpec(axis=axis, rht=rht, op="tensor_amax")
+    x, spec, _, _ = check_quantize_call(x, spec, None, None)
     backend = backends.resolve(implementation, "tensor_amax")
-    return _amax(jnp.moveaxis(x, axis, -1), bool(rht), backend)
+    return _amax(jnp.moveaxis(x, spec.axis, -1), spec.rht, backend)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
@@ -180,66 +183,54 @@ def quantize(
       ((2, 8), (2, 1), (2, 16))
 
     """
-    return _quantize(
-        x,
-        axis,
-        block_2d,
-        rht,
-        stochastic_rounding,
-        key,
-        amax,
-        implementation,
-        four_over_six,
-        four_over_six_e4m3_max,
+    spec = QuantSpec(
+        axis=axis,
+        block_2d=block_2d,
+        rht=rht,
+        stochastic_rounding=stochastic_rounding,
+        four_over_six=four_over_six,
+        e4m3_max=four_over_six_e4m3_max,
+        op="quantize",
     )
+    return quantize_with_spec(x, spec, key=key, amax=amax, implementation=implementation)
 
 
-def _quantize(
-    x,
-    axis,
-    block_2d,
-    rht,
-    stochastic_rounding,
-    key,
-    amax,
-    implementation,
-    four_over_six=None,
-    four_over_six_e4m3_max=formats.FOUR_OVER_SIX_DEFAULT_E4M3_MAX,
-    **check,
-):
-    x, axis, seed, amax = check_quantize_call(
-        x, axis, block_2d, rht, stochastic_rounding, key, amax, "quantize", **check
-    )
-    mode, e4m3_max = formats.check_four_over_six(four_over_six, four_over_six_e4m3_max, "quantize")
-    backend = backends.resolve(implementation, "quantize")
+def quantize_with_spec(
+    x: jax.Array,
+    spec: QuantSpec,
+    *,
+    key: jax.Array | SRSeed | None = None,
+    amax: jax.Array | None = None,
+    implementation: Implementation | None = None,
+    amax_is_data: bool = False,
+) -> NVFP4Array:
+    """`quantize` with its options as one `QuantSpec`: what the public `quantize` runs.
+
+    The entry point of internal callers (the GEMM operands, whose specs `NVFP4Recipe.spec`
+    makes). With `amax_is_data` (an amax the library computed or stores) a NaN, inf or
+    negative `amax` gives the NaN tensor, run eagerly as under `jit`, where `quantize`
+    raises for a caller's concrete one.
+    """
+    x, spec, seed, amax = check_quantize_call(x, spec, key, amax, amax_is_data=amax_is_data)
+    backend = backends.resolve(implementation, spec.op)
     # A step function: no derivative flows through it, and the kernels are never traced
     # for one (their tangents are symbolically zero).
-    stored = lax.stop_gradient(jnp.moveaxis(x, axis, -1))
+    stored = lax.stop_gradient(jnp.moveaxis(x, spec.axis, -1))
     amax = None if amax is None else lax.stop_gradient(amax)
-    codes, scales, stored_amax = backend.quantize(
-        stored,
-        amax,
-        seed,
-        block_2d=bool(block_2d),
-        rht=bool(rht),
-        four_over_six=mode,
-        e4m3_max=e4m3_max,
-    )
-    return quantized_array(codes, scales, stored_amax, x.dtype, axis, block_2d, rht, mode, e4m3_max)
+    codes, scales, stored_amax = backend.quantize(stored, amax, seed, spec.stored())
+    return spec_array(codes, scales, stored_amax, x.dtype, spec)
+
+
+_QUANTIZE = QuantSpec(op="quantize")
 
 
 def quantize_with_data_amax(
     x: jax.Array,
     amax: jax.Array,
+    spec: QuantSpec = _QUANTIZE,
     *,
-    axis: int = -1,
-    block_2d: bool = False,
-    rht: bool = False,
-    stochastic_rounding: bool = False,
     key: jax.Array | SRSeed | None = None,
     implementation: Implementation | None = None,
-    four_over_six: str | None = None,
-    four_over_six_e4m3_max: int = formats.FOUR_OVER_SIX_DEFAULT_E4M3_MAX,
 ) -> NVFP4Array:
     """`quantize(x, amax=amax, ...)` for an amax the library computed or stores: data.
 
@@ -247,18 +238,8 @@ def quantize_with_data_amax(
     gives the NaN tensor, run eagerly as under `jit`, where `quantize` raises for a caller's
     concrete one. Every other argument is checked as `quantize` checks it.
     """
-    return _quantize(
-        x,
-        axis,
-        block_2d,
-        rht,
-        stochastic_rounding,
-        key,
-        amax,
-        implementation,
-        four_over_six,
-        four_over_six_e4m3_max,
-        amax_is_data=True,
+    return quantize_with_spec(
+        x, spec, key=key, amax=amax, implementation=implementation, amax_is_data=True
     )
 
 
@@ -312,117 +293,84 @@ def fake_quantize(
       >>> jax.grad(lambda v: fake_quantize(v).sum())(x).tolist() == jnp.ones_like(x).tolist()
       True
     """
-    return _fake_quantize_call(
-        x,
-        axis,
-        block_2d,
-        rht,
-        stochastic_rounding,
-        key,
-        amax,
-        global_scale,
-        dtype,
-        implementation,
-        four_over_six,
-        four_over_six_e4m3_max,
+    spec = QuantSpec(
+        axis=axis,
+        block_2d=block_2d,
+        rht=rht,
+        stochastic_rounding=stochastic_rounding,
+        four_over_six=four_over_six,
+        e4m3_max=four_over_six_e4m3_max,
+        global_scale=global_scale,
+        dtype=dtype,
+        op="fake_quantize",
     )
+    return fake_quantize_with_spec(x, spec, key=key, amax=amax, implementation=implementation)
 
 
-def _fake_quantize_call(
-    x,
-    axis,
-    block_2d,
-    rht,
-    stochastic_rounding,
-    key,
-    amax,
-    global_scale,
-    dtype,
-    implementation,
-    four_over_six=None,
-    four_over_six_e4m3_max=formats.FOUR_OVER_SIX_DEFAULT_E4M3_MAX,
-    **check,
-):
-    op = "fake_quantize"
-    x, axis, seed, amax = check_quantize_call(
-        x, axis, block_2d, rht, stochastic_rounding, key, amax, op, **check
-    )
-    global_scale = formats.check_flag(global_scale, op, "global_scale")
-    dtype = formats.check_dtype(x.dtype if dtype is None else dtype, op)
-    mode, e4m3_max = formats.check_four_over_six(four_over_six, four_over_six_e4m3_max, op)
-    backend = backends.resolve(implementation, op)
-    static = (backend, bool(block_2d), bool(rht), global_scale, dtype, (mode, e4m3_max))
-    values = _fake_quantize(jnp.moveaxis(x, axis, -1), amax, seed, *static)
-    return jnp.moveaxis(values, -1, axis)
+def fake_quantize_with_spec(
+    x: jax.Array,
+    spec: QuantSpec,
+    *,
+    key: jax.Array | SRSeed | None = None,
+    amax: jax.Array | None = None,
+    implementation: Implementation | None = None,
+    amax_is_data: bool = False,
+) -> jax.Array:
+    """`fake_quantize` with its options as one `QuantSpec` (`dtype` None: x's dtype).
+
+    `amax_is_data` as in `quantize_with_spec`.
+    """
+    x, spec, seed, amax = check_quantize_call(x, spec, key, amax, amax_is_data=amax_is_data)
+    spec = spec_with_dtype(spec, x.dtype)
+    backend = backends.resolve(implementation, spec.op)
+    values = _fake_quantize(jnp.moveaxis(x, spec.axis, -1), amax, seed, spec.stored(), backend)
+    return jnp.moveaxis(values, -1, spec.axis)
+
+
+_FAKE_QUANTIZE = QuantSpec(op="fake_quantize")
 
 
 def fake_quantize_with_data_amax(
     x: jax.Array,
     amax: jax.Array,
+    spec: QuantSpec = _FAKE_QUANTIZE,
     *,
-    axis: int = -1,
-    block_2d: bool = False,
-    rht: bool = False,
-    stochastic_rounding: bool = False,
     key: jax.Array | SRSeed | None = None,
-    global_scale: bool = True,
     dtype=None,
     implementation: Implementation | None = None,
-    four_over_six: str | None = None,
-    four_over_six_e4m3_max: int = formats.FOUR_OVER_SIX_DEFAULT_E4M3_MAX,
 ) -> jax.Array:
     """`fake_quantize(x, amax=amax, ...)` for an amax the library computed or stores.
 
     As `quantize_with_data_amax`: a NaN, inf or negative `amax` gives a NaN result, run
     eagerly as under `jit`; for the GEMM operands and the W4A4 layers' stored input amax.
+    `dtype`, when given, replaces `spec.dtype`.
     """
-    return _fake_quantize_call(
-        x,
-        axis,
-        block_2d,
-        rht,
-        stochastic_rounding,
-        key,
-        amax,
-        global_scale,
-        dtype,
-        implementation,
-        four_over_six,
-        four_over_six_e4m3_max,
-        amax_is_data=True,
+    if dtype is not None:
+        spec = spec.replace(dtype=dtype)
+    return fake_quantize_with_spec(
+        x, spec, key=key, amax=amax, implementation=implementation, amax_is_data=True
     )
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4, 5, 6, 7, 8))
-def _fake_quantize(x, amax, seed, backend: Backend, block_2d, rht, global_scale, dtype, fos):
-    mode, e4m3_max = fos  # (None, 448), or Four Over Six's (mode, M)
-    return backend.fake_quantize(
-        x,
-        amax,
-        seed,
-        block_2d=block_2d,
-        rht=rht,
-        global_scale=global_scale,
-        dtype=dtype,
-        four_over_six=mode,
-        e4m3_max=e4m3_max,
-    )
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4))
+def _fake_quantize(x, amax, seed, spec: QuantSpec, backend: Backend):
+    return backend.fake_quantize(x, amax, seed, spec)
 
 
 @_fake_quantize.defjvp
-def _fake_quantize_jvp(backend, block_2d, rht, global_scale, dtype, fos, primals, tangents):
+def _fake_quantize_jvp(spec: QuantSpec, backend: Backend, primals, tangents):
     x, amax, seed = primals
     dx = tangents[0]
-    out = _fake_quantize(x, amax, seed, backend, block_2d, rht, global_scale, dtype, fos)
-    d_out = reference.apply_rht(dx) if rht else dx  # the values are in the rotated basis
+    out = _fake_quantize(x, amax, seed, spec, backend)
+    d_out = reference.apply_rht(dx) if spec.rht else dx  # the values are in the rotated basis
     if amax is not None:
-        y = reference.apply_rht(x) if rht else x
+        y = reference.apply_rht(x) if spec.rht else x
         d_out = jnp.where(jnp.abs(y.astype(_F32)) <= amax, d_out, jnp.zeros_like(d_out))
-    if not global_scale:
+    if not spec.global_scale:
         # value(code) * s_b approximates x * S_enc.
-        used = amax if amax is not None else backend.amax(x, rht=rht)
-        d_out = d_out.astype(_F32) * reference.encode_scale(used, fos[1])
-    return out, d_out.astype(dtype)
+        used = amax if amax is not None else backend.amax(x, rht=spec.rht)
+        d_out = d_out.astype(_F32) * reference.encode_scale(used, spec.e4m3_max)
+    return out, d_out.astype(spec.dtype)
 
 
 # --- dequantize -----------------------------------------------------------------------------

@@ -29,8 +29,9 @@ from flax import nnx
 
 from nvfp4_jax._src.core import formats, ops
 from nvfp4_jax._src.core.array import NVFP4Array, validate_nvfp4_array
+from nvfp4_jax._src.core.keys import step_key
 from nvfp4_jax._src.training import gemm
-from nvfp4_jax._src.training.dot_general import constrain_output, dot_general, fold_in
+from nvfp4_jax._src.training.dot_general import constrain_output, dot_general
 from nvfp4_jax._src.training.ragged import group_amax, ragged_dot
 from nvfp4_jax._src.training.recipe import NVFP4Recipe
 
@@ -74,13 +75,13 @@ def _step_key(stream: nnx.RngStream | None, recipe: NVFP4Recipe | None):
     """The next key of a layer's SR stream (None without one): `stream()`, bit for bit.
 
     The stream's key folded with its count, then the count advances, as nnx does, but hashed
-    by `dot_general.fold_in`: one native custom call on the CPU instead of XLA's rolled
+    by `keys.step_key`: one native custom call on the CPU instead of XLA's rolled
     threefry loop.
     """
     if stream is None:
         return None
     implementation = None if recipe is None else recipe.implementation
-    key = fold_in(stream.key[...], stream.count[...], implementation)
+    key = step_key(stream.key[...], stream.count[...], implementation)
     stream.count[...] += 1
     return key
 

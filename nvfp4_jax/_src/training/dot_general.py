@@ -28,25 +28,19 @@ import functools
 import math
 
 import jax
-import jax.extend.random
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from nvfp4_jax._src.core import backends, formats, kernels, types
-from nvfp4_jax._src.core.ops import quantize as ops_quantize
-from nvfp4_jax._src.core.seed import SRSeed, constant_words
+from nvfp4_jax._src.core import formats, types
+from nvfp4_jax._src.core.keys import element_keys, gradient_key, sr_seeds
+from nvfp4_jax._src.core.ops import quantize_with_spec
+from nvfp4_jax._src.core.spec import QuantSpec
 from nvfp4_jax._src.core.types import PrimalTypes
 from nvfp4_jax._src.training import gemm
 from nvfp4_jax._src.training.recipe import NVFP4Recipe
 
 _F32 = jnp.float32
-# Seed of the key derived from dy's bits when the caller gives none (see `_gradient_key`).
-_GRADIENT_KEY_SEED = 0x4E564650
-
-
-# `SRSeed.from_key`'s counter offset (element 0).
-_ZERO_OFFSET = constant_words([0, 0])
 
 
 def pad_tokens(x):
@@ -55,87 +49,14 @@ def pad_tokens(x):
     return jnp.pad(x, ((0, pad), (0, 0))) if pad else x
 
 
-def _mix32(h):
-    """murmur3's 32-bit finalizer: a bijection of uint32 that scrambles every bit."""
-    h = (h ^ (h >> 16)) * jnp.uint32(0x85EBCA6B)
-    h = (h ^ (h >> 13)) * jnp.uint32(0xC2B2AE35)
-    return h ^ (h >> 16)
-
-
-def _gradient_key(dy, implementation=None):
-    """A key that changes whenever dy does: a wrapping sum of dy's mixed bits, into a seed.
-
-    Used for stochastic rounding when the caller passes no key, so that a drop-in
-    `dot_general` draws fresh randomness every step. Integer addition is associative, so the
-    key is the same on every platform, implementation and sharding. Each element's bits are
-    mixed before the sum: a plain sum of bits is blind to scaling dy by 2 (every element
-    gains 2**23, and n * 2**23 wraps to 0 for n a multiple of 512), which would repeat the
-    rounding of the unscaled gradient.
-    """
-    bits = jax.lax.bitcast_convert_type(dy.astype(_F32), jnp.uint32)
-    digest = jnp.sum(_mix32(bits), dtype=jnp.uint32)
-    return fold_in(jax.random.key(_GRADIENT_KEY_SEED), digest, implementation)
-
-
-def _native_hash(implementation) -> bool:
-    """True where the SR keys are hashed by `kernels.threefry2x32`, one native custom call.
-
-    That is on the CPU, when the native kernels run the GEMMs' quantization. The same bits as
-    JAX's threefry2x32, whose CPU lowering XLA compiles as a rolled loop that costs as much as
-    dozens of plain ops (a few per layer and step). The reference implementation stays pure
-    JAX (its programs hold no custom call).
-    """
-    return (
-        kernels.current_platform() == "cpu"
-        and backends.resolve(implementation, "dot_general").name == "ffi"
-    )
-
-
-def fold_in(key, data, implementation=None):
-    """`jax.random.fold_in(key, data)`, bit for bit, for a uint32 scalar `data`.
-
-    Where `_native_hash(implementation)`, a threefry key is hashed by the native kernel
-    (`kernels.fold_in_words`: `threefry2x32(k, (0, d))`, as JAX's threefry implementation
-    has it; a test holds them equal). Otherwise `jax.random.fold_in`.
-    """
-    if not (kernels.is_threefry_key(key) and _native_hash(implementation)):
-        return jax.random.fold_in(key, data)
-    words = jax.random.key_data(key)
-    y0, y1 = kernels.fold_in_words(words[0], words[1], jnp.asarray(data, jnp.uint32).reshape(1))
-    return jax.random.wrap_key_data(jnp.concatenate([y0, y1]), impl="threefry2x32")
-
-
-def _sr_seeds(key, implementation=None) -> tuple:
-    """The SR keys of dgrad and wgrad: the two keys of `jax.random.split(key)`, as `SRSeed`s.
-
-    Each seed's words are `jax.random.bits(k, (2,), uint32)` of its key (`SRSeed.from_key`).
-    For threefry keys (JAX's default, with its default `jax_threefry_partitionable`) both
-    seeds take two hashes (`kernels.split_bits_words`) where split and two draws take three,
-    by the native kernel where `_native_hash(implementation)` (one custom call each), else
-    by JAX's primitive. Other keys take `jax.random.split`, each seed drawn on its own. Tests
-    hold the seeds equal to `SRSeed.from_key` of `jax.random.split(key)`.
-    """
-    if not kernels.is_threefry_key(key):
-        keys = jax.random.split(key)
-        return keys[0], keys[1]
-    data = jax.random.key_data(key)
-    hash_ = (
-        kernels.threefry2x32
-        if _native_hash(implementation)
-        else jax.extend.random.threefry2x32_p.bind
-    )
-    words = kernels.split_bits_words(data[0], data[1], hash_)  # key 0's two words, then key 1's
-    return SRSeed(words[:2], _ZERO_OFFSET), SRSeed(words[2:], _ZERO_OFFSET)
-
-
-def _operand(x, recipe: NVFP4Recipe, *, axis, **flags) -> gemm.Operand:
-    return gemm.quantize_operand(
+def _operand(x, recipe: NVFP4Recipe, spec: QuantSpec, key=None) -> gemm.Operand:
+    return gemm.spec_operand(
         x,
-        axis=axis,
+        spec,
+        key=key,
         backend=recipe.gemm_backend,
         dtype=recipe.gemm_dtype,
         implementation=recipe.implementation,
-        **flags,
     )
 
 
@@ -148,23 +69,18 @@ def _array_operand(q, recipe: NVFP4Recipe) -> gemm.Operand:
     )
 
 
-def _quantize_weight(w, recipe: NVFP4Recipe, axis: int = 0):
+def _quantize_weight(w, recipe: NVFP4Recipe, gemm_name: str = "fprop"):
     """W (K, N) quantized along K, stored (N, K): the fprop operand, packed for reuse.
 
-    `axis=1`: along N (1x16 blocks only), stored (K, N), for a 1x16 recipe's dgrad.
+    For "dgrad" the same, except without `weight_2d`: along N (1x16), stored (K, N).
     """
-    return ops_quantize(
-        w,
-        axis=axis,
-        block_2d=recipe.weight_2d and axis == 0,
-        implementation=recipe.implementation,
-        **recipe.four_over_six("weight"),
-    )
+    spec = recipe.spec("weight", gemm_name)
+    return quantize_with_spec(w, spec, implementation=recipe.implementation)
 
 
 def _fprop(x, w, recipe: NVFP4Recipe):
     qw = _quantize_weight(w, recipe)
-    qx = _operand(x, recipe, axis=-1, **recipe.four_over_six("activation"))  # stored (M, K)
+    qx = _operand(x, recipe, recipe.spec("activation", "fprop"))  # stored (M, K)
     w_operand = _array_operand(qw, recipe)
     return gemm.matmul(qx, w_operand), qw
 
@@ -221,19 +137,15 @@ def _nvfp4_matmul_fwd(x, w, key, recipe, out_dtype):
         w_res = w
     elif not recipe.weight_2d:
         # 1x16 blocks along K cannot serve dgrad, which contracts over N: quantize along N.
-        w_res = _quantize_weight(w, recipe, axis=1)  # stored (K, N)
+        w_res = _quantize_weight(w, recipe, "dgrad")  # stored (K, N)
     else:
         w_res = _quantize_weight(w, recipe) if qw is None else qw  # stored (N, K)
     if not recipe.wgrad:
         x_res = x
     else:
-        x_res = ops_quantize(
-            pad_tokens(x),
-            axis=0,
-            rht=recipe.wgrad_rht,
-            implementation=recipe.implementation,
-            **recipe.four_over_six("activation"),
-        )  # stored (K, M)
+        spec = recipe.spec("activation", "wgrad")
+        x_res = quantize_with_spec(pad_tokens(x), spec, implementation=recipe.implementation)
+        # stored (K, M)
     return y, (w_res, x_res, key, PrimalTypes.of(x, w))
 
 
@@ -242,22 +154,15 @@ def _nvfp4_matmul_bwd(recipe, out_dtype, residuals, dy):
     x_aval, w_aval = types.avals
     sr = recipe.stochastic_rounding and (recipe.dgrad or recipe.wgrad)
     if key is None and sr:
-        key = _gradient_key(dy, recipe.implementation)
-    dgrad_key, wgrad_key = _sr_seeds(key, recipe.implementation) if sr else (None, None)
+        key = gradient_key(dy, recipe.implementation)
+    dgrad_key, wgrad_key = sr_seeds(key, recipe.implementation) if sr else (None, None)
     backend = recipe.gemm_backend
 
     # dgrad: dx (M, K) = dy (M, N) @ W^T, both operands quantized along N.
     if not recipe.dgrad:
         dx = _high_precision_dgrad(dy, qw, x_aval, out_dtype)
     else:
-        dy_n = _operand(
-            dy,
-            recipe,
-            axis=-1,
-            stochastic_rounding=sr,
-            key=dgrad_key,
-            **recipe.four_over_six("gradient"),
-        )
+        dy_n = _operand(dy, recipe, recipe.spec("gradient", "dgrad"), dgrad_key)
         if recipe.weight_2d and backend == "scaled_matmul":
             qw = gemm.transpose_2d_blocks(qw)  # stored (K, N)
         w_n = _array_operand(qw, recipe)
@@ -270,15 +175,8 @@ def _nvfp4_matmul_bwd(recipe, out_dtype, residuals, dy):
     if not recipe.wgrad:
         dw = _high_precision_wgrad(dy, qx_tokens, w_aval, out_dtype)
     else:
-        dy_m = _operand(
-            pad_tokens(dy).T,  # stored (N, M): one transpose for both the amax and the quantize
-            recipe,
-            axis=-1,
-            rht=recipe.wgrad_rht,
-            stochastic_rounding=sr,
-            key=wgrad_key,
-            **recipe.four_over_six("gradient"),
-        )  # stored (N, M)
+        # stored (N, M): one transpose for both the amax and the quantize
+        dy_m = _operand(pad_tokens(dy).T, recipe, recipe.spec("gradient", "wgrad"), wgrad_key)
         x_m = _array_operand(qx_tokens, recipe)  # stored (K, M)
         dw = gemm.matmul(x_m, dy_m)
     # Each gradient with its primal's type: dW of a weight replicated over shard_map's axes
@@ -442,13 +340,7 @@ def batched_matmul(x, w, key, recipe: NVFP4Recipe, out_dtype) -> jax.Array:
     padding and SR key (`fold_in(key, b)` for element b, or derived from its own dy when
     `key` is None). `recipe.gemm_backend` must be resolved ("emulated" or "scaled_matmul").
     """
-    keys = (
-        None
-        if key is None
-        else jax.vmap(lambda i: jax.random.fold_in(key, i))(
-            jnp.arange(x.shape[0], dtype=jnp.uint32)
-        )
-    )
+    keys = None if key is None else element_keys(key, x.shape[0])
 
     def one(x_b, w_b, key_b):
         return _nvfp4_matmul(x_b, w_b, key_b, recipe, out_dtype)

@@ -38,31 +38,27 @@ from jax.sharding import PartitionSpec as P
 
 from nvfp4_jax._src.core import backends, formats, kernels, layout, ops, types
 from nvfp4_jax._src.core.array import NVFP4Array
+from nvfp4_jax._src.core.backends import (  # the registry's constants, here for nvfp4_jax.gemm
+    SCALED_MATMUL_MIN_CAPABILITY as SCALED_MATMUL_MIN_CAPABILITY,
+)
+from nvfp4_jax._src.core.backends import WEIGHT_ONLY_MAX_ROWS as WEIGHT_ONLY_MAX_ROWS
 from nvfp4_jax._src.core.backends import Implementation
 from nvfp4_jax._src.core.seed import SRSeed
+from nvfp4_jax._src.core.spec import QuantSpec
 from nvfp4_jax._src.training.recipe import GEMM_BACKENDS, GemmBackend
 
 _F32 = jnp.float32
-# The first compute capability whose tensor cores run block-scaled FP4 (Blackwell, sm_100).
-SCALED_MATMUL_MIN_CAPABILITY = 10.0
 
 
 # --- backend choice ---------------------------------------------------------------------------
 
 
 def scaled_matmul_unsupported_reason() -> str | None:
-    """Returns why `jax.nn.scaled_matmul` cannot run NVFP4 here, or None if it can."""
-    platform = kernels.current_platform()
-    if platform != "cuda":
-        return f"the default platform is {platform!r}, not a CUDA GPU"
-    device = jax.devices()[0]
-    capability = float(getattr(device, "compute_capability", 0) or 0)
-    if capability < SCALED_MATMUL_MIN_CAPABILITY:
-        return (
-            f"{device.device_kind} has compute capability {capability}; NVFP4 block-scaled "
-            f"GEMMs need {SCALED_MATMUL_MIN_CAPABILITY} or newer (Blackwell)"
-        )
-    return None
+    """Returns why `jax.nn.scaled_matmul` cannot run NVFP4 here, or None if it can.
+
+    `backends.scaled_matmul_unavailable_reason`: the registry answers it.
+    """
+    return backends.scaled_matmul_unavailable_reason()
 
 
 def resolve_gemm_backend(backend: GemmBackend | None, op: str = "scaled_matmul") -> GemmBackend:
@@ -91,27 +87,14 @@ def resolve_gemm_backend(backend: GemmBackend | None, op: str = "scaled_matmul")
 def uses_native_gemm(backend: GemmBackend, implementation: Implementation | None) -> bool:
     """True when the emulated GEMM runs as the native CPU kernel (`kernels.gemm`).
 
-    That is the "emulated" backend with the "ffi" implementation (named, or None where the
-    native library runs) on the CPU with AVX2 or AVX-512 kernels; never for "reference",
-    which stays pure jnp. On a CPU that runs only the portable baseline kernels (no AVX2:
-    every non-x86 CPU) the GEMM stays XLA's dot of the block values: the baseline's plain
-    integer code is 20x slower than XLA's f32 dot there (`benchmarks/bench_gemm.py --isa
-    baseline`). Either way the result is the exact block products summed in f32, in the
-    kernel's order or in XLA's.
+    That is the "emulated" backend where the backend registry runs the GEMM natively
+    (`backends.runs_natively("gemm", implementation)`: the "ffi" implementation on the CPU
+    with AVX2 or AVX-512 kernels); never for "reference", which stays pure jnp.
     """
-    if backend != "emulated" or kernels.current_platform() != "cpu":
-        return False
-    if backends.resolve(implementation, "gemm").name != "ffi":
-        return False
-    return kernels.cpu_isa() != "baseline"
+    return backend == "emulated" and backends.runs_natively("gemm", implementation)
 
 
 # --- weight-only (W4A16): activations times a frozen NVFP4 weight ----------------------------
-
-# Up to this many rows of activations (tokens) the native weight-only GEMM runs; above it the
-# weight is dequantized and XLA's dot runs (prefill-sized batches, where a dense GEMM of the
-# dequantized weight is faster than decoding the weight again for every few rows).
-WEIGHT_ONLY_MAX_ROWS = 32
 
 
 def uses_native_weight_only(
@@ -119,29 +102,13 @@ def uses_native_weight_only(
 ) -> bool:
     """True when `weight_only_matmul` runs the native CPU kernel (`nvfp4_w4a16`).
 
-    That is the CPU with the "ffi" implementation (named, or None where the native library
-    runs), a 2-D `(in, out)` weight quantized along `in` without the RHT, activations in bf16
-    or f16, and at most `WEIGHT_ONLY_MAX_ROWS` rows; never for "reference". f32 activations
-    keep XLA's f32 dot of the dequantized weight, bit for bit as before (the kernel computes
-    them too, `kernels._gemm.w4a16`, in its own summation order).
+    The backend registry's answer (`backends.runs_natively("weight_only_gemm", ...)`): the
+    CPU with the "ffi" implementation, a 2-D `(in, out)` weight quantized along `in` without
+    the RHT, activations in bf16 or f16, and at most `WEIGHT_ONLY_MAX_ROWS` rows; never for
+    "reference".
     """
-    if (
-        kernels.current_platform() != "cpu"
-        or backends.resolve(implementation, "gemm").name != "ffi"
-    ):
-        return False
-    rows = 1
-    for d in x_shape[:-1]:
-        rows *= d
-    return (
-        len(q.codes.shape) == 2
-        and q.axis == -2
-        and not q.rht
-        and jnp.ndim(q.amax) == 0
-        and len(x_shape) >= 1
-        and x_shape[-1] == q.stored_shape[-1]
-        and jnp.dtype(x_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-        and rows <= WEIGHT_ONLY_MAX_ROWS
+    return backends.runs_natively(
+        "weight_only_gemm", implementation, x_shape=x_shape, x_dtype=x_dtype, q=q
     )
 
 
@@ -353,36 +320,48 @@ def quantize_operand(
     values directly, with the tensor amax computed once for both them and `D`. That amax is
     data (NaN for a NaN/inf `x`): the operand is NaN eagerly as under `jit`, never an error.
     With `four_over_six` the blocks are Four Over Six's and `D = amax * f32(1/(6M))`,
-    `M = four_over_six_e4m3_max` (docs/NUMERICS.md section 13).
+    `M = four_over_six_e4m3_max` (docs/NUMERICS.md section 13). The keywords make the
+    `QuantSpec` of `spec_operand`.
     """
-    mode, e4m3_max = formats.check_four_over_six(
-        four_over_six, four_over_six_e4m3_max, "quantize_operand"
-    )
-    flags = dict(
+    spec = QuantSpec(
+        axis=axis,
         block_2d=block_2d,
         rht=rht,
         stochastic_rounding=stochastic_rounding,
-        key=key,
-        four_over_six=mode,
-        four_over_six_e4m3_max=e4m3_max,
+        four_over_six=four_over_six,
+        e4m3_max=four_over_six_e4m3_max,
+        op="quantize_operand",
     )
+    return spec_operand(
+        x, spec, key=key, backend=backend, dtype=dtype, implementation=implementation
+    )
+
+
+def spec_operand(
+    x: jax.Array,
+    spec: QuantSpec,
+    *,
+    key: jax.Array | SRSeed | None = None,
+    backend: GemmBackend,
+    dtype=jnp.bfloat16,
+    implementation: Implementation | None = None,
+) -> Operand:
+    """`quantize_operand` with the quantization as one `QuantSpec` (`spec.axis`: along K).
+
+    What `dot_general` runs, with the specs of `NVFP4Recipe.spec`.
+    """
+    spec = spec.replace(op="quantize")
     if backend == "scaled_matmul":
-        q = ops.quantize(x, axis=axis, implementation=implementation, **flags)
+        q = ops.quantize_with_spec(x, spec, key=key, implementation=implementation)
         return Operand(q, q.global_scale)
-    amax = ops.tensor_amax(x, axis=axis, rht=rht, implementation=implementation)
+    amax = ops.tensor_amax(x, axis=spec.axis, rht=spec.rht, implementation=implementation)
+    decode = formats.decode_scale(amax, spec.e4m3_max)
     if uses_native_gemm(backend, implementation):
-        q = ops.quantize_with_data_amax(x, amax, axis=axis, implementation=implementation, **flags)
-        return Operand(NativeBlocks(q, jnp.dtype(dtype)), formats.decode_scale(amax, e4m3_max))
-    values = ops.fake_quantize_with_data_amax(
-        x,
-        amax,
-        axis=axis,
-        global_scale=False,
-        dtype=dtype,
-        implementation=implementation,
-        **flags,
-    )
-    return Operand(jnp.moveaxis(values, axis, -1), formats.decode_scale(amax, e4m3_max))
+        q = ops.quantize_with_data_amax(x, amax, spec, key=key, implementation=implementation)
+        return Operand(NativeBlocks(q, jnp.dtype(dtype)), decode)
+    fake = spec.replace(global_scale=False, dtype=dtype, op="fake_quantize")
+    values = ops.fake_quantize_with_data_amax(x, amax, fake, key=key, implementation=implementation)
+    return Operand(jnp.moveaxis(values, spec.axis, -1), decode)
 
 
 def array_operand(

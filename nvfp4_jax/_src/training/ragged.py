@@ -55,7 +55,7 @@ from jax.custom_batching import custom_vmap
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from nvfp4_jax._src.core import backends, formats, kernels, types
+from nvfp4_jax._src.core import backends, formats, kernels, keys, types
 from nvfp4_jax._src.core import ops as nvfp4_ops
 from nvfp4_jax._src.core.reference import decode_scale, encode_scale, stochastic_magnitude
 from nvfp4_jax._src.core.types import PrimalTypes
@@ -66,9 +66,6 @@ _F32 = jnp.float32
 _U32 = jnp.uint32
 _I32 = jnp.int32
 _BLOCK = formats.BLOCK_SIZE
-# `nvfp4_jax.dot_general`'s seed of the key derived from dy when the caller gives none
-# (docs/NUMERICS.md section 12 spells the derivation out; the tests hold the two equal).
-_GRADIENT_KEY_SEED = 0x4E564650
 
 
 # --- the groups ------------------------------------------------------------------------------
@@ -219,91 +216,7 @@ def _unpack(q: _Blocks) -> _Blocks:
     return _Blocks(formats.unpack_nibbles(q.codes), q.scales)
 
 
-# --- stochastic rounding: per-group keys, per-group positions ---------------------------------
-
-
-def _mix32(h):
-    """murmur3's 32-bit finalizer (as `dot_general`'s key derivation)."""
-    h = (h ^ (h >> 16)) * _U32(0x85EBCA6B)
-    h = (h ^ (h >> 13)) * _U32(0xC2B2AE35)
-    return h ^ (h >> 16)
-
-
-def _group_keys(key, dy, groups: _Groups, num_groups: int) -> jax.Array:
-    """Every group's key, (G,) keys: `fold_in(key, g)`, or from its rows of dy for None.
-
-    With None, group g's key is `dot_general`'s key of dy_g alone: `fold_in(key(0x4E564650),
-    digest_g)`, `digest_g` the wrapping uint32 sum of `mix32(bits(f32(dy)))` over its rows.
-    """
-    if key is not None:
-        return jax.vmap(lambda g: jax.random.fold_in(key, g))(jnp.arange(num_groups, dtype=_U32))
-    base = jax.random.key(_GRADIENT_KEY_SEED)
-    digest = _group_digests(dy, groups, num_groups)
-    return jax.vmap(lambda d: jax.random.fold_in(base, d))(digest)
-
-
-def _group_digests(dy, groups: _Groups, num_groups: int) -> jax.Array:
-    """(G,) uint32: the wrapping sum of `mix32(bits(f32(dy)))` over each group's rows."""
-    bits = jax.lax.bitcast_convert_type(dy.astype(_F32), _U32)
-    row_digest = jnp.sum(_mix32(bits), axis=1, dtype=_U32)
-    return jax.ops.segment_sum(row_digest, groups.row_group, num_segments=num_groups)
-
-
-def _key_words(keys) -> jax.Array:
-    """(G, 2) uint32: `(k0, k1) = jax.random.bits(key, (2,), uint32)` of every key."""
-    return jax.vmap(lambda k: jax.random.bits(k, (2,), _U32))(keys)
-
-
-def _native_hash(recipe: NVFP4Recipe, key) -> bool:
-    """Whether `_sr_words` hashes `key` with the native kernels (`kernels.threefry2x32`)."""
-    return native_grouped(recipe) and kernels.is_threefry_key(key)
-
-
-def _sr_words(key, dy, groups: _Groups, num_groups: int, recipe: NVFP4Recipe):
-    """The SR key words of every group for dgrad and for wgrad, (G, 2) each.
-
-    They are `_key_words` of the two keys of `jax.random.split(k_g)`, k_g group g's key
-    (`_group_keys`). Where the groups are quantized natively (`native_grouped`) and the keys
-    are threefry ones, the hashes are native custom calls (`kernels.fold_in_words`,
-    `split_bits_words`): the same bits, without the rolled loops XLA's CPU compiler makes of
-    JAX's hashes.
-    """
-    base = jax.random.key(_GRADIENT_KEY_SEED) if key is None else key
-    if not _native_hash(recipe, base):
-        keys = jax.vmap(jax.random.split)(_group_keys(key, dy, groups, num_groups))
-        return _key_words(keys[:, 0]), _key_words(keys[:, 1])
-    if key is None:
-        data = _group_digests(dy, groups, num_groups)
-    else:
-        data = jnp.arange(num_groups, dtype=_U32)
-    words = jax.random.key_data(base)
-    k0, k1 = kernels.fold_in_words(words[0], words[1], data)
-    split = kernels.split_bits_words(k0, k1)  # (G, 4)
-    return split[:, :2], split[:, 2:]
-
-
-# Threefry-2x32's rotation distances, rounds 0-3 and 4-7 (Salmon et al., "Parallel random
-# numbers: as easy as 1, 2, 3", SC 2011), and its key-schedule parity constant.
-_THREEFRY_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
-_THREEFRY_PARITY = 0x1BD11BDA
-
-
-def _threefry_2x32(k0, k1, x0, x1) -> tuple[jax.Array, jax.Array]:
-    """Threefry-2x32 with 20 rounds, elementwise over arrays of keys and counters (uint32).
-
-    Bit for bit `jax.extend.random.threefry_2x32((k0, k1), (x0, x1))` (a test holds them
-    equal), written out so that XLA fuses it into one elementwise loop: with a key per
-    element, `vmap` of JAX's primitive lowers on the CPU to a rolled loop, 3x slower.
-    """
-    keys = (k0, k1, k0 ^ k1 ^ _U32(_THREEFRY_PARITY))
-    x0, x1 = x0 + keys[0], x1 + keys[1]
-    for i in range(5):
-        for r in _THREEFRY_ROTATIONS[i % 2]:
-            x0 = x0 + x1
-            x1 = ((x1 << _U32(r)) | (x1 >> _U32(32 - r))) ^ x0
-        x0 = x0 + keys[(i + 1) % 3]
-        x1 = x1 + keys[(i + 2) % 3] + _U32(i + 1)
-    return x0, x1
+# --- stochastic rounding: per-group positions (the keys: `keys.group_sr_words`) -------------
 
 
 def _counter(a, b, c) -> tuple[jax.Array, jax.Array]:
@@ -331,7 +244,7 @@ def _random_bytes(words, chunk_group, counter) -> jax.Array:
     """
     table = jnp.concatenate([words, jnp.zeros((1, 2), _U32)])
     k = table[chunk_group]
-    hashed = _threefry_2x32(k[..., 0], k[..., 1], *counter)
+    hashed = keys.threefry2x32(k[..., 0], k[..., 1], *counter)
     shifts = jnp.arange(0, 32, 8, dtype=_U32)
     parts = [(word[..., None] >> shifts) & _U32(0xFF) for word in hashed]
     return jnp.concatenate(parts, axis=-1).astype(jnp.uint8)
@@ -365,15 +278,13 @@ def _padded_random(words, groups: _Groups, n: int) -> jax.Array:
 # --- the operands ---------------------------------------------------------------------------
 
 
-def native_grouped(recipe: NVFP4Recipe) -> bool:
-    """Whether `ragged_dot` quantizes its groups with the native kernel (else jnp).
+def _native_grouped(recipe: NVFP4Recipe) -> bool:
+    """Whether the groups are quantized by the native kernel (`nvfp4_grouped_quantize`).
 
-    The native grouped quantize (`nvfp4_grouped_quantize`) runs on the CPU for the ffi
-    implementation; it gives the jnp block math's bits (tests/test_ragged.py).
+    The backend registry's answer (the ffi implementation on the CPU); it gives the jnp
+    block math's bits (tests/test_ragged.py).
     """
-    if kernels.current_platform() != "cpu" or not kernels.is_available("cpu"):
-        return False
-    return backends.resolve(recipe.implementation, "ragged_dot").name == "ffi"
+    return backends.runs_natively("grouped_quantize", recipe.implementation)
 
 
 def _bounds(sizes: jax.Array) -> jax.Array:
@@ -383,9 +294,9 @@ def _bounds(sizes: jax.Array) -> jax.Array:
 
 
 def _native_blocks(stored, bounds, amax, words, columns: bool) -> _Blocks:
-    keys = jnp.zeros((amax.shape[0], 2), _U32) if words is None else words
+    group_words = jnp.zeros((amax.shape[0], 2), _U32) if words is None else words
     codes, scales = kernels.grouped_quantize(
-        stored, bounds, amax, keys, columns=columns, stochastic_rounding=words is not None
+        stored, bounds, amax, group_words, columns=columns, stochastic_rounding=words is not None
     )
     return _unpack(_Blocks(codes, scales))
 
@@ -393,12 +304,12 @@ def _native_blocks(stored, bounds, amax, words, columns: bool) -> _Blocks:
 def _quantize_rows(a, groups: _Groups, num_groups: int, recipe: NVFP4Recipe, words=None):
     """Rows of `a` (M, C), quantized along C, each with its group's amax: (blocks, amax (G,)).
 
-    `words`: each group's SR key words (G, 2) (`_key_words`), or None for nearest.
+    `words`: each group's SR key words (G, 2) (`keys.group_sr_words`), or None for nearest.
     """
     valid = groups.row_group < num_groups
     xs = jnp.where(valid[:, None], a.astype(_F32), _F32(0))
     amax = _group_amax(xs, groups.row_group, num_groups, axis=0)
-    if native_grouped(recipe):
+    if _native_grouped(recipe):
         return _native_blocks(a, _bounds(groups.sizes), amax, words, columns=False), amax
     random = None if words is None else _row_random(words, groups, a.shape[1])
     row_amax = _gather(amax, groups.row_group, 0)[:, None]
@@ -416,7 +327,7 @@ def _quantize_tokens(a, groups: _Groups, num_groups: int, recipe: NVFP4Recipe, w
         stored = nvfp4_ops.apply_rht(stored, implementation=recipe.implementation)
     xs = stored.astype(_F32)
     amax = _group_amax(xs, groups.pad_group, num_groups, axis=1)
-    if native_grouped(recipe):
+    if _native_grouped(recipe):
         bounds = _bounds(groups.padded_sizes)
         return _native_blocks(stored, bounds, amax, words, columns=True), amax
     random = None if words is None else _padded_random(words, groups, a.shape[1])
@@ -424,17 +335,16 @@ def _quantize_tokens(a, groups: _Groups, num_groups: int, recipe: NVFP4Recipe, w
     return _quantize_blocks(xs, block_amax, random), amax
 
 
-def _quantize_weights(w, recipe: NVFP4Recipe, axis: int):
-    """Every expert of W (G, K, N) its own tensor, as `dot_general` quantizes a weight."""
-    block_2d = recipe.weight_2d and axis == 0
+def _quantize_weights(w, recipe: NVFP4Recipe, gemm_name: str):
+    """Every expert of W (G, K, N) its own tensor, as `dot_general` quantizes a weight.
+
+    `gemm_name` "fprop": along K, stored (G, N, K); "dgrad": the same with `weight_2d`,
+    else along N, stored (G, K, N) (`NVFP4Recipe.spec`).
+    """
+    spec = recipe.spec("weight", gemm_name)
+    implementation = recipe.implementation
     return jax.vmap(
-        lambda w_g: nvfp4_ops.quantize(
-            w_g,
-            axis=axis,
-            block_2d=block_2d,
-            implementation=recipe.implementation,
-            **recipe.four_over_six("weight"),
-        )
+        lambda w_g: nvfp4_ops.quantize_with_spec(w_g, spec, implementation=implementation)
     )(w)
 
 
@@ -524,7 +434,7 @@ def _row_scale(product, alpha, groups: _Groups, num_groups: int):
 def _fprop(x, w, groups: _Groups, recipe: NVFP4Recipe):
     g = w.shape[0]
     qx, amax_x = _quantize_rows(x, groups, g, recipe)
-    qw = _quantize_weights(w, recipe, axis=0)  # stored (G, N, K)
+    qw = _quantize_weights(w, recipe, "fprop")  # stored (G, N, K)
     w_values, d_w = _weight_values(qw, recipe)
     product = _ragged_gemm(1, 2, 0)(_block_values(qx, recipe.gemm_dtype), w_values, groups.sizes)
     return _row_scale(product, _alpha(decode_scale(amax_x), d_w), groups, g), qw
@@ -582,9 +492,9 @@ def _ragged_matmul_fwd(x, w, group_sizes, key, recipe, out_dtype):
     if not recipe.dgrad:
         qw = w
     elif not recipe.weight_2d:
-        qw = _quantize_weights(w, recipe, axis=1)  # 1x16 along N for dgrad, stored (G, K, N)
+        qw = _quantize_weights(w, recipe, "dgrad")  # 1x16 along N, stored (G, K, N)
     elif qw is None:
-        qw = _quantize_weights(w, recipe, axis=0)  # stored (G, N, K), as in fprop
+        qw = _quantize_weights(w, recipe, "fprop")  # stored (G, N, K), as in fprop
     if not recipe.wgrad:
         x_res, d_x_tokens = x, None
     else:
@@ -603,7 +513,9 @@ def _ragged_matmul_bwd(recipe, out_dtype, residuals, dy):
     sr = recipe.stochastic_rounding and (recipe.dgrad or recipe.wgrad)
     dgrad_words = wgrad_words = None
     if sr:
-        dgrad_words, wgrad_words = _sr_words(key, dy, groups, g, recipe)
+        dgrad_words, wgrad_words = keys.group_sr_words(
+            key, dy, groups.row_group, g, recipe.implementation
+        )
 
     # dgrad: dx (M, K) = dy (M, N) @ W[g]^T, both operands quantized along N.
     if not recipe.dgrad:

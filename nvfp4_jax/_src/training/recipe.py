@@ -9,12 +9,22 @@ import jax.numpy as jnp
 
 from nvfp4_jax._src.core import backends, formats
 from nvfp4_jax._src.core.backends import Implementation
+from nvfp4_jax._src.core.spec import QuantSpec
 
 # The GEMM backends of `nvfp4_jax.gemm`: emulated anywhere, or `jax.nn.scaled_matmul`.
 GemmBackend = Literal["emulated", "scaled_matmul"]
 GEMM_BACKENDS = ("emulated", "scaled_matmul")
 # The operand classes Four Over Six is chosen for: W, x and dy.
 FOUR_OVER_SIX_OPERANDS = ("weight", "activation", "gradient")
+# The operands of a dense layer's three GEMMs (operand class, GEMM): `NVFP4Recipe.spec`'s.
+GEMM_OPERANDS = (
+    ("activation", "fprop"),
+    ("weight", "fprop"),
+    ("gradient", "dgrad"),
+    ("weight", "dgrad"),
+    ("activation", "wgrad"),
+    ("gradient", "wgrad"),
+)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -110,6 +120,45 @@ class NVFP4Recipe:
         return dict(
             four_over_six=getattr(self, f"{operand}_four_over_six"),
             four_over_six_e4m3_max=self.four_over_six_e4m3_max,
+        )
+
+    def spec(self, operand: str, gemm: str) -> QuantSpec:
+        """The `QuantSpec` of one operand of one GEMM, in the layout the GEMM hands it over.
+
+        | operand, GEMM     | layout      | axis                     | blocks | RHT         | SR |
+        | activation, fprop | x (M, K)    | -1 (K)                   | 1x16   | no          | no |
+        | weight, fprop     | W (K, N)    | 0 (K)                    | 2D     | no          | no |
+        | weight, dgrad     | W (K, N)    | 0 (K); 1 (N) if not 2D   | 2D     | no          | no |
+        | gradient, dgrad   | dy (M, N)   | -1 (N)                   | 1x16   | no          | SR |
+        | activation, wgrad | x (M, K)    | 0 (M)                    | 1x16   | `wgrad_rht` | no |
+        | gradient, wgrad   | dy^T (N, M) | -1 (M)                   | 1x16   | `wgrad_rht` | SR |
+
+        (2D: 16x16 blocks with `weight_2d`, else 1x16; SR: `stochastic_rounding`.) Each
+        operand class has its Four Over Six (`four_over_six(operand)`). The weight of dgrad
+        is fprop's when `weight_2d` (16x16 tiles transpose exactly), else quantized again
+        along N.
+        """
+        if (operand, gemm) not in GEMM_OPERANDS:
+            raise ValueError(
+                f"NVFP4Recipe.spec: (operand, gemm) must be one of {GEMM_OPERANDS}, got "
+                f"{(operand, gemm)!r}"
+            )
+        axis, block_2d, sr = -1, False, False
+        if operand == "weight":
+            axis = 0 if self.weight_2d or gemm != "dgrad" else 1
+            block_2d = self.weight_2d
+        elif operand == "activation":
+            axis = 0 if gemm == "wgrad" else -1
+        else:
+            sr = self.stochastic_rounding
+        rht = gemm == "wgrad" and self.wgrad_rht
+        return QuantSpec(
+            axis=axis,
+            block_2d=block_2d,
+            rht=rht,
+            stochastic_rounding=sr,
+            four_over_six=getattr(self, f"{operand}_four_over_six"),
+            e4m3_max=self.four_over_six_e4m3_max,
         )
 
     @property

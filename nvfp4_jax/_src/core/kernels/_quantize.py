@@ -12,7 +12,8 @@ non-finite input or an invalid A); fake quantize returns the dequantized values.
 Four Over Six (docs/NUMERICS.md section 13) runs on the twin targets `nvfp4_quantize_4over6`
 and `nvfp4_fake_quantize_4over6`: the same operands and results, and two more attributes,
 `error` ("mae" or "mse") and `e4m3_max` (i32, 256 or 448); the plain targets keep their
-signature, so functions exported with them still run.
+signature, so functions exported with them still run. The target and its attributes come
+from the call's `QuantSpec` (`QuantSpec.ffi_target`), the one place that spells them.
 
 Sharding: every leading dim keeps its sharding, and so does the quantized axis when each
 shard holds a multiple of 16 of it; the kernel runs on the local shard with the global
@@ -29,64 +30,41 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from nvfp4_jax._src.core import formats
 from nvfp4_jax._src.core.kernels import _library
 from nvfp4_jax._src.core.kernels import _partition as part
 from nvfp4_jax._src.core.seed import SRSeed, constant_words
+from nvfp4_jax._src.core.spec import QuantSpec
 
 _F32 = jnp.float32
 _BLOCK = formats.BLOCK_SIZE
 _ZERO_SEED = constant_words([0, 0, 0, 0])
 
 
-def _target(name: str, four_over_six: str | None, e4m3_max: int) -> tuple[str, dict]:
-    """The target and its Four Over Six attributes (none for plain NVFP4)."""
-    if four_over_six is None:
-        return name, {}
-    return f"{name}_4over6", dict(error=four_over_six, e4m3_max=np.int32(e4m3_max))
-
-
-def _call_quantize(
-    x, amax, words, *, block_2d, rht, stochastic_rounding, four_over_six=None, e4m3_max=448
-):
+def _call_quantize(x, amax, words, *, spec: QuantSpec):
     lead, cols = x.shape[:-1], x.shape[-1]
     out = (
         jax.ShapeDtypeStruct((*lead, cols // 2), jnp.uint8),
         jax.ShapeDtypeStruct((*lead, cols // _BLOCK), jnp.float8_e4m3fn),
         jax.ShapeDtypeStruct((), _F32),
     )
-    target, extra = _target("nvfp4_quantize", four_over_six, e4m3_max)
+    target, attrs = spec.ffi_target("nvfp4_quantize")
     call = jax.ffi.ffi_call(target, out, vmap_method="sequential")
-    flags = dict(block_2d=block_2d, rht=rht, stochastic_rounding=stochastic_rounding)
-    return tuple(call(x, amax, words, **flags, **extra))
+    return tuple(call(x, amax, words, **attrs))
 
 
-def _call_fake_quantize(
-    x,
-    amax,
-    words,
-    *,
-    block_2d,
-    rht,
-    stochastic_rounding,
-    global_scale,
-    dtype,
-    four_over_six=None,
-    e4m3_max=448,
-):
+def _call_fake_quantize(x, amax, words, *, spec: QuantSpec):
     """(values, stored amax): the stored amax is `_call_quantize`'s, NaN when the values are.
 
     The kernels decide the NaN fill on the device from it, so it is a result (whose memory
     outlives the kernels), not scratch memory.
     """
-    out = (jax.ShapeDtypeStruct(x.shape, dtype), jax.ShapeDtypeStruct((), _F32))
-    target, extra = _target("nvfp4_fake_quantize", four_over_six, e4m3_max)
+    out = (jax.ShapeDtypeStruct(x.shape, spec.dtype), jax.ShapeDtypeStruct((), _F32))
+    target, attrs = spec.ffi_target("nvfp4_fake_quantize")
     call = jax.ffi.ffi_call(target, out, vmap_method="sequential")
-    flags = dict(block_2d=block_2d, rht=rht, stochastic_rounding=stochastic_rounding)
-    return tuple(call(x, amax, words, global_scale=global_scale, **flags, **extra))
+    return tuple(call(x, amax, words, **attrs))
 
 
 def _entries(mesh, x, *, block_2d: bool, sr: bool) -> list:
@@ -165,19 +143,11 @@ def _poison_values(results, bad):
 
 
 @functools.cache
-def _partitioned_quantize(
-    ndim: int, block_2d: bool, rht: bool, sr: bool, one_block: bool, fos=(None, 448)
-):
-    raw = part.positional(
-        _call_quantize,
-        block_2d=block_2d,
-        rht=rht,
-        stochastic_rounding=sr,
-        four_over_six=fos[0],
-        e4m3_max=fos[1],
-    )
+def _partitioned_quantize(ndim: int, spec: QuantSpec, one_block: bool):
+    raw = part.positional(_call_quantize, spec=spec)
+    sr = spec.stochastic_rounding
     infer, partition = _blockwise_rule(
-        raw, block_2d=block_2d, sr=sr, blocked=2, poison=_poison_codes
+        raw, block_2d=spec.block_2d, sr=sr, blocked=2, poison=_poison_codes
     )
     d = part.dims(ndim)
     if one_block:  # (..., 16): Shardy refuses a compound factor (s k) whose s has size 1
@@ -187,19 +157,11 @@ def _partitioned_quantize(
 
 
 @functools.cache
-def _partitioned_fake_quantize(ndim, block_2d, rht, sr, global_scale, dtype, fos=(None, 448)):
-    raw = part.positional(
-        _call_fake_quantize,
-        block_2d=block_2d,
-        rht=rht,
-        stochastic_rounding=sr,
-        global_scale=global_scale,
-        dtype=dtype,
-        four_over_six=fos[0],
-        e4m3_max=fos[1],
-    )
+def _partitioned_fake_quantize(ndim: int, spec: QuantSpec):
+    raw = part.positional(_call_fake_quantize, spec=spec)
+    sr = spec.stochastic_rounding
     infer, partition = _blockwise_rule(
-        raw, block_2d=block_2d, sr=sr, blocked=1, poison=_poison_values
+        raw, block_2d=spec.block_2d, sr=sr, blocked=1, poison=_poison_values
     )
     d = part.dims(ndim)
     return part.with_rule(raw, partition, infer, f"{d} c, , w -> {d} c, ")
@@ -219,8 +181,33 @@ def _amax_operand(amax) -> jax.Array:
     return amax if amax.shape == () else amax.reshape(())
 
 
-def _four_over_six(four_over_six: str | None, e4m3_max: int) -> tuple[str | None, int]:
-    return (None, 448) if four_over_six is None else (four_over_six, int(e4m3_max))
+def _stored_spec(spec: QuantSpec, seed: SRSeed | None) -> QuantSpec:
+    """The spec of the stored layout, rounding stochastically exactly when a seed is given."""
+    sr = seed is not None
+    spec = spec.stored()
+    return spec if spec.stochastic_rounding == sr else spec.replace(stochastic_rounding=sr)
+
+
+def quantize_spec(x: jax.Array, amax: jax.Array, seed: SRSeed | None, spec: QuantSpec):
+    """`quantize` under a `QuantSpec` (its layout: x's, the quantized axis last).
+
+    Returns:
+      codes uint8 (..., C/2), scales float8_e4m3fn (..., C/16) and the stored amax.
+    """
+    _library.require("quantize")
+    one_block = x.shape[-1] == _BLOCK
+    op = _partitioned_quantize(x.ndim - 1, _stored_spec(spec, seed), one_block)
+    operands = (x, _amax_operand(amax), _seed_operand(seed))
+    return part.vary_like(tuple(op(*operands)), *operands)
+
+
+def fake_quantize_spec(x: jax.Array, amax: jax.Array, seed: SRSeed | None, spec: QuantSpec):
+    """`fake_quantize` under a `QuantSpec` whose `dtype` is set (x's layout, as above)."""
+    _library.require("fake_quantize")
+    op = _partitioned_fake_quantize(x.ndim - 1, _stored_spec(spec, seed))
+    operands = (x, _amax_operand(amax), _seed_operand(seed))
+    values, _ = op(*operands)  # the stored amax only served the NaN fill
+    return part.vary_like(values, *operands)
 
 
 def quantize(
@@ -237,17 +224,19 @@ def quantize(
 
     `seed` None rounds to nearest; an `SRSeed` rounds stochastically with its bits.
     `four_over_six` "mae" or "mse": Four Over Six with the global scale's E4M3 max `e4m3_max`.
+    The keywords make the `QuantSpec` of `quantize_spec`.
 
     Returns:
       codes uint8 (..., C/2), scales float8_e4m3fn (..., C/16) and the stored amax.
     """
-    _library.require("quantize")
-    sr = seed is not None
-    one_block = x.shape[-1] == _BLOCK
-    fos = _four_over_six(four_over_six, e4m3_max)
-    op = _partitioned_quantize(x.ndim - 1, bool(block_2d), bool(rht), sr, one_block, fos)
-    operands = (x, _amax_operand(amax), _seed_operand(seed))
-    return part.vary_like(tuple(op(*operands)), *operands)
+    spec = QuantSpec(
+        block_2d=bool(block_2d),
+        rht=bool(rht),
+        four_over_six=four_over_six,
+        e4m3_max=e4m3_max,
+        op="kernels.quantize",
+    )
+    return quantize_spec(x, amax, seed, spec)
 
 
 def fake_quantize(
@@ -266,14 +255,16 @@ def fake_quantize(
 
     No inverse RHT: `value(code) * (f32(s_b) * D)` with `global_scale` (`D = A * RCP2688`,
     under Four Over Six `A * f32(1/(6 * e4m3_max))`), else `value(code) * f32(s_b)`.
-    Non-finite input (or an invalid A) gives NaN everywhere.
+    Non-finite input (or an invalid A) gives NaN everywhere. The keywords make the
+    `QuantSpec` of `fake_quantize_spec`.
     """
-    _library.require("fake_quantize")
-    sr = seed is not None
-    fos = _four_over_six(four_over_six, e4m3_max)
-    op = _partitioned_fake_quantize(
-        x.ndim - 1, bool(block_2d), bool(rht), sr, bool(global_scale), jnp.dtype(dtype), fos
+    spec = QuantSpec(
+        block_2d=bool(block_2d),
+        rht=bool(rht),
+        four_over_six=four_over_six,
+        e4m3_max=e4m3_max,
+        global_scale=bool(global_scale),
+        dtype=jnp.dtype(dtype),
+        op="kernels.fake_quantize",
     )
-    operands = (x, _amax_operand(amax), _seed_operand(seed))
-    values, _ = op(*operands)  # the stored amax only served the NaN fill
-    return part.vary_like(values, *operands)
+    return fake_quantize_spec(x, amax, seed, spec)

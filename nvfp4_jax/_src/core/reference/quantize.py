@@ -35,6 +35,7 @@ from nvfp4_jax._src.core.array import NVFP4Array
 from nvfp4_jax._src.core.formats import decode_scale
 from nvfp4_jax._src.core.reference import hadamard, stochastic
 from nvfp4_jax._src.core.seed import SRSeed, as_seed
+from nvfp4_jax._src.core.spec import QuantSpec
 
 _F32 = jnp.float32
 
@@ -145,8 +146,8 @@ def _tile_error(err: jax.Array) -> jax.Array:
     return jnp.broadcast_to(t, (*t.shape[:-2], formats.BLOCK_SIZE, cols)).reshape(err.shape)
 
 
-def _four_over_six_scales(blocks, block_max, used, s_enc, s_dec, block_2d, mode, e4m3_max):
-    """The chosen scales and encode factors of every block (section 13).
+def _four_over_six_scales(blocks, block_max, used, s_enc, s_dec, spec: QuantSpec):
+    """The chosen scales and encode factors of every block (section 13), under `spec`'s 4/6.
 
     `base = (a_b / 6) * S_enc` (a true division by 6); map-to-6 `s6 = e4m3(min(base, 448))`,
     map-to-4 `s4 = e4m3(min(base * 1.5, 448))`; map-to-4 wins where its error is strictly
@@ -159,41 +160,31 @@ def _four_over_six_scales(blocks, block_max, used, s_enc, s_dec, block_2d, mode,
     s6 = jnp.minimum(base, e4m3_max_f).astype(jnp.float8_e4m3fn)
     s4 = jnp.minimum(base * formats.MAP_TO_4, e4m3_max_f).astype(jnp.float8_e4m3fn)
     enc6, enc4 = block_encode(s6, s_dec), block_encode(s4, s_dec)
-    err6 = _candidate_error(blocks, s6, enc6, used, mode, e4m3_max)
-    err4 = _candidate_error(blocks, s4, enc4, used, mode, e4m3_max)
-    if block_2d:
+    err6 = _candidate_error(blocks, s6, enc6, used, spec.four_over_six, spec.e4m3_max)
+    err4 = _candidate_error(blocks, s4, enc4, used, spec.four_over_six, spec.e4m3_max)
+    if spec.block_2d:
         err6, err4 = _tile_error(err6), _tile_error(err4)
     pick4 = err4 < err6  # strict: ties (and NaN) keep map-to-6
     return jnp.where(pick4, s4, s6), jnp.where(pick4, enc4, enc6)
 
 
-def _quantize_core(
-    xs,
-    used,
-    bad,
-    seed: SRSeed | None,
-    block_2d: bool,
-    four_over_six: str | None = None,
-    e4m3_max: int = 448,
-):
-    """Quantizes the f32 stored layout `xs` (..., C) with tensor amax `used`.
+def _quantize_core(xs, used, bad, seed: SRSeed | None, spec: QuantSpec):
+    """Quantizes the f32 stored layout `xs` (..., C) with tensor amax `used` under `spec`.
 
-    Returns unpacked codes uint8 (..., C) and scales float8_e4m3fn (..., C/16). With
-    `four_over_six` ("mae" or "mse") the scales are Four Over Six's choice, with the global
-    scale of E4M3 max `e4m3_max`; stochastic rounding then rounds with the chosen scale.
+    Returns unpacked codes uint8 (..., C) and scales float8_e4m3fn (..., C/16). Under Four
+    Over Six the scales are its choice, with the global scale of E4M3 max `spec.e4m3_max`;
+    stochastic rounding (`seed` not None) then rounds with the chosen scale.
     """
-    s_enc = encode_scale(used, e4m3_max)
+    s_enc = encode_scale(used, spec.e4m3_max)
     s_dec = _F32(1) / s_enc
     blocks = xs.reshape(*xs.shape[:-1], xs.shape[-1] // formats.BLOCK_SIZE, formats.BLOCK_SIZE)
-    block_max = block_amax(blocks, block_2d)
-    if four_over_six is None:
+    block_max = block_amax(blocks, spec.block_2d)
+    if spec.four_over_six is None:
         scaled = jnp.minimum(block_max * (s_enc * _F32(formats.RCP6)), _F32(formats.E4M3_MAX))
         scales = scaled.astype(jnp.float8_e4m3fn)
         encode = block_encode(scales, s_dec)
     else:
-        scales, encode = _four_over_six_scales(
-            blocks, block_max, used, s_enc, s_dec, block_2d, four_over_six, e4m3_max
-        )
+        scales, encode = _four_over_six_scales(blocks, block_max, used, s_enc, s_dec, spec)
     y = blocks * encode[..., None]
     magnitude = jnp.abs(y)
     if seed is not None:
@@ -213,31 +204,25 @@ def _amax_data(amax, op: str) -> jax.Array:
     return amax.astype(_F32)
 
 
-def check_quantize_call(
-    x, axis, block_2d, rht, stochastic_rounding, key, amax, op, *, amax_is_data=False
-):
-    """Validated (x, negative axis, SR seed or None, f32 amax or None).
+def check_quantize_call(x, spec: QuantSpec, key, amax, *, amax_is_data=False):
+    """Validated (x, the spec for x's shape, SR seed or None, f32 amax or None).
 
-    The argument checks of every quantizing op, for every implementation (`nvfp4_jax.ops`
-    calls it too), so they raise the same errors. A caller's concrete amax that is negative,
-    NaN or inf is an error; with `amax_is_data` (an amax the library computed or stores, e.g.
-    a GEMM operand's `tensor_amax`) only its type is checked: such an amax is NaN exactly when
-    the data is, and gives the NaN tensor eagerly as under `jit`.
+    The argument checks of every quantizing op that the spec (validated when it was made)
+    cannot do alone, for every implementation (`nvfp4_jax.ops` calls it too), so they raise
+    the same errors. A caller's concrete amax that is negative, NaN or inf is an error; with
+    `amax_is_data` (an amax the library computed or stores, e.g. a GEMM operand's
+    `tensor_amax`) only its type is checked: such an amax is NaN exactly when the data is,
+    and gives the NaN tensor eagerly as under `jit`.
     """
+    op = spec.op
     x = formats.as_float_array(x, op)
-    axis = formats.check_quantize_args(
-        x,
-        axis=axis,
-        block_2d=block_2d,
-        rht=rht,
-        stochastic_rounding=stochastic_rounding,
-        key=key,
-        op=op,
-    )
-    seed = as_seed(key, op) if stochastic_rounding else None
+    if spec.stochastic_rounding and key is None:
+        raise ValueError(f"{op}: stochastic_rounding=True needs a PRNG key, got key=None")
+    spec = spec.check_shape(x.shape)
+    seed = as_seed(key, op) if spec.stochastic_rounding else None
     if amax is not None and amax_is_data:
-        return x, axis, seed, _amax_data(amax, op)
-    return x, axis, seed, formats.check_amax(amax, op)
+        return x, spec, seed, _amax_data(amax, op)
+    return x, spec, seed, formats.check_amax(amax, op)
 
 
 def tensor_amax(x: jax.Array, *, axis: int = -1, rht: bool = False) -> jax.Array:
@@ -255,30 +240,45 @@ def tensor_amax(x: jax.Array, *, axis: int = -1, rht: bool = False) -> jax.Array
       >>> float(tensor_amax(jnp.array([1.0, -3.0] * 8)))
       3.0
     """
-    x, axis, _, _ = check_quantize_call(x, axis, False, rht, False, None, None, "tensor_amax")
-    _, _, _, stored_amax = _prepare(jnp.moveaxis(x, axis, -1), rht, None)
+    spec = QuantSpec(axis=axis, rht=rht, op="tensor_amax")
+    x, spec, _, _ = check_quantize_call(x, spec, None, None)
+    _, _, _, stored_amax = _prepare(jnp.moveaxis(x, spec.axis, -1), spec.rht, None)
     return stored_amax
 
 
 def quantized_array(
     codes, scales, stored_amax, dtype, axis, block_2d, rht, four_over_six, e4m3_max
 ) -> NVFP4Array:
-    """The `NVFP4Array` of a quantize result; a Four Over Six one carries its decode factor.
+    """The `NVFP4Array` of a quantize result: `spec_array` of the spec of these options."""
+    spec = QuantSpec(
+        axis=axis,
+        block_2d=bool(block_2d),
+        rht=bool(rht),
+        four_over_six=four_over_six,
+        e4m3_max=int(e4m3_max),
+    )
+    return spec_array(codes, scales, stored_amax, dtype, spec)
 
-    `D = A * f32(1/(6M))` goes into `decode_scale` (section 13), so that checkpoints and
-    exports, which keep the leaves, decode it right whatever they make of the metadata.
+
+def spec_array(codes, scales, stored_amax, dtype, spec: QuantSpec) -> NVFP4Array:
+    """The `NVFP4Array` of a quantize result under `spec` (its axis: the logical one).
+
+    A Four Over Six one carries its decode factor: `D = A * f32(1/(6M))` goes into
+    `decode_scale` (section 13), so that checkpoints and exports, which keep the leaves,
+    decode it right whatever they make of the metadata.
     """
+    fos = spec.four_over_six
     return NVFP4Array(
         codes=codes,
         scales=scales,
         amax=stored_amax,
         dtype=jnp.dtype(dtype),
-        axis=axis,
-        block_2d=bool(block_2d),
-        rht=bool(rht),
-        decode_scale=None if four_over_six is None else decode_scale(stored_amax, e4m3_max),
-        four_over_six=four_over_six,
-        e4m3_max=int(e4m3_max),
+        axis=spec.axis,
+        block_2d=spec.block_2d,
+        rht=spec.rht,
+        decode_scale=None if fos is None else decode_scale(stored_amax, spec.e4m3_max),
+        four_over_six=fos,
+        e4m3_max=spec.e4m3_max,
     )
 
 
@@ -305,20 +305,19 @@ def quantize(
       ((2, 8), (2, 1), (2, 16))
 
     """
-    x, axis, seed, amax = check_quantize_call(
-        x, axis, block_2d, rht, stochastic_rounding, key, amax, "quantize"
-    )
-    mode, e4m3_max = formats.check_four_over_six(four_over_six, four_over_six_e4m3_max, "quantize")
-    codes, scales, stored_amax = quantize_stored(
-        jnp.moveaxis(x, axis, -1),
-        amax,
-        seed,
+    spec = QuantSpec(
+        axis=axis,
         block_2d=block_2d,
         rht=rht,
-        four_over_six=mode,
-        e4m3_max=e4m3_max,
+        stochastic_rounding=stochastic_rounding,
+        four_over_six=four_over_six,
+        e4m3_max=four_over_six_e4m3_max,
+        op="quantize",
     )
-    return quantized_array(codes, scales, stored_amax, x.dtype, axis, block_2d, rht, mode, e4m3_max)
+    x, spec, seed, amax = check_quantize_call(x, spec, key, amax)
+    stored = jnp.moveaxis(x, spec.axis, -1)
+    codes, scales, stored_amax = quantize_stored(stored, amax, seed, spec.stored())
+    return spec_array(codes, scales, stored_amax, x.dtype, spec)
 
 
 def fake_quantize(
@@ -340,25 +339,26 @@ def fake_quantize(
     The values are `value(code) * (f32(s_b) * D)`, or `value(code) * f32(s_b)` without
     `global_scale`, in x's layout, with no inverse RHT, cast to `dtype` (default x's).
     """
-    op = "fake_quantize"
-    x, axis, seed, amax = check_quantize_call(
-        x, axis, block_2d, rht, stochastic_rounding, key, amax, op
-    )
-    global_scale = formats.check_flag(global_scale, op, "global_scale")
-    dtype = formats.check_dtype(x.dtype if dtype is None else dtype, op)
-    mode, e4m3_max = formats.check_four_over_six(four_over_six, four_over_six_e4m3_max, op)
-    values = fake_quantize_stored(
-        jnp.moveaxis(x, axis, -1),
-        amax,
-        seed,
+    spec = QuantSpec(
+        axis=axis,
         block_2d=block_2d,
         rht=rht,
+        stochastic_rounding=stochastic_rounding,
+        four_over_six=four_over_six,
+        e4m3_max=four_over_six_e4m3_max,
         global_scale=global_scale,
         dtype=dtype,
-        four_over_six=mode,
-        e4m3_max=e4m3_max,
+        op="fake_quantize",
     )
-    return jnp.moveaxis(values, -1, axis)
+    x, spec, seed, amax = check_quantize_call(x, spec, key, amax)
+    spec = spec_with_dtype(spec, x.dtype)
+    values = fake_quantize_stored(jnp.moveaxis(x, spec.axis, -1), amax, seed, spec.stored())
+    return jnp.moveaxis(values, -1, spec.axis)
+
+
+def spec_with_dtype(spec: QuantSpec, dtype) -> QuantSpec:
+    """A fake-quantize spec with its values' dtype: `dtype` (the input's) when it names none."""
+    return spec if spec.dtype is not None else spec.replace(dtype=dtype)
 
 
 # The specification on the stored layout (quantized axis last), arguments already checked:
@@ -370,49 +370,25 @@ def _whole_blocks(xs, block_2d: bool):
     return types.whole_blocks(xs, (-2, -1) if block_2d else (-1,), formats.BLOCK_SIZE)
 
 
-def quantize_stored(
-    xs,
-    amax,
-    seed: SRSeed | None,
-    *,
-    block_2d: bool,
-    rht: bool,
-    four_over_six: str | None = None,
-    e4m3_max: int = 448,
-):
-    """(packed codes, scales, stored amax) of `xs`, quantized along its last axis.
-
-    `four_over_six` ("mae", "mse" or None) and `e4m3_max` (M: 448 when it is None) as
-    `formats.check_four_over_six` returns them.
-    """
-    xs = _whole_blocks(xs, block_2d)
-    xs, used, bad, stored_amax = _prepare(xs, rht, amax)
-    codes, scales = _quantize_core(xs, used, bad, seed, block_2d, four_over_six, e4m3_max)
+def quantize_stored(xs, amax, seed: SRSeed | None, spec: QuantSpec):
+    """(packed codes, scales, stored amax) of `xs`, quantized along its last axis by `spec`."""
+    xs = _whole_blocks(xs, spec.block_2d)
+    xs, used, bad, stored_amax = _prepare(xs, spec.rht, amax)
+    codes, scales = _quantize_core(xs, used, bad, seed, spec)
     return formats.pack_nibbles(codes), scales, stored_amax
 
 
-def fake_quantize_stored(
-    xs,
-    amax,
-    seed: SRSeed | None,
-    *,
-    block_2d: bool,
-    rht: bool,
-    global_scale: bool,
-    dtype,
-    four_over_six: str | None = None,
-    e4m3_max: int = 448,
-):
-    """`fake_quantize` of `xs` along its last axis, in the stored layout."""
-    xs = _whole_blocks(xs, block_2d)
-    xs, used, bad, stored_amax = _prepare(xs, rht, amax)
-    codes, scales = _quantize_core(xs, used, bad, seed, block_2d, four_over_six, e4m3_max)
+def fake_quantize_stored(xs, amax, seed: SRSeed | None, spec: QuantSpec):
+    """`fake_quantize` of `xs` along its last axis by `spec`, in the stored layout."""
+    xs = _whole_blocks(xs, spec.block_2d)
+    xs, used, bad, stored_amax = _prepare(xs, spec.rht, amax)
+    codes, scales = _quantize_core(xs, used, bad, seed, spec)
     blocks = codes.reshape(*scales.shape, formats.BLOCK_SIZE)
     factor = scales.astype(_F32)
-    if global_scale:
-        factor = factor * decode_scale(stored_amax, e4m3_max)
+    if spec.global_scale:
+        factor = factor * decode_scale(stored_amax, spec.e4m3_max)
     values = formats.scaled_code_values(blocks, factor[..., None]).reshape(xs.shape)
-    return values.astype(dtype)
+    return values.astype(spec.dtype)
 
 
 def check_dequantize_call(q, dtype, op: str) -> jnp.dtype:
