@@ -46,6 +46,7 @@ from nvfp4_jax._src.core.reference import (
     get_wgrad_sign_vector,
 )
 from nvfp4_jax._src.core.seed import SRSeed
+from nvfp4_jax._src.flax.einsum import NVFP4Einsum
 from nvfp4_jax._src.io.checkpoint import restore_checkpoint, save_checkpoint
 from nvfp4_jax._src.io.hf import (
     export_hf_checkpoint,
@@ -53,18 +54,12 @@ from nvfp4_jax._src.io.hf import (
     mixtral_name_map,
     qwen3_moe_name_map,
 )
+from nvfp4_jax._src.model.convert import quantize_model
 from nvfp4_jax._src.model.diagnostics import ModelReport, analyze_layer, inspect_model
+from nvfp4_jax._src.model.intercept import quantize_linen, quantized
 from nvfp4_jax._src.model.ptq import PTQReport, quantize_for_export
-from nvfp4_jax._src.model.rules import (
-    NVFP4Einsum,
-    QuantizeReport,
-    Rule,
-    default_rules,
-    keep_bf16,
-    quantize_linen,
-    quantize_model,
-    quantized,
-)
+from nvfp4_jax._src.model.report import QuantizeReport
+from nvfp4_jax._src.model.rules import Rule, default_rules, keep_bf16
 from nvfp4_jax._src.training.distributed import quantize_master_weights
 from nvfp4_jax._src.training.dot_general import dot_general, nvfp4_dot_general
 from nvfp4_jax._src.training.gemm import (

@@ -1,41 +1,38 @@
 """Rules: which layers of a model get which NVFP4 recipe, and `quantize_model`.
 
-The public face of `nvfp4_jax._src.model.rules`: it re-exports only (docs/ARCHITECTURE.md).
+The public face of `nvfp4_jax._src.model` (`rules`, `report`, `convert`, `intercept`) and of
+`nvfp4_jax._src.flax` (`einsum`, `layer_info`, `walk`): it re-exports only
+(docs/ARCHITECTURE.md).
 """
 
-from nvfp4_jax._src.model.rules import (
-    DEFAULT_RNG_COLLECTION,
-    EMBED_AND_HEAD,
-    LAYER_PATTERN,
-    NNX_LAYERS,
-    ROUTER,
-    EinsumPlan,
-    LayerDecision,
-    NVFP4Einsum,
-    QuantizeReport,
-    Rule,
-    check_rules,
-    default_rules,
-    einsum_plan,
+from nvfp4_jax._src.flax.einsum import EinsumPlan, NVFP4Einsum, einsum_plan
+from nvfp4_jax._src.flax.layer_info import (
     experts_problem,
     experts_stack,
     frozen_problem,
-    keep_bf16,
-    layer_paths,
     layer_recipe,
     layer_stack,
     linear_problem,
     linear_stack,
+    weight_problem,
+)
+from nvfp4_jax._src.flax.walk import NNX_LAYERS, layer_paths, named_layers, replace_layers
+from nvfp4_jax._src.model.convert import quantize_model
+from nvfp4_jax._src.model.intercept import quantize_linen, quantized
+from nvfp4_jax._src.model.report import LayerDecision, QuantizeReport
+from nvfp4_jax._src.model.rules import (
+    DEFAULT_RNG_COLLECTION,
+    EMBED_AND_HEAD,
+    LAYER_PATTERN,
+    ROUTER,
+    Rule,
+    check_rules,
+    default_rules,
+    keep_bf16,
     match_layer,
     match_rule,
-    named_layers,
-    quantize_linen,
-    quantize_model,
-    quantized,
     recipe_from_dict,
     recipe_to_dict,
-    replace_layers,
-    weight_problem,
 )
 
 __all__ = [

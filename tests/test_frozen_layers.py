@@ -27,8 +27,9 @@ from helpers import assert_same_bits, heavy_tailed
 import nvfp4_jax
 from nvfp4_jax import NVFP4Recipe, Rule, inspect_model, quantize_model
 from nvfp4_jax._src.core import ops
-from nvfp4_jax._src.model import rules
-from nvfp4_jax._src.model.rules import layer_recipe, quantize_linen
+from nvfp4_jax._src.flax import layer_info
+from nvfp4_jax._src.flax.layer_info import layer_recipe
+from nvfp4_jax._src.model.intercept import quantize_linen
 from nvfp4_jax._src.training import gemm, ragged
 
 G, K, N = 3, 64, 32
@@ -332,11 +333,15 @@ def test_quantize_model_skips_frozen_experts_as_it_skips_a_frozen_linear(recipe)
 def test_frozen_problem_names_every_frozen_layer():
     model = MoE()
     assert (
-        rules.frozen_problem(model.experts) == "a frozen quantized weight (Experts.from_quantized)"
+        layer_info.frozen_problem(model.experts)
+        == "a frozen quantized weight (Experts.from_quantized)"
     )
-    assert rules.frozen_problem(model.linear) == "a frozen quantized weight (Linear.from_quantized)"
-    assert rules.frozen_problem(nvfp4_jax.nnx.Experts(G, K, N, rngs=nnx.Rngs(0))) == ""
-    assert rules.frozen_problem(nnx.Linear(K, N, rngs=nnx.Rngs(0))) == ""
+    assert (
+        layer_info.frozen_problem(model.linear)
+        == "a frozen quantized weight (Linear.from_quantized)"
+    )
+    assert layer_info.frozen_problem(nvfp4_jax.nnx.Experts(G, K, N, rngs=nnx.Rngs(0))) == ""
+    assert layer_info.frozen_problem(nnx.Linear(K, N, rngs=nnx.Rngs(0))) == ""
 
 
 def test_inspect_model_with_a_rule_reaching_frozen_layers():

@@ -25,6 +25,7 @@ import nvfp4_jax
 from nvfp4_jax._src.core import formats
 from nvfp4_jax._src.io import hf
 from nvfp4_jax._src.model import ptq
+from nvfp4_jax._src.model.ptq.methods import gptq_codes
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
@@ -217,7 +218,7 @@ def test_gptq_with_an_identity_hessian_rounds_to_nearest_as_quantize(block_2d):
     # bit, also when the fixed amax is below max |W| (the largest values saturate).
     kernel = jax.random.normal(jax.random.key(3), (64, 48)) * jnp.linspace(0.1, 3, 48)
     for amax in (float(jnp.max(jnp.abs(kernel))), 0.7 * float(jnp.max(jnp.abs(kernel)))):
-        codes, scales = ptq._gptq_codes(kernel.T, jnp.eye(64), jnp.float32(amax), block_2d=block_2d)
+        codes, scales = gptq_codes(kernel.T, jnp.eye(64), jnp.float32(amax), block_2d=block_2d)
         q = nvfp4_jax.quantize(kernel, axis=0, block_2d=block_2d, amax=jnp.float32(amax))
         assert _bits(formats.pack_nibbles(codes)) == _bits(q.codes)
         assert _bits(scales) == _bits(q.scales)

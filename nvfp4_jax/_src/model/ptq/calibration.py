@@ -1,0 +1,90 @@
+"""Calibration: the inputs each selected linear multiplies, as `X^T X`, max |x| and rows."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from nvfp4_jax._src.flax.walk import named_layers, replace_layers
+from nvfp4_jax._src.io.storage import to_host
+from nvfp4_jax._src.model.ptq.settings import OP
+
+_F32 = jnp.float32
+
+
+class _Stat(nnx.Variable):
+    """A calibration statistic a `_Recorder` accumulates (not a parameter)."""
+
+
+class _Recorder(nnx.Module):
+    """Stands in for a linear in the calibration copy: accumulates `X^T X`, max |x| and rows.
+
+    x is the input as the layer multiplies it (promoted to its `dtype`), flattened to
+    (rows, in). The statistics are nnx Variables, so they flow out of `nnx.jit` (and of the
+    other nnx transforms) as state updates. Other attributes are the layer's (model code
+    reading `kernel` or `in_features` of a layer keeps working).
+    """
+
+    def __init__(self, layer: nnx.Linear):
+        k = layer.in_features
+        self.layer = layer
+        self.gram = _Stat(jnp.zeros((k, k), _F32))
+        self.amax = _Stat(jnp.zeros((), _F32))
+        self.rows = _Stat(jnp.zeros((), jnp.int32))
+
+    def __call__(self, inputs, *args, **kwargs):
+        layer = self.layer
+        x, _, _ = layer.promote_dtype((inputs, layer.kernel[...], None), dtype=layer.dtype)
+        x = jax.lax.stop_gradient(x).astype(_F32).reshape(-1, layer.in_features)
+        gram = jnp.dot(x.T, x, precision=jax.lax.Precision.HIGHEST, preferred_element_type=_F32)
+        self.gram[...] = self.gram[...] + gram
+        self.amax[...] = jnp.maximum(self.amax[...], jnp.max(jnp.abs(x), initial=_F32(0)))
+        self.rows[...] = self.rows[...] + x.shape[0]
+        return layer(inputs, *args, **kwargs)
+
+    def __getattr__(self, name: str):
+        if name == "layer":  # not set yet (the graph builds the object before its fields)
+            raise AttributeError(name)
+        return getattr(self.layer, name)
+
+
+@dataclasses.dataclass
+class Calibration:
+    """What one layer saw in calibration: `X^T X`, max |x| and the rows."""
+
+    gram: np.ndarray  # (in, in) f64, X^T X
+    amax: np.float32
+    rows: int
+
+
+def calibrate(
+    model: nnx.Module, paths: Sequence[str], batches: list, forward: Callable, jit: bool
+) -> dict[str, Calibration]:
+    """Runs the batches through a copy of `model` whose layers at `paths` record their inputs."""
+    copy = nnx.clone(model)
+    layers = named_layers(copy)
+    recorders = {path: _Recorder(layers[path]) for path in paths}
+    reasons = replace_layers(copy, [(layers[p], recorders[p]) for p in paths])
+    for path, reason in zip(paths, reasons, strict=True):
+        if reason:  # (checked on the output copy before; the two copies are alike)
+            raise ValueError(f"{OP}: cannot observe {path!r}: {reason}")
+
+    def run(model, batch) -> None:
+        forward(model, batch)
+
+    step = nnx.jit(run) if jit else run
+    for batch in batches:
+        step(copy, batch)
+    return {
+        path: Calibration(
+            gram=np.asarray(to_host(r.gram[...]), np.float64),
+            amax=np.float32(to_host(r.amax[...])),
+            rows=int(to_host(r.rows[...])),
+        )
+        for path, r in recorders.items()
+    }
