@@ -5,6 +5,8 @@ The public face of `nvfp4_jax._src.flax.nnx`: it re-exports only (docs/ARCHITECT
 
 from nvfp4_jax._src.flax.nnx import (
     Experts,
+    FrozenExperts,
+    FrozenLinear,
     InputAmax,
     InputScale,
     Linear,
@@ -15,6 +17,8 @@ from nvfp4_jax._src.flax.nnx import (
 __all__ = [
     "calibrate",
     "Experts",
+    "FrozenExperts",
+    "FrozenLinear",
     "InputAmax",
     "InputScale",
     "Linear",

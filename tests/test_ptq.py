@@ -295,7 +295,7 @@ def test_the_callers_model_is_unchanged():
     after = jax.tree.map(np.asarray, nnx.state(model))
     assert jax.tree.all(jax.tree.map(lambda a, b: _bits(a) == _bits(b), before, after))
     assert type(model.gate_proj) is nnx.Linear and frozen is not model
-    assert type(frozen.gate_proj) is nvfp4_jax.nnx.Linear
+    assert type(frozen.gate_proj) is nvfp4_jax.nnx.FrozenLinear
 
 
 LAYERS = 2

@@ -69,7 +69,9 @@ def frozen_problem(layer) -> str:
       ''
     """
     if isinstance(getattr(layer, "kernel", None), nvfp4_nnx.QuantizedKernel):
-        return f"a frozen quantized weight ({type(layer).__name__}.from_quantized)"
+        # A frozen layer is built by its base class's constructor (`Linear.from_quantized`).
+        name = type(layer).__name__.removeprefix("Frozen")
+        return f"a frozen quantized weight ({name}.from_quantized)"
     return ""
 
 

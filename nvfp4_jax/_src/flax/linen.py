@@ -22,8 +22,8 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from nvfp4_jax._src.core import ops
 from nvfp4_jax._src.core.array import NVFP4Array
+from nvfp4_jax._src.flax import frozen
 from nvfp4_jax._src.training import gemm
 from nvfp4_jax._src.training.dot_general import dot_general
 from nvfp4_jax._src.training.ragged import group_amax, ragged_dot
@@ -63,8 +63,8 @@ class Dense(nn.Dense):
             amax.value = jnp.maximum(amax.value, jax.lax.stop_gradient(seen))
 
     def _quantized(self, inputs: jax.Array, kernel: NVFP4Array) -> jax.Array:
-        dtype = self.dtype or inputs.dtype
-        inputs = inputs.astype(dtype)
+        """`inputs @ W` with the frozen weight (`frozen.linear_product`)."""
+        amax = None
         if self.activations == "nvfp4":
             if not self.has_variable("params", "input_scale"):
                 raise ValueError(
@@ -73,16 +73,17 @@ class Dense(nn.Dense):
                 )
             amax = jnp.asarray(self.get_variable("params", "input_scale"), jnp.float32) * 2688
             # A param is data: a NaN/inf/negative scale gives NaN, eagerly as under jit.
-            inputs = ops.fake_quantize_with_data_amax(inputs, amax.reshape(()), dtype=dtype)
-        # x @ dequantize(W, dtype); on the CPU the weight is decoded in registers (gemm.py).
-        return gemm.weight_only_matmul(inputs, kernel)
+            amax = amax.reshape(())
+        return frozen.linear_product(
+            inputs, kernel, dtype=self.dtype or inputs.dtype, input_amax=amax
+        )
 
     @nn.compact
     def __call__(self, inputs: jax.Array) -> jax.Array:
         """Applies the quantized linear map along the last axis of `inputs`."""
         if self.dot_general is not None or self.dot_general_cls is not None:
             raise TypeError("nvfp4_jax.linen.Dense: dot_general is fixed to the NVFP4 one")
-        if self.activations not in ("high_precision", "nvfp4"):
+        if self.activations not in frozen.ACTIVATIONS:
             raise ValueError(
                 "nvfp4_jax.linen.Dense: activations must be 'high_precision' or 'nvfp4', got "
                 f"{self.activations!r}"

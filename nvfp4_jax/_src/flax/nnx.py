@@ -1,41 +1,43 @@
 """Flax nnx layers whose GEMMs run in NVFP4, for training and for serving quantized weights.
 
-`Linear` is `flax.nnx.Linear` with three uses:
+`Linear` is `flax.nnx.Linear` with every GEMM of the forward and backward passes in NVFP4
+(`NVFP4Recipe`). With `calibrate(model)` on, each layer records the largest activation
+magnitude it sees (`input_amax`), which a W4A4 export turns into `input_scale`.
 
-* training: every GEMM of the forward and backward passes in NVFP4 (`NVFP4Recipe`);
-* calibration: with `calibrate(model)` on, each layer records the largest activation
-  magnitude it sees (`input_amax`), which a W4A4 export turns into `input_scale`;
-* inference on a frozen, already quantized weight (`Linear.from_quantized`, e.g. from
-  `nvfp4_jax.load_hf_checkpoint`): weight-only (activations in high precision, what engines
-  serve as "W4A16_NVFP4") or W4A4 (activations quantized with the static input scale, what
-  engines serve as "NVFP4"), computed as vLLM's emulation does: both operands dequantized,
-  then one matmul in the activations' dtype.
+`FrozenLinear` (built by `Linear.from_quantized`, e.g. from `nvfp4_jax.load_hf_checkpoint`)
+computes with a frozen, already quantized weight: weight-only (activations in high precision,
+what engines serve as "W4A16_NVFP4") or W4A4 (activations quantized with the static input
+scale, what engines serve as "NVFP4"), computed as vLLM's emulation does: both operands
+dequantized, then one matmul in the activations' dtype. It is a `Linear` (it calibrates
+alike), whose weight no optimizer and no rule touches.
 
 `Experts` holds the G weight matrices of a mixture-of-experts layer as one (G, in, out)
 kernel and multiplies each expert's tokens with its own matrix, in NVFP4 (each expert's weight
 and each expert's tokens their own tensors) or in high precision (`recipe=None`): dropless,
 with tokens sorted by expert and `group_sizes` (`nvfp4_jax.ragged_dot`), or dropping, with
 tokens dispatched into a (G, capacity, in) tensor (the batched `nvfp4_jax.dot_general`).
+`FrozenExperts` (built by `Experts.from_quantized`) does so with frozen NVFP4 weights.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
-from typing import Literal
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from nvfp4_jax._src.core import formats, ops
-from nvfp4_jax._src.core.array import NVFP4Array, validate_nvfp4_array
+from nvfp4_jax._src.core import formats
+from nvfp4_jax._src.core.array import NVFP4Array
 from nvfp4_jax._src.core.keys import step_key
+from nvfp4_jax._src.flax import frozen
+from nvfp4_jax._src.flax.frozen import Activations
 from nvfp4_jax._src.training import gemm
 from nvfp4_jax._src.training.dot_general import constrain_output, dot_general
 from nvfp4_jax._src.training.ragged import group_amax, ragged_dot
 from nvfp4_jax._src.training.recipe import NVFP4Recipe
 
-Activations = Literal["high_precision", "nvfp4"]
+# The names the messages of a frozen layer give: the constructors users call.
+_FROZEN_LINEAR = "Linear.from_quantized"
+_FROZEN_EXPERTS = "Experts.from_quantized"
 
 
 class InputAmax(nnx.Variable):
@@ -48,27 +50,6 @@ class InputScale(nnx.Variable):
 
 class QuantizedKernel(nnx.Variable):
     """A frozen NVFP4 weight (an `NVFP4Array`): not an `nnx.Param`, so optimizers skip it."""
-
-
-def _frozen_layer(build: Callable[[], nnx.Module], op: str, **variables) -> nnx.Module:
-    """The layer `build()` makes, built abstract, with `variables` set: a frozen layer.
-
-    No float kernel is ever allocated. Every variable `build` creates must be replaced by
-    one of `variables` (or be None): an abstract one left behind would break `nnx.jit`,
-    checkpoints and calibration of any model holding the layer, so it is an error here.
-    """
-    layer = nnx.eval_shape(build)
-    for name, value in variables.items():
-        setattr(layer, name, value)
-    leaves = jax.tree_util.tree_leaves_with_path(nnx.state(layer))
-    abstract = [
-        jax.tree_util.keystr(path)
-        for path, leaf in leaves
-        if isinstance(leaf, jax.ShapeDtypeStruct)
-    ]
-    if abstract:  # a bug of this module, not of the caller's arguments
-        raise RuntimeError(f"{op}: the layer's {', '.join(abstract)} were left abstract")
-    return layer
 
 
 def _step_key(stream: nnx.RngStream | None, recipe: NVFP4Recipe | None):
@@ -127,7 +108,6 @@ class Linear(nnx.Linear):
             self.quantize_rngs = nnx.data(None)
         self.input_amax = InputAmax(jnp.zeros((), jnp.float32))
         self.calibrating = False
-        self.activations: Activations | None = None
 
     @classmethod
     def from_quantized(
@@ -138,8 +118,8 @@ class Linear(nnx.Linear):
         input_scale: jax.Array | None = None,
         activations: Activations = "high_precision",
         dtype=jnp.bfloat16,
-    ) -> Linear:
-        """A layer computing with a frozen NVFP4 weight: an (in, out) kernel quantized along in.
+    ) -> FrozenLinear:
+        """A `FrozenLinear`: a frozen NVFP4 weight, an (in, out) kernel quantized along in.
 
         Args:
           kernel: the weight, an `NVFP4Array` of logical shape (in, out) quantized along axis
@@ -163,96 +143,117 @@ class Linear(nnx.Linear):
           >>> nvfp4_jax.nnx.Linear.from_quantized(q)(jnp.ones((2, 64))).shape
           (2, 32)
         """
-        validate_nvfp4_array(kernel, "Linear.from_quantized kernel")
-        if len(kernel.shape) != 2 or kernel.axis != -2:
-            raise ValueError(
-                f"Linear.from_quantized: kernel must be an (in, out) NVFP4Array quantized "
-                f"along axis 0 (in), got {kernel!r}"
-            )
-        if activations not in ("high_precision", "nvfp4"):
-            raise ValueError(
-                "Linear.from_quantized: activations must be 'high_precision' or 'nvfp4', got "
-                f"{activations!r}"
-            )
-        if activations == "nvfp4" and input_scale is None:
-            raise ValueError("Linear.from_quantized: activations='nvfp4' (W4A4) needs input_scale")
-        in_features, out_features = kernel.shape
-        dtype = formats.check_dtype(dtype, "Linear.from_quantized")
-        scale = jnp.zeros((), jnp.float32) if input_scale is None else input_scale
-        scale = jnp.asarray(scale, jnp.float32).reshape(())
-        if not isinstance(scale, jax.core.Tracer) and not 0 <= float(scale) < float("inf"):
-            raise ValueError(
-                "Linear.from_quantized: input_scale must be a finite, non-negative number, got "
-                f"{float(scale)}"
-            )
-        variables = dict(
-            kernel=QuantizedKernel(kernel),
-            # The amax W4A4 quantizes with; the scale itself is kept too, so that exporting
-            # the layer again writes the checkpoint's `input_scale` bits (amax * RCP2688 may
-            # not).
-            input_amax=InputAmax(scale * 2688),
-            input_scale=InputScale(scale),
+        return FrozenLinear(
+            kernel, bias=bias, input_scale=input_scale, activations=activations, dtype=dtype
         )
-        if bias is not None:
-            variables["bias"] = nnx.Param(jnp.asarray(bias))
-        layer = _frozen_layer(
-            lambda: cls(
-                in_features,
-                out_features,
-                use_bias=bias is not None,
-                dtype=dtype,
-                recipe=NVFP4Recipe(stochastic_rounding=False),
-                rngs=nnx.Rngs(0),
-            ),
-            "Linear.from_quantized",
-            **variables,
-        )
-        layer.activations = activations
-        return layer
 
     def _record(self, inputs: jax.Array) -> None:
         seen = jnp.max(jnp.abs(inputs.astype(jnp.float32)), initial=jnp.float32(0))
         self.input_amax[...] = jnp.maximum(self.input_amax[...], jax.lax.stop_gradient(seen))
-        if hasattr(self, "input_scale"):  # a layer from a checkpoint: its scale follows
-            self.input_scale[...] = formats.decode_scale(self.input_amax[...])
 
-    def _quantized_matmul(self, inputs: jax.Array) -> jax.Array:
-        """`inputs @ W` with the frozen NVFP4 weight (weight-only or W4A4)."""
-        dtype = self.dtype or inputs.dtype
-        inputs = inputs.astype(dtype)
-        if self.activations == "nvfp4":
-            # The stored amax is data: a NaN/inf/negative one gives NaN, eagerly as under jit.
-            inputs = ops.fake_quantize_with_data_amax(inputs, self.input_amax[...], dtype=dtype)
-        # x @ dequantize(W, dtype); on the CPU the weight is decoded in registers (gemm.py).
-        return gemm.weight_only_matmul(
-            inputs, self.kernel.get_value(), preferred_element_type=self.preferred_element_type
+    def _product(self, inputs: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+        """(`inputs @ kernel` through the NVFP4 `dot_general`, the bias), in the layer's dtype."""
+        kernel = self.kernel[...]
+        bias = self.bias[...] if self.bias is not None else None
+        inputs, kernel, bias = self.promote_dtype((inputs, kernel, bias), dtype=self.dtype)
+        key = _step_key(self.quantize_rngs, self.recipe)
+        y = dot_general(
+            inputs,
+            kernel,
+            (((inputs.ndim - 1,), (0,)), ((), ())),
+            self.precision,
+            self.preferred_element_type,
+            recipe=self.recipe,
+            key=key,
         )
+        return y, bias
 
     def __call__(self, inputs: jax.Array, out_sharding=None) -> jax.Array:
         """Applies the quantized linear map along the last axis of `inputs`."""
         if self.calibrating:
             self._record(inputs)
-        if self.activations is not None:
-            y = self._quantized_matmul(inputs)
-            bias = self.bias[...] if self.bias is not None else None
-        else:
-            kernel = self.kernel[...]
-            bias = self.bias[...] if self.bias is not None else None
-            inputs, kernel, bias = self.promote_dtype((inputs, kernel, bias), dtype=self.dtype)
-            key = _step_key(self.quantize_rngs, self.recipe)
-            y = dot_general(
-                inputs,
-                kernel,
-                (((inputs.ndim - 1,), (0,)), ((), ())),
-                self.precision,
-                self.preferred_element_type,
-                recipe=self.recipe,
-                key=key,
-            )
+        y, bias = self._product(inputs)
         y = constrain_output(y, out_sharding)
         if bias is not None:
             y += jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,)).astype(y.dtype)
         return y
+
+
+class FrozenLinear(Linear):
+    """A `Linear` computing with a frozen NVFP4 weight (what `Linear.from_quantized` builds).
+
+    The weight is a `QuantizedKernel` (an `NVFP4Array`, not an `nnx.Param`: optimizers skip
+    it, and `quantize_model`'s rules leave the layer as it is); the bias stays trainable.
+    Weight-only, or W4A4 with `activations="nvfp4"`, as `Linear.from_quantized` says; the
+    layer calibrates as a `Linear` does, its `input_scale` following the recorded amax.
+
+    Args:
+      kernel: the (in, out) `NVFP4Array` quantized along axis 0.
+      bias: an optional (out,) bias.
+      input_scale: the static activation scale of W4A4 (`input_amax * RCP2688`).
+      activations: "high_precision" (weight-only) or "nvfp4" (W4A4).
+      dtype: the dtype activations and the dequantized weight are multiplied in.
+
+    Attributes:
+      activations: "high_precision" or "nvfp4".
+      input_amax: `InputAmax`, the amax W4A4 quantizes the inputs with (`input_scale * 2688`).
+      input_scale: `InputScale`, the checkpoint's scale, kept bit for bit.
+    """
+
+    def __init__(
+        self,
+        kernel: NVFP4Array,
+        *,
+        bias: jax.Array | None = None,
+        input_scale: jax.Array | None = None,
+        activations: Activations = "high_precision",
+        dtype=jnp.bfloat16,
+    ):
+        frozen.check_linear(kernel, activations, input_scale, _FROZEN_LINEAR)
+        in_features, out_features = kernel.shape
+        dtype = formats.check_dtype(dtype, _FROZEN_LINEAR)
+        scale = frozen.input_scale_of(input_scale, _FROZEN_LINEAR)
+        super().__init__(
+            in_features,
+            out_features,
+            use_bias=bias is not None,
+            dtype=dtype,
+            recipe=NVFP4Recipe(stochastic_rounding=False),
+            kernel_init=_no_weight,
+            bias_init=_no_weight,
+            rngs=nnx.Rngs(0),
+        )
+        self.kernel = QuantizedKernel(kernel)
+        if bias is not None:
+            self.bias = nnx.Param(jnp.asarray(bias))
+        # The amax W4A4 quantizes with; the scale itself is kept too, so that exporting the
+        # layer again writes the checkpoint's `input_scale` bits (amax * RCP2688 may not).
+        self.input_amax = InputAmax(scale * 2688)
+        self.input_scale = InputScale(scale)
+        self.activations = activations
+
+    def _record(self, inputs: jax.Array) -> None:
+        super()._record(inputs)
+        self.input_scale[...] = formats.decode_scale(self.input_amax[...])
+
+    def _product(self, inputs: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+        """(`inputs @ W` with the frozen weight, weight-only or W4A4; the bias)."""
+        # The stored amax is data: a NaN/inf/negative one gives NaN, eagerly as under jit.
+        amax = self.input_amax[...] if self.activations == "nvfp4" else None
+        y = frozen.linear_product(
+            inputs,
+            self.kernel.get_value(),
+            dtype=self.dtype or inputs.dtype,
+            input_amax=amax,
+            preferred_element_type=self.preferred_element_type,
+        )
+        return y, self.bias[...] if self.bias is not None else None
+
+
+def _no_weight(key, shape, dtype) -> jax.Array:
+    """The placeholder a frozen layer's float weight starts as (replaced; never allocated)."""
+    del key, shape
+    return jnp.zeros((0,), dtype)
 
 
 class Experts(nnx.Module):
@@ -348,8 +349,8 @@ class Experts(nnx.Module):
         self.recipe = recipe
 
     @classmethod
-    def from_quantized(cls, kernel: NVFP4Array, *, dtype=jnp.bfloat16) -> Experts:
-        """Experts computing with frozen NVFP4 weights (weight-only): a `(G, in, out)` stack.
+    def from_quantized(cls, kernel: NVFP4Array, *, dtype=jnp.bfloat16) -> FrozenExperts:
+        """`FrozenExperts`: frozen NVFP4 weights (weight-only), a `(G, in, out)` stack.
 
         Args:
           kernel: the G experts' weights, an `NVFP4Array` of logical shape (G, in, out)
@@ -373,34 +374,7 @@ class Experts(nnx.Module):
           >>> experts(jnp.ones((10, 64)), jnp.array([3, 0, 5, 2])).shape
           (10, 32)
         """
-        validate_nvfp4_array(kernel, "Experts.from_quantized kernel")
-        if len(kernel.shape) != 3 or kernel.axis != -2 or kernel.rht:
-            raise ValueError(
-                "Experts.from_quantized: kernel must be a (G, in, out) NVFP4Array quantized "
-                f"along axis 1 (in), without the RHT, got {kernel!r}"
-            )
-        dtype = formats.check_dtype(dtype, "Experts.from_quantized")
-        layer = _frozen_layer(
-            lambda: cls(*kernel.shape, recipe=None, rngs=nnx.Rngs(0)),
-            "Experts.from_quantized",
-            kernel=QuantizedKernel(kernel),
-            # Weight-only: nothing recorded yet (calibration fills it), as a Linear's.
-            input_amax=InputAmax(jnp.zeros(kernel.shape[:1], jnp.float32)),
-        )
-        layer.dtype = dtype
-        return layer
-
-    def _frozen_call(self, inputs: jax.Array, group_sizes: jax.Array | None) -> jax.Array:
-        q = self.kernel.get_value()
-        inputs = inputs.astype(self.dtype)
-        if group_sizes is not None:
-            return gemm.weight_only_ragged_dot(inputs, q, group_sizes)
-        return jnp.stack(
-            [
-                gemm.weight_only_matmul(inputs[e], gemm.expert_weight(q, e))
-                for e in range(q.shape[0])
-            ]
-        )
+        return FrozenExperts(kernel, dtype=dtype)
 
     def _record(self, inputs: jax.Array, group_sizes: jax.Array | None) -> None:
         seen = group_amax(inputs, group_sizes, self.num_experts)
@@ -421,8 +395,10 @@ class Experts(nnx.Module):
             )
         if self.calibrating:
             self._record(inputs, group_sizes)
-        if isinstance(self.kernel, QuantizedKernel):
-            return self._frozen_call(inputs, group_sizes)
+        return self._product(inputs, group_sizes)
+
+    def _product(self, inputs: jax.Array, group_sizes: jax.Array | None) -> jax.Array:
+        """The experts' GEMMs: in NVFP4 with the recipe, else in high precision."""
         dtype = self.dtype or jnp.result_type(inputs, self.kernel[...])
         inputs, kernel = inputs.astype(dtype), self.kernel[...].astype(dtype)
         if self.recipe is None:
@@ -434,6 +410,32 @@ class Experts(nnx.Module):
             dims = (((2,), (1,)), ((0,), (0,)))
             return dot_general(inputs, kernel, dims, recipe=self.recipe, key=key)
         return ragged_dot(inputs, kernel, group_sizes, recipe=self.recipe, key=key)
+
+
+class FrozenExperts(Experts):
+    """`Experts` computing with frozen NVFP4 weights (what `Experts.from_quantized` builds).
+
+    Weight-only: each expert's tokens times its dequantized weight, in `dtype`, as
+    `Experts.from_quantized` says. The weights are a `QuantizedKernel` (not trainable; rules
+    leave the layer as it is) and `recipe` is None; the layer calibrates as `Experts` does.
+
+    Args:
+      kernel: the (G, in, out) `NVFP4Array` quantized along in, one amax per expert or one
+        for all, without the RHT.
+      dtype: the dtype activations and the dequantized weights are multiplied in.
+    """
+
+    def __init__(self, kernel: NVFP4Array, *, dtype=jnp.bfloat16):
+        frozen.check_experts(kernel, _FROZEN_EXPERTS)
+        dtype = formats.check_dtype(dtype, _FROZEN_EXPERTS)
+        # `input_amax` starts at zeros (calibration fills it), as a `Linear`'s.
+        super().__init__(*kernel.shape, recipe=None, kernel_init=_no_weight, rngs=nnx.Rngs(0))
+        self.kernel = QuantizedKernel(kernel)
+        self.dtype = dtype
+
+    def _product(self, inputs: jax.Array, group_sizes: jax.Array | None) -> jax.Array:
+        """Each expert's tokens times its dequantized weight (`frozen.experts_product`)."""
+        return frozen.experts_product(inputs, self.kernel.get_value(), group_sizes, self.dtype)
 
 
 def calibrate(model: nnx.Module, enabled: bool = True) -> int:
