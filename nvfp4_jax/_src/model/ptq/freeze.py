@@ -1,6 +1,7 @@
 """`quantize_for_export`: a copy of a model with its selected linears frozen to NVFP4.
 
 Example:
+  >>> import jax
   >>> class MLP(nnx.Module):
   ...     def __init__(self, rngs):
   ...         self.up_proj = nnx.Linear(32, 64, rngs=rngs)
