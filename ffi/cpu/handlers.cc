@@ -1,8 +1,10 @@
 // XLA FFI handlers for the CPU kernels: check the arguments (checks.h), pick the kernel by
 // the parsed dtypes, run it in parallel over rows on XLA's intra-op thread pool.
 //
-// Scalars that change from step to step (amax, the SR key words) are operands, not
-// attributes, so new values do not recompile; the static flags are bool attributes.
+// The targets CUDA also runs take their bindings from nvfp4/bindings.h, shared with
+// cuda/handlers.cu; the CPU-only ones (GEMM, W4A16, threefry) are bound at the end of this
+// file. Scalars that change from step to step (amax, the SR key words) are operands, not
+// attributes, so new values do not recompile; the static flags are attributes.
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -21,6 +23,7 @@
 #include "cpu/kernel_table.h"
 #include "cpu/parallel.h"
 #include "cpu/run.h"
+#include "nvfp4/bindings.h"
 #include "nvfp4/checks.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -616,80 +619,26 @@ bool SetGemmAmx(bool allowed) {
 
 namespace ffi = xla::ffi;
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    NvFp4AmaxCpu, nvfp4::cpu::AmaxImpl,
-    ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>().Attr<bool>(
-        "rht"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NvFp4AmaxCpu, nvfp4::cpu::AmaxImpl,
+                              nvfp4::bindings::Amax<ffi::ThreadPool>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NvFp4QuantizeCpu, nvfp4::cpu::QuantizeImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<bool>("block_2d")
-                                  .Attr<bool>("rht")
-                                  .Attr<bool>("stochastic_rounding"));
+                              nvfp4::bindings::Quantize<ffi::ThreadPool>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NvFp4FakeQuantizeCpu, nvfp4::cpu::FakeQuantizeImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<bool>("block_2d")
-                                  .Attr<bool>("rht")
-                                  .Attr<bool>("stochastic_rounding")
-                                  .Attr<bool>("global_scale"));
+                              nvfp4::bindings::FakeQuantize<ffi::ThreadPool>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NvFp4Quantize4over6Cpu, nvfp4::cpu::Quantize4over6Impl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<bool>("block_2d")
-                                  .Attr<bool>("rht")
-                                  .Attr<bool>("stochastic_rounding")
-                                  .Attr<std::string_view>("error")
-                                  .Attr<int32_t>("e4m3_max"));
+                              nvfp4::bindings::Quantize4over6<ffi::ThreadPool>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NvFp4FakeQuantize4over6Cpu, nvfp4::cpu::FakeQuantize4over6Impl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<bool>("block_2d")
-                                  .Attr<bool>("rht")
-                                  .Attr<bool>("stochastic_rounding")
-                                  .Attr<bool>("global_scale")
-                                  .Attr<std::string_view>("error")
-                                  .Attr<int32_t>("e4m3_max"));
+                              nvfp4::bindings::FakeQuantize4over6<ffi::ThreadPool>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NvFp4DequantizeCpu, nvfp4::cpu::DequantizeImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<bool>("rht"));
+                              nvfp4::bindings::Dequantize<ffi::ThreadPool>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    NvFp4RhtCpu, nvfp4::cpu::RhtImpl,
-    ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>().Attr<bool>(
-        "inverse"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NvFp4RhtCpu, nvfp4::cpu::RhtImpl,
+                              nvfp4::bindings::Rht<ffi::ThreadPool>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NvFp4W4a16Cpu, nvfp4::cpu::W4a16Impl,
                               ffi::Ffi::Bind()
