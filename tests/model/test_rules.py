@@ -30,7 +30,7 @@ from nvfp4_jax._src.model.convert import quantize_model
 from nvfp4_jax._src.model.intercept import quantize_linen, quantized
 from nvfp4_jax._src.model.rules import Rule, check_rules, default_rules, keep_bf16, match_rule
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "examples"))
 import lm_model
 
 NO_SR = NVFP4Recipe(stochastic_rounding=False)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "examples"))
 import generate
 from lm_model import LMConfig, TransformerLM
 

@@ -27,7 +27,7 @@ from nvfp4_jax._src.io import hf
 from nvfp4_jax._src.model import ptq
 from nvfp4_jax._src.model.ptq.methods import gptq_codes
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))
 import lm_model  # noqa: E402
 import ptq_lm  # noqa: E402

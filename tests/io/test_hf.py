@@ -32,7 +32,7 @@ import nvfp4_jax
 from nvfp4_jax._src.core.array import NVFP4Array
 from nvfp4_jax._src.io import hf
 
-FIXTURE = Path(__file__).parent / "fixtures" / "modelopt_llama_nvfp4"
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "modelopt_llama_nvfp4"
 REFERENCE = FIXTURE / "reference"
 LAYERS = 2
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -941,7 +941,7 @@ def test_error_bad_export_arguments(tmp_path):
 
 def test_example_llama_exports_and_loads_back(tmp_path):
     """examples/lm_model.py: calibrate, export nnx.state(model), load, rebuild, export again."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
     import lm_model  # noqa: PLC0415  (examples/ is on the path only now)
 
     recipe = nvfp4_jax.NVFP4Recipe(stochastic_rounding=False)

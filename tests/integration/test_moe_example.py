@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 import nvfp4_jax
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "examples"))
 import lm_model
 import train_lm
 
@@ -50,7 +50,8 @@ STEPS = ["--steps", "4", "--lr", "1e-2"]
 @pytest.fixture
 def no_diagnostics(monkeypatch):
     """`train_lm.diagnose` returning the rules it would (no --suggest-share) without running
-    `inspect_model`: 45 s for this model on 2 cores, covered by tests/test_rules_experts.py."""
+    `inspect_model`: 45 s for this model on 2 cores, covered by
+    tests/model/test_rules_experts.py."""
     calls = []
 
     def rules_only(args, train, out, console):

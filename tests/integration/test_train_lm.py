@@ -13,7 +13,7 @@ from flax import nnx
 
 import nvfp4_jax
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "examples"))
 import train_lm
 
 # --bf16-last 0: every layer of the one-block model in NVFP4 (the default keeps the last
@@ -457,7 +457,7 @@ def test_bad_four_over_six_flags(flags, message, capsys):
 def test_four_over_six_reaches_the_models_layers():
     # A run with Four Over Six (the default, --four-over-six all) resumes exactly:
     # test_resume_continues_exactly; its GEMMs round otherwise than plain NVFP4:
-    # test_four_over_six_recipe.py. Here: the flags reach the NVFP4 run's layers.
+    # training/test_recipe_four_over_six.py. Here: the flags reach the NVFP4 run's layers.
     for flag, want in (("all", "mse"), ("none", None)):
         args = train_lm.parse_args([*TINY, "--four-over-six", flag])
         model = train_lm.make_model(args, "nvfp4")

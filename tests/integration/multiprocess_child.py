@@ -1,6 +1,7 @@
-"""One of the JAX processes of `tests/test_multiprocess.py` (not a test module itself).
+"""One of the JAX processes of `tests/integration/test_multiprocess.py` (not a test module itself).
 
-    python tests/multiprocess_child.py PROCESS_ID NUM_PROCESSES PORT WORKDIR TASK [TASK ...]
+    python tests/integration/multiprocess_child.py \
+        PROCESS_ID NUM_PROCESSES PORT WORKDIR TASK [TASK ...]
 
 Each process sees 4 CPU devices; `jax.distributed.initialize` on a coordinator at
 127.0.0.1:PORT joins them into one runtime of NUM_PROCESSES * 4 devices with gloo
@@ -36,7 +37,8 @@ def main(argv: list[str]) -> None:
     assert jax.local_device_count() == DEVICES_PER_PROCESS
     # The shared test code (test_distributed reads the device count at import: after the
     # runtime started, it sees the global 8).
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:0] = [here, os.path.dirname(here)]  # tasks, and tests/ (helpers, training/)
     import multiprocess_tasks  # noqa: PLC0415
 
     for task in tasks:

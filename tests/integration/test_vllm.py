@@ -6,7 +6,7 @@ example Llama (marker `vllm`; needs the environment `bash scripts/vllm_env.sh` m
 
 The test trains the example model for a few steps in NVFP4, calibrates it, exports it as W4A4
 ("NVFP4") and as weight-only ("W4A16_NVFP4"), runs vLLM on the W4A4 export
-(`tests/vllm_client.py`, in vLLM's own environment) and checks:
+(`tests/integration/vllm_client.py`, in vLLM's own environment) and checks:
 
 * the weights as vLLM holds them (its fused qkv_proj / gate_up_proj included) equal
   `nvfp4_jax.dequantize` of the exported tensors bit for bit, the sign of zero aside;
@@ -42,7 +42,7 @@ from flax import nnx
 
 import nvfp4_jax
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))
 import lm_model  # noqa: E402
 import train_lm  # noqa: E402
@@ -112,7 +112,8 @@ def served(trained, tmp_path_factory):
 
 
 def run_vllm(export: pathlib.Path, prompts, out: pathlib.Path) -> tuple[dict, dict, dict]:
-    """(tests/vllm_client.py's JSON, its weights, its log-probabilities) for one export."""
+    """(tests/integration/vllm_client.py's JSON, its weights, its log-probabilities) for one
+    export."""
     run = subprocess.run(
         [
             str(VLLM_PYTHON),
@@ -238,7 +239,7 @@ def test_weight_only_export_has_the_same_weights_and_no_input_scale(served):
 @pytest.fixture(scope="module")
 def served_with_rules(trained, tmp_path_factory):
     """The trained model with its last block and head back in bf16 by rules, exported W4A4
-    with a byte-level tokenizer; vLLM's view of it (tests/vllm_client.py)."""
+    with a byte-level tokenizer; vLLM's view of it (tests/integration/vllm_client.py)."""
     model, val = trained
     mixed = nnx.clone(model)
     report = nvfp4_jax.quantize_model(mixed, nvfp4_jax.keep_bf16("^layers/1/", "^lm_head$"))

@@ -22,7 +22,7 @@ from flax import nnx
 import nvfp4_jax
 from nvfp4_jax._src.io import hf
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))
 import lm_model  # noqa: E402
 import train_lm  # noqa: E402

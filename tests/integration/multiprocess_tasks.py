@@ -1,4 +1,4 @@
-"""The programs `tests/test_multiprocess.py` runs in two JAX processes and in one.
+"""The programs `tests/integration/test_multiprocess.py` runs in two JAX processes and in one.
 
 Each task takes a working directory and returns `{name: NumPy array}` of global values. It
 is written for the global device set, whatever the processes: in the test's two processes
@@ -70,7 +70,7 @@ def gather_q(prefix: str, q) -> dict[str, np.ndarray]:
 
 
 def _sharded_quantize_cases():
-    from test_distributed import JIT_CASES, data  # noqa: PLC0415
+    from training.test_distributed import JIT_CASES, data  # noqa: PLC0415
 
     return JIT_CASES, data
 
@@ -98,7 +98,7 @@ def quantize_task(workdir: str) -> dict[str, np.ndarray]:
 
 def train_task(workdir: str) -> dict[str, np.ndarray]:
     """test_distributed's NVFP4 MLP step, data-parallel and FSDP, on each implementation."""
-    from test_distributed import TRAIN_SPECS, mlp_loss, train_setup  # noqa: PLC0415
+    from training.test_distributed import TRAIN_SPECS, mlp_loss, train_setup  # noqa: PLC0415
 
     out = {}
     for implementation, (mode, axis_type) in itertools.product(IMPLEMENTATIONS, MESH_MODES.items()):
@@ -119,7 +119,8 @@ def train_task(workdir: str) -> dict[str, np.ndarray]:
 
 # --- load_hf_checkpoint with a sharding: each process reads only its slices -------------------
 
-MODELOPT_FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "modelopt_llama_nvfp4")
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODELOPT_FIXTURE = os.path.join(TESTS, "fixtures", "modelopt_llama_nvfp4")
 
 
 def hf_load_task(workdir: str) -> dict[str, np.ndarray]:

@@ -390,7 +390,7 @@ def test_within_nvfp4_error_of_jax_ragged_dot():
                 assert not np.any(ag), f"{what}[{g}] should be zero"
                 continue
             rel = np.linalg.norm(ag - eg) / np.linalg.norm(eg)
-            # The dense recipe's budget (tests/test_dot_general.py): about 0.15-0.18.
+            # The dense recipe's budget (tests/training/test_dot_general.py): about 0.15-0.18.
             assert rel < 0.23, f"{what}[{g}]: relative error {rel:.4f}"
 
 
@@ -516,7 +516,7 @@ def one_sequence_vjp(x, w, group_sizes, dy, key, recipe):
 
 
 # Under jit: eagerly the reference runs op by op (XLA compiles each op on its own, a minute
-# per case); tests/test_vmap.py's ragged_dot case runs vmap of ragged_dot eagerly too.
+# per case); tests/core/test_ops_vmap.py's ragged_dot case runs vmap of ragged_dot eagerly too.
 @pytest.mark.parametrize(("key_kind", "mode"), [("key", "jit"), ("none", "jit")])
 def test_vmap_over_token_sets_is_the_loop_bit_for_bit(impl, key_kind, mode):
     """vmap of the vjp (the weights shared, each token set its own sizes and key) against a

@@ -2,7 +2,8 @@
 the custom call in the compiled HLO, raw custom-call errors, and library loading.
 
 Numbers are checked against the NumPy oracle (tests/numerics_oracle.py) bit for bit; the
-oracle suite itself (test_oracle.py, test_stochastic.py, test_hadamard.py) runs on every
+oracle suite itself (core/test_quantize.py, core/test_stochastic.py,
+core/test_hadamard.py) runs on every
 implementation through the `impl` fixture.
 """
 

@@ -39,7 +39,7 @@ Profiles (`NVFP4_HYPOTHESIS_PROFILE`):
   functions are cached, so after the first few hundred examples most cost milliseconds):
 
       NVFP4_HYPOTHESIS_PROFILE=long .venv/bin/python -m pytest -q -p no:cacheprovider \\
-          tests/test_properties.py --hypothesis-show-statistics
+          tests/core/test_properties.py --hypothesis-show-statistics
 
 `NVFP4_HYPOTHESIS_EXAMPLES=N` overrides the count of every test in either profile. A failure
 prints the falsifying example, the notes of the case and a `@reproduce_failure` blob; with
