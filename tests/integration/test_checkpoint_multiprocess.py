@@ -121,9 +121,9 @@ def child(process_id: int, port: int, workdir: str, mode: str = "save") -> None:
     if mode == "kill":
         save_checkpoint(path, sharded_tree(full_values(0), mesh))
         if process_id == 1:
-            from nvfp4_jax._src.io import checkpoint  # noqa: PLC0415
+            from nvfp4_jax._src.io import checkpoint_save  # noqa: PLC0415
 
-            checkpoint.fsync_tree = lambda top: os._exit(KILLED)
+            checkpoint_save.fsync_tree = lambda top: os._exit(KILLED)
         save_checkpoint(path, sharded_tree(full_values(1), mesh), force=True)
         raise AssertionError("the save went on after process 1 died")
     report = {"process": process_id, "problems": []}

@@ -22,7 +22,7 @@ import nvfp4_jax.checkpoint
 import nvfp4_jax.nnx
 from nvfp4_jax import quantize
 from nvfp4_jax._src.core.array import NVFP4Array, is_nvfp4_array, validate_nvfp4_array
-from nvfp4_jax._src.io import checkpoint as checkpoint_impl
+from nvfp4_jax._src.io import checkpoint_save
 from nvfp4_jax._src.io.checkpoint import restore_checkpoint, save_checkpoint
 
 
@@ -436,7 +436,7 @@ def save_v2(path, tree):
     """Writes `tree` as format 2 did: a snapshot and `CURRENT`, metadata without digests."""
     v2 = {"format": "nvfp4_jax.checkpoint/2"}
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(checkpoint_impl, "_metadata", lambda entries: {**v2, "entries": entries})
+        m.setattr(checkpoint_save, "_metadata", lambda entries: {**v2, "entries": entries})
         save_checkpoint(path, tree)
 
 

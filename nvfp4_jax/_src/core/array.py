@@ -8,7 +8,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from nvfp4_jax._src.core import formats
+from nvfp4_jax._src.core import checks, formats
 
 
 @jax.tree_util.register_dataclass
@@ -185,7 +185,7 @@ def _validate_decode_scale(decode_scale, name: str, amax_shape: tuple[int, ...])
 def _validate_metadata(q: NVFP4Array, name: str, codes: tuple[int, ...], rank: int) -> None:
     """The static fields against codes of shape `codes` holding tensors of rank `rank`."""
     for flag in ("block_2d", "rht"):
-        formats.check_flag(getattr(q, flag), name, flag)
+        checks.check_flag(getattr(q, flag), name, flag)
     if isinstance(q.axis, bool) or not isinstance(q.axis, int):
         raise TypeError(f"{name}: axis must be an int, got {q.axis!r}")
     if not -rank <= q.axis < 0:
@@ -195,8 +195,8 @@ def _validate_metadata(q: NVFP4Array, name: str, codes: tuple[int, ...], rank: i
         )
     if q.block_2d and (rank < 2 or codes[-2] % formats.BLOCK_SIZE):
         raise ValueError(f"{name}: block_2d needs rows in multiples of 16, got codes {codes}")
-    formats.check_dtype(q.dtype, name, "dtype")
-    mode, _ = formats.check_four_over_six(q.four_over_six, q.e4m3_max, name, "e4m3_max")
+    checks.check_dtype(q.dtype, name, "dtype")
+    mode, _ = checks.check_four_over_six(q.four_over_six, q.e4m3_max, name, "e4m3_max")
     if mode is None and q.e4m3_max != formats.E4M3_MAX:
         raise ValueError(
             f"{name}: e4m3_max={q.e4m3_max} needs four_over_six; plain NVFP4 has e4m3_max=448"

@@ -23,7 +23,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from nvfp4_jax._src.core import formats
+from nvfp4_jax._src.core import checks, formats
 
 # Rows and scale columns of one cuBLAS scale tile (128 x 4 scales = 512 bytes).
 TILE_ROWS = 128
@@ -185,13 +185,13 @@ def unpad(x: jax.Array, axis: int, size: int) -> jax.Array:
 
 def _stored_shape(shape, axis, op):
     shape = tuple(int(d) for d in shape)
-    axis = formats.normalize_axis(axis, shape, op)
-    formats.check_blocks(shape, axis, False, op)
+    axis = checks.normalize_axis(axis, shape, op)
+    checks.check_blocks(shape, axis, False, op)
     return formats.stored_shape(shape, axis)
 
 
 def _check_axis(shape, axis, op) -> int:
-    return formats.normalize_axis(axis, tuple(shape), op) % len(shape)
+    return checks.normalize_axis(axis, tuple(shape), op) % len(shape)
 
 
 def _ceil_div(a: int, b: int) -> int:

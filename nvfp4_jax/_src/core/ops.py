@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from nvfp4_jax._src.core import backends, formats, reference
+from nvfp4_jax._src.core import backends, checks, formats, reference
 from nvfp4_jax._src.core.array import NVFP4Array, bind_dequantize
 from nvfp4_jax._src.core.backends import Backend, Implementation
 from nvfp4_jax._src.core.reference import hadamard
@@ -69,7 +69,7 @@ def apply_rht(
 
     """
     x = hadamard.check_rht_input(x)
-    inverse = formats.check_flag(inverse, "apply_rht", "inverse")
+    inverse = checks.check_flag(inverse, "apply_rht", "inverse")
     return _rht(x, inverse, backends.resolve(implementation, "apply_rht"))
 
 

@@ -3,7 +3,7 @@
 The options of a quantizing op (the quantized axis, 16x16 blocks, the RHT, stochastic
 rounding, Four Over Six and its E4M3 maximum, and for `fake_quantize` the tensor factor and
 the result dtype) travel together: the public ops build a `QuantSpec` once at their edge,
-where it is validated (with the messages of `formats`' shared checks), and hand it whole to
+where it is validated (with the messages of the shared `checks`), and hand it whole to
 the backends, the reference and the kernel bindings, which build their FFI attributes from
 it in one place (`ffi_target`). Being hashable, it is the static argument of the ops'
 `custom_jvp` rules and the cache key of the kernels' sharding rules. `NVFP4Recipe` produces
@@ -20,7 +20,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-from nvfp4_jax._src.core import formats
+from nvfp4_jax._src.core import checks
 
 # The FFI targets a spec names (`ffi_target`): the plain ones, whose attributes are the flags,
 # and under Four Over Six their `_4over6` twins, which take `error` and `e4m3_max` too.
@@ -65,14 +65,14 @@ class QuantSpec:
     def __post_init__(self):
         op = self.op
         for name in ("block_2d", "rht", "stochastic_rounding"):
-            object.__setattr__(self, name, formats.check_flag(getattr(self, name), op, name))
-        mode, e4m3_max = formats.check_four_over_six(self.four_over_six, self.e4m3_max, op)
+            object.__setattr__(self, name, checks.check_flag(getattr(self, name), op, name))
+        mode, e4m3_max = checks.check_four_over_six(self.four_over_six, self.e4m3_max, op)
         object.__setattr__(self, "four_over_six", mode)
         object.__setattr__(self, "e4m3_max", e4m3_max)
-        global_scale = formats.check_flag(self.global_scale, op, "global_scale")
+        global_scale = checks.check_flag(self.global_scale, op, "global_scale")
         object.__setattr__(self, "global_scale", global_scale)
         if self.dtype is not None:
-            object.__setattr__(self, "dtype", formats.check_dtype(self.dtype, op))
+            object.__setattr__(self, "dtype", checks.check_dtype(self.dtype, op))
 
     def replace(self, **changes) -> QuantSpec:
         """This spec with some fields changed (validated again)."""
@@ -87,8 +87,8 @@ class QuantSpec:
         op = self.op
         if len(shape) == 0:
             raise ValueError(f"{op}: x must have at least one dimension, got shape {shape}")
-        axis = formats.normalize_axis(self.axis, shape, op)
-        formats.check_blocks(shape, axis, self.block_2d, op)
+        axis = checks.normalize_axis(self.axis, shape, op)
+        checks.check_blocks(shape, axis, self.block_2d, op)
         return self if axis == self.axis else self.replace(axis=axis)
 
     def stored(self) -> QuantSpec:

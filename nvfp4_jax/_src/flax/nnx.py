@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from nvfp4_jax._src.core import formats
+from nvfp4_jax._src.core import checks, formats
 from nvfp4_jax._src.core.array import NVFP4Array
 from nvfp4_jax._src.core.keys import step_key
 from nvfp4_jax._src.flax import frozen
@@ -211,7 +211,7 @@ class FrozenLinear(Linear):
     ):
         frozen.check_linear(kernel, activations, input_scale, _FROZEN_LINEAR)
         in_features, out_features = kernel.shape
-        dtype = formats.check_dtype(dtype, _FROZEN_LINEAR)
+        dtype = checks.check_dtype(dtype, _FROZEN_LINEAR)
         scale = frozen.input_scale_of(input_scale, _FROZEN_LINEAR)
         super().__init__(
             in_features,
@@ -427,7 +427,7 @@ class FrozenExperts(Experts):
 
     def __init__(self, kernel: NVFP4Array, *, dtype=jnp.bfloat16):
         frozen.check_experts(kernel, _FROZEN_EXPERTS)
-        dtype = formats.check_dtype(dtype, _FROZEN_EXPERTS)
+        dtype = checks.check_dtype(dtype, _FROZEN_EXPERTS)
         # `input_amax` starts at zeros (calibration fills it), as a `Linear`'s.
         super().__init__(*kernel.shape, recipe=None, kernel_init=_no_weight, rngs=nnx.Rngs(0))
         self.kernel = QuantizedKernel(kernel)
@@ -447,7 +447,7 @@ def calibrate(model: nnx.Module, enabled: bool = True) -> int:
     Returns:
       The number of layers switched.
     """
-    enabled = formats.check_flag(enabled, "calibrate", "enabled")
+    enabled = checks.check_flag(enabled, "calibrate", "enabled")
     count = 0
     for _, module in nnx.iter_graph(model):
         if isinstance(module, (Linear, Experts)):

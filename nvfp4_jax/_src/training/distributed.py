@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from nvfp4_jax._src.core import formats, kernels
+from nvfp4_jax._src.core import checks, formats, kernels
 from nvfp4_jax._src.core.array import NVFP4Array
 from nvfp4_jax._src.core.backends import Implementation
 from nvfp4_jax._src.core.ops import fake_quantize, quantize, tensor_amax
@@ -192,11 +192,11 @@ def quantize_master_weights(
       An `NVFP4Array` whose codes and scales are sharded as `spec` with `axis` moved last.
     """
     op = "quantize_master_weights"
-    weights = formats.as_float_array(weights, op, "weights")
+    weights = checks.as_float_array(weights, op, "weights")
     mesh, spec = _mesh_and_spec(weights, mesh, spec)
-    axis = formats.normalize_axis(axis, weights.shape, op)
-    block_2d = formats.check_flag(block_2d, op, "block_2d")
-    formats.check_blocks(weights.shape, axis, block_2d, op)
+    axis = checks.normalize_axis(axis, weights.shape, op)
+    block_2d = checks.check_flag(block_2d, op, "block_2d")
+    checks.check_blocks(weights.shape, axis, block_2d, op)
     entries = list(spec) + [None] * (weights.ndim - len(spec))
     stored_entries = [e for i, e in enumerate(entries) if i != axis % weights.ndim]
     stored_spec = PartitionSpec(*stored_entries, entries[axis])

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from nvfp4_jax._src.core import formats, types
+from nvfp4_jax._src.core import checks, formats, types
 from nvfp4_jax._src.core.keys import element_keys, gradient_key, sr_seeds
 from nvfp4_jax._src.core.ops import quantize_with_spec
 from nvfp4_jax._src.core.spec import QuantSpec
@@ -302,8 +302,8 @@ def dot_general(
       `jax.lax.dot_general` orders them.
     """
     del precision
-    lhs = formats.as_float_array(lhs, "dot_general", "lhs")
-    rhs = formats.as_float_array(rhs, "dot_general", "rhs")
+    lhs = checks.as_float_array(lhs, "dot_general", "lhs")
+    rhs = checks.as_float_array(rhs, "dot_general", "rhs")
     lhs_contract, rhs_contract, lhs_batch, rhs_batch = _normalize_dims(dimension_numbers, lhs, rhs)
     lhs_free = [d for d in range(lhs.ndim) if d not in lhs_contract and d not in lhs_batch]
     rhs_free = [d for d in range(rhs.ndim) if d not in rhs_contract and d not in rhs_batch]

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from nvfp4_jax._src.core import backends, formats, kernels, layout, ops, types
+from nvfp4_jax._src.core import backends, checks, formats, kernels, layout, ops, types
 from nvfp4_jax._src.core.array import NVFP4Array
 from nvfp4_jax._src.core.backends import (  # the registry's constants, here for nvfp4_jax.gemm
     SCALED_MATMUL_MIN_CAPABILITY as SCALED_MATMUL_MIN_CAPABILITY,
@@ -542,17 +542,17 @@ def from_scaled_matmul_operands(
             f"{op}: data {data.shape} needs a last axis that is a multiple of "
             f"{formats.BLOCK_SIZE} and scales of shape (..., K/16), got scales {scales.shape}"
         )
-    axis = formats.normalize_axis(axis, data.shape, op)
+    axis = checks.normalize_axis(axis, data.shape, op)
     pairs = data.reshape(*data.shape[:-1], data.shape[-1] // 2, 2)
     codes = jax.lax.bitcast_convert_type(pairs, jnp.uint8)
     return NVFP4Array(
         codes=codes,
         scales=scales,
         amax=jnp.asarray(amax, jnp.float32),
-        dtype=formats.check_dtype(dtype, op),
+        dtype=checks.check_dtype(dtype, op),
         axis=axis,
-        block_2d=formats.check_flag(block_2d, op, "block_2d"),
-        rht=formats.check_flag(rht, op, "rht"),
+        block_2d=checks.check_flag(block_2d, op, "block_2d"),
+        rht=checks.check_flag(rht, op, "rht"),
     )
 
 
@@ -614,7 +614,7 @@ def scaled_matmul(
             f"{op}: lhs (rht={lhs.rht}) and rhs (rht={rhs.rht}) must both or neither be "
             "quantized with the RHT: a product of one rotated operand is not the GEMM"
         )
-    gemm_dtype = formats.check_dtype(gemm_dtype, op, "gemm_dtype")
+    gemm_dtype = checks.check_dtype(gemm_dtype, op, "gemm_dtype")
     out = jnp.dtype(_F32 if preferred_element_type is None else preferred_element_type)
     if not jnp.issubdtype(out, jnp.floating):
         raise TypeError(f"{op}: preferred_element_type must be a float dtype, got {out}")

@@ -55,7 +55,7 @@ from jax.custom_batching import custom_vmap
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from nvfp4_jax._src.core import backends, formats, kernels, keys, types
+from nvfp4_jax._src.core import backends, checks, formats, kernels, keys, types
 from nvfp4_jax._src.core import ops as nvfp4_ops
 from nvfp4_jax._src.core.reference import decode_scale, encode_scale, stochastic_magnitude
 from nvfp4_jax._src.core.types import PrimalTypes
@@ -552,8 +552,8 @@ _ragged_matmul.defvjp(_ragged_matmul_fwd, _ragged_matmul_bwd)
 
 def _check(lhs, rhs, group_sizes):
     op = "ragged_dot"
-    lhs = formats.as_float_array(lhs, op, "lhs")
-    rhs = formats.as_float_array(rhs, op, "rhs")
+    lhs = checks.as_float_array(lhs, op, "lhs")
+    rhs = checks.as_float_array(rhs, op, "rhs")
     if group_sizes is None or isinstance(group_sizes, (str, bytes)):
         raise TypeError(f"{op}: group_sizes must be an integer array, got {group_sizes!r}")
     group_sizes = jnp.asarray(group_sizes)

@@ -7,7 +7,7 @@ from typing import Literal
 
 import jax.numpy as jnp
 
-from nvfp4_jax._src.core import backends, formats
+from nvfp4_jax._src.core import backends, checks, formats
 from nvfp4_jax._src.core.backends import Implementation
 from nvfp4_jax._src.core.spec import QuantSpec
 
@@ -85,13 +85,13 @@ class NVFP4Recipe:
 
     def __post_init__(self):
         for name in ("weight_2d", "wgrad_rht", "stochastic_rounding", "fprop", "dgrad", "wgrad"):
-            formats.check_flag(getattr(self, name), "NVFP4Recipe", name)
-        dtype = formats.check_dtype(self.gemm_dtype, "NVFP4Recipe", "gemm_dtype")
+            checks.check_flag(getattr(self, name), "NVFP4Recipe", name)
+        dtype = checks.check_dtype(self.gemm_dtype, "NVFP4Recipe", "gemm_dtype")
         object.__setattr__(self, "gemm_dtype", dtype)
         for kind in FOUR_OVER_SIX_OPERANDS:
             name = f"{kind}_four_over_six"
-            formats.check_four_over_six(getattr(self, name), 256, f"NVFP4Recipe.{name}")
-        _, e4m3_max = formats.check_four_over_six(
+            checks.check_four_over_six(getattr(self, name), 256, f"NVFP4Recipe.{name}")
+        _, e4m3_max = checks.check_four_over_six(
             "mse", self.four_over_six_e4m3_max, "NVFP4Recipe", "four_over_six_e4m3_max"
         )
         object.__setattr__(self, "four_over_six_e4m3_max", e4m3_max)

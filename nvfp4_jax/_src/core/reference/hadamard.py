@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nvfp4_jax._src.core import formats
+from nvfp4_jax._src.core import checks, formats
 
 _WGRAD_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
 
@@ -109,7 +109,7 @@ def _fwht16(v: jax.Array) -> jax.Array:
 
 def check_rht_input(x, op: str = "apply_rht") -> jax.Array:
     """Returns `x` as an array, raising unless it is bf16/f16/f32 with a last axis of 16s."""
-    x = formats.as_float_array(x, op)
+    x = checks.as_float_array(x, op)
     if x.ndim == 0 or x.shape[-1] % formats.BLOCK_SIZE:
         raise ValueError(
             f"{op}: the last axis of x must be a multiple of {formats.BLOCK_SIZE} for the RHT, "
@@ -138,7 +138,7 @@ def apply_rht(x: jax.Array, *, inverse: bool = False) -> jax.Array:
 
     """
     x = check_rht_input(x)
-    inverse = formats.check_flag(inverse, "apply_rht", "inverse")
+    inverse = checks.check_flag(inverse, "apply_rht", "inverse")
     lead = x.shape[:-1]
     groups = x.shape[-1] // formats.BLOCK_SIZE  # explicit: -1 is ambiguous for zero-size x
     blocks = x.astype(jnp.float32).reshape(*lead, groups, formats.BLOCK_SIZE)

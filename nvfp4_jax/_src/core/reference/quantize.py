@@ -30,7 +30,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from nvfp4_jax._src.core import formats, types
+from nvfp4_jax._src.core import checks, formats, types
 from nvfp4_jax._src.core.array import NVFP4Array
 from nvfp4_jax._src.core.formats import decode_scale
 from nvfp4_jax._src.core.reference import hadamard, stochastic
@@ -215,14 +215,14 @@ def check_quantize_call(x, spec: QuantSpec, key, amax, *, amax_is_data=False):
     and gives the NaN tensor eagerly as under `jit`.
     """
     op = spec.op
-    x = formats.as_float_array(x, op)
+    x = checks.as_float_array(x, op)
     if spec.stochastic_rounding and key is None:
         raise ValueError(f"{op}: stochastic_rounding=True needs a PRNG key, got key=None")
     spec = spec.check_shape(x.shape)
     seed = as_seed(key, op) if spec.stochastic_rounding else None
     if amax is not None and amax_is_data:
         return x, spec, seed, _amax_data(amax, op)
-    return x, spec, seed, formats.check_amax(amax, op)
+    return x, spec, seed, checks.check_amax(amax, op)
 
 
 def tensor_amax(x: jax.Array, *, axis: int = -1, rht: bool = False) -> jax.Array:
@@ -398,7 +398,7 @@ def check_dequantize_call(q, dtype, op: str) -> jnp.dtype:
     """
     if not isinstance(q, NVFP4Array):
         raise TypeError(f"{op}: q must be an NVFP4Array, got {type(q).__name__}")
-    return formats.check_dtype(dtype, op)
+    return checks.check_dtype(dtype, op)
 
 
 def _dequantize_stored(q: NVFP4Array, dtype) -> jax.Array:

@@ -14,7 +14,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from nvfp4_jax._src.core import formats
+from nvfp4_jax._src.core import checks
 from nvfp4_jax._src.io.hf.common import QUANT_ALGOS
 from nvfp4_jax._src.io.hf.names import NameMap, as_name_map
 
@@ -108,9 +108,9 @@ class ExportOptions:
             raise ValueError(
                 "export_hf_checkpoint: input_amax is for quant_algo='NVFP4' (W4A4) only"
             )
-        block_2d = formats.check_flag(block_2d, "export_hf_checkpoint", "block_2d")
+        block_2d = checks.check_flag(block_2d, "export_hf_checkpoint", "block_2d")
         if four_over_six != FOLLOW_MODEL:
-            formats.check_four_over_six(
+            checks.check_four_over_six(
                 four_over_six, four_over_six_e4m3_max, "export_hf_checkpoint"
             )
         directory = os.path.abspath(os.fspath(directory))

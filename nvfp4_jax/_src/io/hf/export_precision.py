@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Mapping
 import numpy as np
 from flax import nnx
 
-from nvfp4_jax._src.core import formats
+from nvfp4_jax._src.core import checks, formats
 from nvfp4_jax._src.core.array import is_nvfp4_array
 from nvfp4_jax._src.flax import nnx as nvfp4_nnx
 from nvfp4_jax._src.io.hf.export_options import FOLLOW_MODEL
@@ -77,7 +77,7 @@ def four_over_six_of(four_over_six, e4m3_max, model_fos, rules, tensors) -> Call
     The members of a fused group must agree: they share one amax and are one layer to engines.
     """
     if four_over_six != FOLLOW_MODEL:
-        mode, m = formats.check_four_over_six(four_over_six, e4m3_max, "export_hf_checkpoint")
+        mode, m = checks.check_four_over_six(four_over_six, e4m3_max, "export_hf_checkpoint")
         return lambda t: (mode, m)
 
     def own(t: Tensor) -> tuple[str | None, int]:

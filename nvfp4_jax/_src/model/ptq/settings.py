@@ -11,7 +11,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from nvfp4_jax._src.core import formats
+from nvfp4_jax._src.core import checks
 from nvfp4_jax._src.model.rules import Rule, check_rules, default_rules
 
 # The name of the operation, in error messages.
@@ -121,7 +121,7 @@ def check_settings(
         forward = _default_forward
     elif not callable(forward):
         raise TypeError(f"{OP}: forward must be callable as forward(model, batch), got {forward!r}")
-    mode, e4m3_max = formats.check_four_over_six(
+    mode, e4m3_max = checks.check_four_over_six(
         options["four_over_six"], options["four_over_six_e4m3_max"], OP
     )
     if mode is None:
@@ -131,12 +131,12 @@ def check_settings(
         activations=activations,
         rules=tuple(rules),
         forward=forward,
-        block_2d=formats.check_flag(block_2d, OP, "block_2d"),
+        block_2d=checks.check_flag(block_2d, OP, "block_2d"),
         fused_groups=_check_fused_groups(fused_groups),
         mse_grid=_check_grid(options["mse_grid"]),
         four_over_six=mode,
         e4m3_max=e4m3_max,
         damp=_check_damp(options["gptq_damp"]),
-        act_order=formats.check_flag(options["gptq_act_order"], OP, "gptq_act_order"),
-        jit=formats.check_flag(options["jit"], OP, "jit"),
+        act_order=checks.check_flag(options["gptq_act_order"], OP, "gptq_act_order"),
+        jit=checks.check_flag(options["jit"], OP, "jit"),
     )

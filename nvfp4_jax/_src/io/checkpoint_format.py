@@ -1,0 +1,197 @@
+"""The checkpoint format: its directory layout, stored names, metadata and digests.
+
+What `checkpoint_save` writes and `checkpoint_restore` reads, and the helpers both sides
+share: a tree's leaves and their stored names, the entry of an NVFP4 leaf, the dtypes
+orbax stores, the digests, the `CURRENT` pointer and the orbax checkpointer.
+
+On-disk layout (format `nvfp4_jax.checkpoint/3`). `path` is a directory:
+
+    path/
+      CURRENT                 one line: the name of the current snapshot
+      snapshot-000007/        the current snapshot, an orbax `Composite` checkpoint:
+        arrays/               a flat `{name: array}` dict (orbax `StandardSave`)
+        nvfp4/metadata        JSON: the format, one entry per leaf, digests
+        ...                   orbax's own bookkeeping files
+      snapshot-000006/, snapshot-000008.orbax-checkpoint-tmp-*/, CURRENT.tmp
+                              leftovers of an interrupted save, removed by the next save
+
+Inside a snapshot, a plain leaf at path `a/b` is stored as `a/b`; an `NVFP4Array` at `a/w` as
+`a/w/codes` (uint8), `a/w/scales` (float8_e4m3fn), `a/w/amax` (f32) and, when it has one,
+`a/w/decode_scale` (f32); a typed PRNG key array
+(an nnx rng stream's key) as its `jax.random.key_data` (uint32) under its own name. The bytes
+are stored as they are: restoring is bit-exact. NumPy leaves stay NumPy (a float64 stays
+float64, a bfloat16 one a NumPy bfloat16 array) unless the target gives a jax leaf for them.
+The JSON entry of a leaf holds its path, kind ("array", "nvfp4" or "key"), shapes
+and dtypes, the static metadata of an NVFP4 leaf (dtype, axis, block_2d, rht, logical shape)
+and the implementation of a key (e.g. "threefry2x32"). Every stored name belongs to exactly
+one leaf: `save_checkpoint` raises before writing anything if two leaves would share one
+(a "/" in a dict key, a plain leaf at `w/codes` beside an NVFP4Array at `w`).
+
+Dtypes: a plain leaf may have any boolean or numeric dtype that tensorstore (orbax's writer)
+stores: NumPy's, and those of ml_dtypes that JAX uses, bfloat16, float8_e4m3fn, float8_e5m2,
+float8_e4m3fnuz, float8_e5m2fnuz, float8_e4m3b11fnuz, float8_e3m4, float8_e8m0fnu,
+float4_e2m1fn, int4 and int2 (NumPy calls their kind "V", like a structured dtype's), every
+bit pattern kept (NaN payloads, negative zeros). Others (ml_dtypes' float8_e4m3, float6_*,
+int1, uint1/2/4; object, string, structured, void or datetime dtypes) are a `TypeError`
+naming the leaf and its dtype, raised before anything is written.
+
+Edited metadata (format 3): each entry carries `digest`, the sha256 of the canonical JSON
+(sorted keys, no spaces, ASCII) of the rest of the entry, and the metadata a `digest` of the
+canonical JSON of its format and entries (theirs included). `restore_checkpoint` recomputes
+them before using anything: an entry whose fields were changed (any field: dtype, axis,
+block_2d, rht, shapes, kind, impl, path...) or that lost its digest is a `ValueError` naming
+the entry (all such entries) and the file; entries added, removed, duplicated or reordered,
+or a changed format, are a `ValueError` naming the file; so is a format-1/2 header on metadata
+that has digests. The digests catch edits and corruption, not forgery: whoever edits the file
+can recompute them. Formats 1 and 2 have no digests: there only edits that make the metadata
+inconsistent (with itself, `validate_nvfp4_array` or the stored arrays) are caught.
+
+The first format, `nvfp4_jax.checkpoint/1` (the orbax `Composite` at `path` itself, no
+`CURRENT`), and the second (this layout, no digests) are still restored; a forced save over
+them writes format 3, atomically (`checkpoint_save`).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from nvfp4_jax._src.core.array import is_nvfp4_array
+from nvfp4_jax._src.io.storage import key_name
+
+FORMAT = "nvfp4_jax.checkpoint/3"
+FORMAT_V2 = "nvfp4_jax.checkpoint/2"
+FORMAT_V1 = "nvfp4_jax.checkpoint/1"
+DIGEST = "digest"  # the field of each entry, and of the whole metadata, holding its digest
+POINTER = "CURRENT"
+SNAPSHOT = re.compile(r"snapshot-([0-9]+)")
+PARTS = ("codes", "scales", "amax")
+# `decode_scale` is an optional fourth part (None in most NVFP4Arrays): stored when present.
+PART_DTYPES = {
+    "codes": "uint8",
+    "scales": "float8_e4m3fn",
+    "amax": "float32",
+    "decode_scale": "float32",
+}
+
+
+def abspath(path) -> str:
+    """`path` (str, bytes or path-like) as an absolute str, relative to the current directory."""
+    return os.path.abspath(os.fsdecode(path))
+
+
+def digest(value) -> str:
+    """sha256 of the canonical JSON of `value` (sorted keys, no spaces, ASCII)."""
+    text = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
+
+
+def named_leaves(tree) -> list:
+    """`(keypath, path components, leaf)` per leaf of `tree`; NVFP4Arrays are leaves."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_nvfp4_array)
+    return [(path, tuple(key_name(k) for k in path), leaf) for path, leaf in flat]
+
+
+def check_layout(op: str, layout: list) -> None:
+    """Every name is claimed by one leaf, and no leaf's path is a parent of another's.
+
+    `layout` holds `(where, path, names)` per leaf: a description, the path components and
+    the names the leaf claims (its key and its stored arrays).
+    """
+    owner, leaves = {}, {}
+    for where, path, names in layout:
+        for name in dict.fromkeys(names):
+            if name in owner:
+                raise ValueError(
+                    f"{op}: the leaves at {owner[name]} and {where} are both stored as {name!r}"
+                )
+            owner[name] = where
+        leaves[tuple(path)] = where
+    for path, where in leaves.items():
+        for depth in range(len(path)):
+            if path[:depth] in leaves:
+                raise ValueError(
+                    f"{op}: the leaf at {leaves[path[:depth]]} has the same path as a parent "
+                    f"of the leaf at {where}"
+                )
+
+
+def nvfp4_meta(q) -> dict:
+    """The JSON fields of an NVFP4 leaf's static metadata and part shapes."""
+    meta = {
+        "dtype": jnp.dtype(q.dtype).name,
+        "axis": q.axis,
+        "block_2d": q.block_2d,
+        "rht": q.rht,
+        "shapes": {part: list(getattr(q, part).shape) for part in parts_of(q)},
+    }
+    if q.four_over_six is not None:  # plain arrays keep the metadata of earlier versions
+        meta.update(four_over_six=q.four_over_six, e4m3_max=q.e4m3_max)
+    return meta
+
+
+def parts_of(q) -> tuple[str, ...]:
+    """The array parts of an NVFP4Array: codes, scales, amax, and decode_scale if set."""
+    return PARTS + (("decode_scale",) if getattr(q, "decode_scale", None) is not None else ())
+
+
+def entry_parts(shapes: dict) -> tuple[str, ...]:
+    """The parts an NVFP4 entry stores, from its `shapes` (decode_scale if listed)."""
+    return PARTS + (("decode_scale",) if "decode_scale" in shapes else ())
+
+
+@functools.cache
+def key_dtype(impl: str):
+    """The dtype of a typed PRNG key of the implementation named `impl`."""
+    return jax.eval_shape(lambda: jax.random.key(0, impl=impl)).dtype
+
+
+def unstorable(dtype) -> str | None:
+    """Why orbax cannot store arrays of `dtype`, or None when it can.
+
+    Storable: booleans and numbers, NumPy's and the ones JAX takes from ml_dtypes (bfloat16,
+    the float8 types, int4, ...) alike (NumPy's kind of the latter is "V", as for a
+    structured dtype), as far as tensorstore, which writes orbax's arrays, has them.
+    """
+    try:
+        dtype = jnp.dtype(dtype)
+    except TypeError:
+        return "not a dtype"
+    if dtype != np.bool_ and not jax.dtypes.issubdtype(dtype, np.number):
+        return "not a boolean or numeric dtype"
+    import tensorstore  # noqa: PLC0415  (orbax writes with it)
+
+    try:
+        tensorstore.dtype(dtype.name)
+    except (TypeError, ValueError):
+        return "tensorstore (which orbax writes arrays with) has no such data type"
+    return None
+
+
+def read_pointer(path: str) -> str | None:
+    """The snapshot name `CURRENT` holds, None without `CURRENT` (format 1 or no save)."""
+    try:
+        with open(os.path.join(path, POINTER), encoding="utf-8") as f:
+            name = f.read().strip()
+    except FileNotFoundError:
+        return None
+    if not SNAPSHOT.fullmatch(name):
+        raise ValueError(f"{path}/{POINTER} holds {name[:80]!r}, not a snapshot name")
+    return name
+
+
+def open_checkpointer():
+    """The orbax checkpointer of a snapshot: its `arrays` and its `nvfp4` (JSON) items."""
+    import orbax.checkpoint as ocp  # noqa: PLC0415  (heavy, and only needed here)
+
+    handler = ocp.CompositeCheckpointHandler(
+        arrays=ocp.StandardCheckpointHandler(), nvfp4=ocp.JsonCheckpointHandler()
+    )
+    return ocp.Checkpointer(handler)
