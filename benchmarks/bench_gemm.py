@@ -40,7 +40,7 @@ from roofline import ISA_CHOICES, ISA_HELP, force_kernel_isa  # this folder is o
 import nvfp4_jax
 from nvfp4_jax import NVFP4Recipe, dot_general
 from nvfp4_jax._src.core import kernels, ops
-from nvfp4_jax._src.training import gemm
+from nvfp4_jax._src.training import gemm, weight_only
 
 DENSE = (((1,), (0,)), ((), ()))
 NT = (((1,), (1,)), ((), ()))  # (M, K) x (N, K): the GEMM's layout, XLA's fastest bf16 form here
@@ -208,8 +208,8 @@ def bench_gemv(iters: int, k: int = 4096, n: int = 14336):
         [
             (jax.jit(lambda x, w: x @ w), (x, w16)),
             (jax.jit(lambda x, q: jnp.matmul(x, ops.dequantize(q, jnp.bfloat16))), (x, q)),
-            (jax.jit(gemm.weight_only_matmul), (x, q)),
-            (jax.jit(gemm.weight_only_matmul), (xs, q)),
+            (jax.jit(weight_only.weight_only_matmul), (x, q)),
+            (jax.jit(weight_only.weight_only_matmul), (xs, q)),
             (jax.jit(lambda t: t + 1), (big,)),
         ],
         iters,

@@ -62,13 +62,13 @@ from nvfp4_jax._src.model.report import QuantizeReport
 from nvfp4_jax._src.model.rules import Rule, default_rules, keep_bf16
 from nvfp4_jax._src.training.distributed import quantize_master_weights
 from nvfp4_jax._src.training.dot_general import dot_general, nvfp4_dot_general
-from nvfp4_jax._src.training.gemm import (
-    from_scaled_matmul_operands,
-    scaled_matmul,
-    to_scaled_matmul_operands,
-)
+from nvfp4_jax._src.training.gemm import scaled_matmul
 from nvfp4_jax._src.training.ragged import ragged_dot
 from nvfp4_jax._src.training.recipe import NVFP4Recipe
+from nvfp4_jax._src.training.scaled_matmul import (
+    from_scaled_matmul_operands,
+    to_scaled_matmul_operands,
+)
 from nvfp4_jax._version import __version__
 
 # Register the native targets now (no JAX backend is started), so that a function

@@ -1,28 +1,33 @@
 """The NVFP4 GEMM: emulated, native, and `jax.nn.scaled_matmul` operands.
 
-The public face of `nvfp4_jax._src.training.gemm`: it re-exports only (docs/ARCHITECTURE.md).
+The public face of `nvfp4_jax._src.training.gemm`, `.scaled_matmul` and `.weight_only`: it
+re-exports only (docs/ARCHITECTURE.md).
 """
 
 from nvfp4_jax._src.training.gemm import (
     GEMM_BACKENDS,
     SCALED_MATMUL_MIN_CAPABILITY,
-    WEIGHT_ONLY_MAX_ROWS,
     NativeBlocks,
     Operand,
     P,
-    ScaledMatmulOperands,
     array_operand,
-    expert_weight,
-    from_scaled_matmul_operands,
-    lax_ragged_dot,
     matmul,
     quantize_operand,
     resolve_gemm_backend,
     scaled_matmul,
     scaled_matmul_unsupported_reason,
-    to_scaled_matmul_operands,
     transpose_2d_blocks,
     uses_native_gemm,
+)
+from nvfp4_jax._src.training.scaled_matmul import (
+    ScaledMatmulOperands,
+    from_scaled_matmul_operands,
+    to_scaled_matmul_operands,
+)
+from nvfp4_jax._src.training.weight_only import (
+    WEIGHT_ONLY_MAX_ROWS,
+    expert_weight,
+    lax_ragged_dot,
     uses_native_weight_only,
     weight_only_matmul,
     weight_only_ragged_dot,

@@ -22,7 +22,7 @@ import nvfp4_jax
 from nvfp4_jax import NVFP4Recipe
 from nvfp4_jax._src.core import kernels, ops
 from nvfp4_jax._src.core.keys import fold_in
-from nvfp4_jax._src.training import gemm
+from nvfp4_jax._src.training import weight_only
 
 B = 3
 
@@ -65,12 +65,12 @@ def _dot_general_vjp(impl, x, w, dy, key):
 
 def _weight_only(impl, x, w):
     q = ops.quantize(w, axis=0, implementation="reference")
-    return gemm.weight_only_matmul(x, q, implementation=impl)
+    return weight_only.weight_only_matmul(x, q, implementation=impl)
 
 
 def _weight_only_ragged(impl, x, w, sizes):
     q = jax.vmap(lambda w_g: ops.quantize(w_g, axis=0, implementation="reference"))(w)
-    return gemm.weight_only_ragged_dot(x, q, sizes, implementation=impl)
+    return weight_only.weight_only_ragged_dot(x, q, sizes, implementation=impl)
 
 
 def _ragged_dot(impl, x, w, sizes, key):
@@ -178,7 +178,7 @@ CASES = {
 # dim but 0 - NYI"): the jnp path of `weight_only_ragged_dot` with shared experts.
 XLA_PATH_KNOWN_FAILURES = {
     "weight_only_ragged_dot": lambda impl: (
-        not gemm.uses_native_weight_only(
+        not weight_only.uses_native_weight_only(
             (32, 64), jnp.bfloat16, ops.quantize(W, axis=0, implementation="reference"), impl
         )
     ),

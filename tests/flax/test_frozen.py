@@ -30,10 +30,16 @@ from nvfp4_jax._src.core import ops
 from nvfp4_jax._src.flax import layer_info
 from nvfp4_jax._src.flax.layer_info import layer_recipe
 from nvfp4_jax._src.model.intercept import quantize_linen
-from nvfp4_jax._src.training import gemm, ragged
+from nvfp4_jax._src.training import weight_only
+from nvfp4_jax._src.training.groups import group_amax
 
 G, K, N = 3, 64, 32
-ROWS = [1, 8, gemm.WEIGHT_ONLY_MAX_ROWS, gemm.WEIGHT_ONLY_MAX_ROWS + 1]  # native, then XLA
+ROWS = [
+    1,
+    8,
+    weight_only.WEIGHT_ONLY_MAX_ROWS,
+    weight_only.WEIGHT_ONLY_MAX_ROWS + 1,
+]  # native, then XLA
 RTN = NVFP4Recipe(stochastic_rounding=False)
 
 
@@ -97,7 +103,7 @@ def test_frozen_layers_hold_no_abstract_state():
     assert_same_bits(experts.input_amax[...], np.zeros((G,), np.float32), "input_amax")
 
 
-@pytest.mark.parametrize("rows", [6, gemm.WEIGHT_ONLY_MAX_ROWS + 4])
+@pytest.mark.parametrize("rows", [6, weight_only.WEIGHT_ONLY_MAX_ROWS + 4])
 def test_a_model_with_frozen_experts_jits_saves_and_calibrates(rows, tmp_path):
     model = MoE()
     x, sizes = activations((rows, K), seed=42, dtype=jnp.float32), sizes_for(rows)
@@ -113,7 +119,7 @@ def test_a_model_with_frozen_experts_jits_saves_and_calibrates(rows, tmp_path):
     assert nvfp4_jax.nnx.calibrate(model) == 2
     forward(model, x, sizes)
     model(0.5 * x, sizes)
-    want = ragged.group_amax(x, sizes, G)
+    want = group_amax(x, sizes, G)
     assert_same_bits(model.experts.input_amax[...], want, "experts' input_amax")
     assert float(model.linear.input_amax[...]) > 0
 
@@ -128,7 +134,7 @@ def test_weight_only_matmul_grad_in_x_is_the_dequantized_matmuls(impl, rows, mod
     i = impl.implementation
 
     def native(x):
-        return gemm.weight_only_matmul(x, q, implementation=i)
+        return weight_only.weight_only_matmul(x, q, implementation=i)
 
     def xla(x):
         return jnp.matmul(x, ops.dequantize(q, x.dtype, implementation=i))
@@ -140,7 +146,9 @@ def test_weight_only_matmul_grad_in_x_is_the_dequantized_matmuls(impl, rows, mod
     xs = activations((2, max(rows // 2, 1), K), seed=3)
 
     def native_f32(x):
-        return gemm.weight_only_matmul(x, q, preferred_element_type=jnp.float32, implementation=i)
+        return weight_only.weight_only_matmul(
+            x, q, preferred_element_type=jnp.float32, implementation=i
+        )
 
     def xla_f32(x):
         weight = ops.dequantize(q, x.dtype, implementation=i)
@@ -157,7 +165,7 @@ def test_weight_only_matmul_forward_mode_is_the_dequantized_matmuls(impl, mode):
     i = impl.implementation
 
     def native(x):
-        return gemm.weight_only_matmul(x, q, implementation=i)
+        return weight_only.weight_only_matmul(x, q, implementation=i)
 
     def xla(x):
         return jnp.matmul(x, ops.dequantize(q, x.dtype, implementation=i))
@@ -173,13 +181,13 @@ def test_weight_only_matmul_forward_mode_is_the_dequantized_matmuls(impl, mode):
         )
 
 
-@pytest.mark.parametrize("rows", [4, gemm.WEIGHT_ONLY_MAX_ROWS + 1])
+@pytest.mark.parametrize("rows", [4, weight_only.WEIGHT_ONLY_MAX_ROWS + 1])
 def test_the_frozen_weight_gets_no_derivative(impl, rows):
     q, x = weight(seed=3), activations((rows, K), seed=6)
 
     def out(amax, scales):
         frozen = dataclasses.replace(q, amax=amax, scales=scales)
-        y = gemm.weight_only_matmul(x, frozen, implementation=impl.implementation)
+        y = weight_only.weight_only_matmul(x, frozen, implementation=impl.implementation)
         return jnp.sum(y.astype(jnp.float32))
 
     d_amax, d_scales = jax.grad(out, argnums=(0, 1))(q.amax, q.scales)
@@ -187,13 +195,15 @@ def test_the_frozen_weight_gets_no_derivative(impl, rows):
 
 
 @pytest.mark.parametrize("mode", ["eager", "jit"])
-@pytest.mark.parametrize("rows", [7, gemm.WEIGHT_ONLY_MAX_ROWS, gemm.WEIGHT_ONLY_MAX_ROWS + 8])
+@pytest.mark.parametrize(
+    "rows", [7, weight_only.WEIGHT_ONLY_MAX_ROWS, weight_only.WEIGHT_ONLY_MAX_ROWS + 8]
+)
 def test_weight_only_ragged_dot_grad_in_x_is_the_ragged_dots(impl, rows, mode):
     q, x, sizes = experts_weight(seed=10), activations((rows, K), seed=11), sizes_for(rows)
     i = impl.implementation
 
     def native(x):
-        return gemm.weight_only_ragged_dot(x, q, sizes, implementation=i)
+        return weight_only.weight_only_ragged_dot(x, q, sizes, implementation=i)
 
     def xla(x):
         return jax.lax.ragged_dot(x, ops.dequantize(q, x.dtype, implementation=i), sizes)
@@ -212,7 +222,7 @@ def test_weight_only_ragged_dot_grad_in_x_is_the_ragged_dots(impl, rows, mode):
 
 @pytest.mark.parametrize("mode", ["eager", "jit"])
 @pytest.mark.parametrize("activations_kind", ["high_precision", "nvfp4"])
-@pytest.mark.parametrize("rows", [4, gemm.WEIGHT_ONLY_MAX_ROWS + 1])
+@pytest.mark.parametrize("rows", [4, weight_only.WEIGHT_ONLY_MAX_ROWS + 1])
 def test_nnx_linear_from_quantized_is_differentiable_in_its_input(rows, activations_kind, mode):
     q, scale = weight(seed=20), jnp.float32(0.01)
     layer = nvfp4_jax.nnx.Linear.from_quantized(
@@ -233,7 +243,7 @@ def test_nnx_linear_from_quantized_is_differentiable_in_its_input(rows, activati
 
 
 @pytest.mark.parametrize("mode", ["eager", "jit"])
-@pytest.mark.parametrize("rows", [4, gemm.WEIGHT_ONLY_MAX_ROWS + 1])
+@pytest.mark.parametrize("rows", [4, weight_only.WEIGHT_ONLY_MAX_ROWS + 1])
 def test_linen_dense_with_an_nvfp4_kernel_is_differentiable_in_its_input(rows, mode):
     q = weight(seed=22)
     frozen = {"params": {"kernel": q, "bias": jnp.zeros((N,), jnp.bfloat16)}}
@@ -248,7 +258,7 @@ def test_linen_dense_with_an_nvfp4_kernel_is_differentiable_in_its_input(rows, m
 
 
 @pytest.mark.parametrize("mode", ["eager", "jit"])
-@pytest.mark.parametrize("rows", [6, gemm.WEIGHT_ONLY_MAX_ROWS + 4])
+@pytest.mark.parametrize("rows", [6, weight_only.WEIGHT_ONLY_MAX_ROWS + 4])
 def test_experts_from_quantized_are_differentiable_in_their_input(rows, mode):
     q = experts_weight(seed=24)
     layer = nvfp4_jax.nnx.Experts.from_quantized(q)
@@ -284,7 +294,7 @@ class FrozenNet(nnx.Module):
         return self.experts(h, sizes_for(x.shape[0]))
 
 
-@pytest.mark.parametrize("rows", [8, gemm.WEIGHT_ONLY_MAX_ROWS + 8])
+@pytest.mark.parametrize("rows", [8, weight_only.WEIGHT_ONLY_MAX_ROWS + 8])
 def test_inspect_model_sees_through_frozen_layers(rows):
     model = FrozenNet(nnx.Rngs(0))
     x = activations((rows, K), seed=32, dtype=jnp.float32)

@@ -11,7 +11,7 @@ from helpers import assert_same_bits, assert_same_q, heavy_tailed, normal, same_
 
 from nvfp4_jax import NVFP4Recipe, dequantize, dot_general, quantize
 from nvfp4_jax._src.core import ops, reference
-from nvfp4_jax._src.training import gemm
+from nvfp4_jax._src.training import gemm, scaled_matmul
 
 # E2M1 code -> value, straight from docs/NUMERICS.md section 1 (bit 3 = sign).
 E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
@@ -32,11 +32,11 @@ def on_blackwell():
 )
 def test_operands_round_trip(shape, axis, block_2d, rht):
     q = quantize(normal(shape, dtype=jnp.bfloat16), axis=axis, block_2d=block_2d, rht=rht)
-    ops = jax.jit(gemm.to_scaled_matmul_operands)(q)
+    ops = jax.jit(scaled_matmul.to_scaled_matmul_operands)(q)
     assert ops.data.dtype == jnp.float4_e2m1fn and ops.data.shape == q.stored_shape
     assert ops.scales.dtype == jnp.float8_e4m3fn and ops.scales.shape == q.scales.shape
     assert same_bits(ops.global_scale, q.amax * RCP2688)
-    back = gemm.from_scaled_matmul_operands(
+    back = scaled_matmul.from_scaled_matmul_operands(
         ops.data, ops.scales, q.amax, dtype=q.dtype, axis=q.axis, block_2d=block_2d, rht=rht
     )
     assert_same_q(back, q)
@@ -92,18 +92,18 @@ def test_block_values_reject_what_is_not_an_nvfp4_array():
 
 def test_operand_values_follow_the_nibble_order():
     q = quantize(normal((16, 32)))
-    data = np.asarray(gemm.to_scaled_matmul_operands(q).data).astype(np.float32)
+    data = np.asarray(scaled_matmul.to_scaled_matmul_operands(q).data).astype(np.float32)
     codes = np.asarray(q.codes)
     expected = np.stack([E2M1[codes & 0xF], E2M1[codes >> 4]], axis=-1).reshape(16, 32)
     np.testing.assert_array_equal(data, expected)
 
 
 def test_from_operands_rejects_wrong_dtypes_and_shapes():
-    ops = gemm.to_scaled_matmul_operands(quantize(normal((16, 32))))
+    ops = scaled_matmul.to_scaled_matmul_operands(quantize(normal((16, 32))))
     with pytest.raises(TypeError, match="float4_e2m1fn"):
-        gemm.from_scaled_matmul_operands(ops.data.astype(jnp.float32), ops.scales, 1.0)
+        scaled_matmul.from_scaled_matmul_operands(ops.data.astype(jnp.float32), ops.scales, 1.0)
     with pytest.raises(ValueError, match="scales of shape"):
-        gemm.from_scaled_matmul_operands(ops.data, ops.scales[:, :1], 1.0)
+        scaled_matmul.from_scaled_matmul_operands(ops.data, ops.scales[:, :1], 1.0)
 
 
 def test_emulated_scaled_matmul_is_the_dequantized_product():
@@ -173,7 +173,7 @@ def fake_cudnn_product(lhs, rhs):
     """Stands in for jax.nn.scaled_matmul on CPU: the same block-scaled sum, from the operands."""
     parts = []
     for q in (lhs, rhs):
-        data, scales, _ = gemm.to_scaled_matmul_operands(q)
+        data, scales, _ = scaled_matmul.to_scaled_matmul_operands(q)
         values = data.astype(jnp.float32).reshape(*scales.shape, 16)
         parts.append((values * scales.astype(jnp.float32)[..., None]).reshape(data.shape))
     return jnp.einsum("...mk,...nk->...mn", *parts, precision="highest")

@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 import nvfp4_jax
 from nvfp4_jax._src.core import kernels, ops
 from nvfp4_jax._src.core.kernels import _gemm, _library
-from nvfp4_jax._src.training import gemm
+from nvfp4_jax._src.training import weight_only
 
 pytestmark = pytest.mark.skipif(
     not kernels.is_available("cpu") or kernels.current_platform() != "cpu",
@@ -257,12 +257,12 @@ def test_linen_dense_with_an_nvfp4_kernel_runs_the_native_kernel(spy):
 def test_the_xla_path_where_the_kernel_does_not_apply(spy):
     q = weight(64, 32, seed=27)
     layer = nvfp4_jax.nnx.Linear.from_quantized(q, dtype=jnp.bfloat16)
-    many = activations(gemm.WEIGHT_ONLY_MAX_ROWS + 1, 64, seed=28, dtype=jnp.bfloat16)
+    many = activations(weight_only.WEIGHT_ONLY_MAX_ROWS + 1, 64, seed=28, dtype=jnp.bfloat16)
     assert_same_bits(layer(many), jnp.matmul(many, ops.dequantize(q, jnp.bfloat16)), "many rows")
     f32 = nvfp4_jax.nnx.Linear.from_quantized(q, dtype=jnp.float32)
     x = activations(2, 64, seed=29, dtype=jnp.float32)
     assert_same_bits(f32(x), jnp.matmul(x, ops.dequantize(q, jnp.float32)), "f32 activations")
-    ref = gemm.weight_only_matmul(x.astype(jnp.bfloat16), q, implementation="reference")
+    ref = weight_only.weight_only_matmul(x.astype(jnp.bfloat16), q, implementation="reference")
     assert_same_bits(ref, jnp.matmul(x.astype(jnp.bfloat16), ops.dequantize(q, jnp.bfloat16)))
     assert spy == []
 
@@ -402,7 +402,7 @@ def test_weight_only_matmul_and_a_frozen_layer_with_a_sharded_kernel(spy):
     x = activations(2 * 12, K, seed=46, dtype=jnp.bfloat16).reshape(2, 12, K)  # 24 rows
     expected = expected_layer_output(x, q, jnp.bfloat16)
     x_rows, kernel = put(x, P("data")), tensor_parallel(q)
-    matmul = jax.jit(gemm.weight_only_matmul)
+    matmul = jax.jit(weight_only.weight_only_matmul)
     got = matmul(x_rows, kernel)
     assert spy == [(24, K)]  # the native kernel
     assert_same_bits(got, expected, "weight_only_matmul")
@@ -436,22 +436,24 @@ def test_ragged_weight_only_rows_are_their_experts_products(implementation, rows
     x = jnp.asarray(heavy_tailed((rows, k), seed=12), jnp.bfloat16)
     sizes = np.array([rows // 3, 0, rows - rows // 3 - 1, 0][:g], np.int32)  # one row past
     fn = jax.jit(
-        lambda x, q, s: gemm.weight_only_ragged_dot(x, q, s, implementation=implementation)
+        lambda x, q, s: weight_only.weight_only_ragged_dot(x, q, s, implementation=implementation)
     )
     got = np.asarray(fn(x, q, jnp.asarray(sizes)))
     assert got.dtype == np.dtype(jnp.bfloat16)
-    native = implementation == "ffi" and rows <= gemm.WEIGHT_ONLY_MAX_ROWS
+    native = implementation == "ffi" and rows <= weight_only.WEIGHT_ONLY_MAX_ROWS
     text = fn.lower(x, q, jnp.asarray(sizes)).as_text()
     assert ("nvfp4_w4a16" in text) == native, text.count("nvfp4_w4a16")
     start = 0
     for e, size in enumerate(sizes):
         if size:
             # Each row is bit for bit its expert's weight_only_matmul (native: its own sum).
-            want = gemm.weight_only_matmul(
-                x[start : start + size], gemm.expert_weight(q, e), implementation=implementation
+            want = weight_only.weight_only_matmul(
+                x[start : start + size],
+                weight_only.expert_weight(q, e),
+                implementation=implementation,
             )
             if not native:
-                dense = ops.dequantize(gemm.expert_weight(q, e), jnp.bfloat16)
+                dense = ops.dequantize(weight_only.expert_weight(q, e), jnp.bfloat16)
                 want = jax.lax.ragged_dot(
                     x[start : start + size], dense[None], jnp.asarray([size], jnp.int32)
                 )
@@ -468,16 +470,18 @@ def test_frozen_experts_layer():
     assert not jax.tree.leaves(nnx.state(layer, nnx.Param))  # nothing to train
     x = jnp.asarray(heavy_tailed((6, k), seed=14), jnp.float32)
     sizes = jnp.asarray([2, 3, 1], jnp.int32)
-    want = gemm.weight_only_ragged_dot(x.astype(jnp.bfloat16), q, sizes)
+    want = weight_only.weight_only_ragged_dot(x.astype(jnp.bfloat16), q, sizes)
     assert_same_bits(layer(x, sizes), want, "ragged")
     # Dropping layout (G, capacity, in): each expert's weight_only_matmul.
     batched = jnp.asarray(heavy_tailed((g, 5, k), seed=15), jnp.bfloat16)
     got = layer(batched)
     for e in range(g):
-        assert_same_bits(got[e], gemm.weight_only_matmul(batched[e], gemm.expert_weight(q, e)))
+        assert_same_bits(
+            got[e], weight_only.weight_only_matmul(batched[e], weight_only.expert_weight(q, e))
+        )
     # Bad kernels are refused by name.
     with pytest.raises(ValueError, match=r"\(G, in, out\) NVFP4Array quantized along axis 1"):
-        nvfp4_jax.nnx.Experts.from_quantized(gemm.expert_weight(q, 0))
+        nvfp4_jax.nnx.Experts.from_quantized(weight_only.expert_weight(q, 0))
     along_out = jax.tree.map(
         lambda *x: jnp.stack(x),
         *[nvfp4_jax.quantize(jnp.ones((k, n)), axis=1) for _ in range(g)],
@@ -494,4 +498,4 @@ def test_frozen_experts_layer():
     with pytest.raises(ValueError, match=r"group_sizes must be \(3,\) integers.*float32"):
         layer(x, jnp.asarray([2.0, 3.0, 1.0]))
     with pytest.raises(ValueError, match=r"x must be \(tokens, 32\).*\(2, 6, 32\)"):
-        gemm.weight_only_ragged_dot(jnp.ones((2, 6, k), jnp.bfloat16), q, sizes)
+        weight_only.weight_only_ragged_dot(jnp.ones((2, 6, k), jnp.bfloat16), q, sizes)

@@ -29,7 +29,11 @@ import nvfp4_jax
 from nvfp4_jax import NVFP4Recipe, dot_general, ragged_dot
 from nvfp4_jax._src.core import backends, kernels
 from nvfp4_jax._src.core import keys as sr_keys
-from nvfp4_jax._src.training import ragged as ragged_module
+from nvfp4_jax._src.core.reference import decode_scale
+from nvfp4_jax._src.training.group_blocks import block_values
+from nvfp4_jax._src.training.group_operands import quantize_rows, quantize_tokens
+from nvfp4_jax._src.training.group_sr import padded_random, row_random
+from nvfp4_jax._src.training.groups import Groups, find_groups, padded_rows
 
 IMPLEMENTATIONS = ["reference"] + (["ffi"] if kernels.is_available("cpu") else [])
 RECIPES = {
@@ -252,19 +256,19 @@ def test_nan_in_one_group_poisons_only_that_group():
 def ragged_operands(x, dy, group_sizes, key, recipe):
     """The four activation/gradient operands `ragged_dot` builds, as f32 block values (the
     stored layouts: rows (M, C), padded tokens (C, Mp)) and per-group decode factors D."""
-    r, g = ragged_module, 4
-    groups = r._groups(group_sizes, x.shape[0])
+    g = 4
+    groups = find_groups(group_sizes, x.shape[0])
     dgrad_words, wgrad_words = sr_keys.group_sr_words(
         key, dy, groups.row_group, g, recipe.implementation
     )
     out = {}
     for name, (q, amax) in {
-        "x": r._quantize_rows(x, groups, g, recipe),
-        "dy": r._quantize_rows(dy, groups, g, recipe, dgrad_words),
-        "x_tokens": r._quantize_tokens(x, groups, g, recipe),
-        "dy_tokens": r._quantize_tokens(dy, groups, g, recipe, wgrad_words),
+        "x": quantize_rows(x, groups, g, recipe),
+        "dy": quantize_rows(dy, groups, g, recipe, dgrad_words),
+        "x_tokens": quantize_tokens(x, groups, g, recipe),
+        "dy_tokens": quantize_tokens(dy, groups, g, recipe, wgrad_words),
     }.items():
-        out[name] = (r._block_values(q, jnp.float32), r.decode_scale(amax))
+        out[name] = (block_values(q, jnp.float32), decode_scale(amax))
     return out
 
 
@@ -305,7 +309,7 @@ def test_operands_are_bit_for_bit_the_dense_ones(key_kind, implementation):
         }
 
     start, offset = 0, 0
-    used = np.zeros(ragged_module.padded_rows(m, 4), bool)
+    used = np.zeros(padded_rows(m, 4), bool)
     for g, size in enumerate(sizes):
         end, padded = start + size, -(-size // 16) * 16
         x_g, dy_g = x[start:end], dy[start:end]
@@ -334,8 +338,8 @@ def test_grouped_padded_layout_is_the_documented_one():
     # docs/NUMERICS.md section 12: Mp = ceil16(M + 15 G); group g at P_g = sum of the
     # earlier groups' sizes rounded up to 16; position P_g + t holds row start_g + t.
     m, sizes = 80, [5, 0, 37, 22]
-    assert ragged_module.padded_rows(m, 4) == 144
-    layout = ragged_module._groups(jnp.array(sizes, jnp.int32), m)
+    assert padded_rows(m, 4) == 144
+    layout = find_groups(jnp.array(sizes, jnp.int32), m)
     assert np.asarray(layout.padded_sizes).tolist() == [16, 0, 48, 32]
     rows = np.full(144, m)
     rows[0:5] = np.arange(0, 5)
@@ -669,11 +673,11 @@ def test_mixtral_sized_batches_trace(impl, recipe_name):
 
 
 def fake_groups(row_local, pad_local, padded_size):
-    """A `_Groups` of one group with the given local indices (rows, and the padded layout's
+    """A `Groups` of one group with the given local indices (rows, and the padded layout's
     positions) and padded size: the SR numbering's inputs, without a tensor that large."""
     zeros = jnp.zeros_like
     row_local, pad_local = jnp.asarray(row_local, jnp.int32), jnp.asarray(pad_local, jnp.int32)
-    return ragged_module._Groups(
+    return Groups(
         sizes=None,
         row_group=zeros(row_local),
         row_local=row_local,
@@ -702,13 +706,13 @@ def test_sr_numbering_past_2_to_the_32_counters_is_section_7():
     # dgrad's dy (rows of N): element (t, c) is n = t * N + c; rows past 2**32 counters.
     n = 14336
     rows = [0, 1, 2**21 + 3, 2**22 - 1, 2**31 - 1]
-    got = np.asarray(ragged_module._row_random(words, fake_groups(rows, [0], 16), n))
+    got = np.asarray(row_random(words, fake_groups(rows, [0], 16), n))
     for i, t in enumerate(rows):
         np.testing.assert_array_equal(got[i], section_7(t * n, n), err_msg=f"row {t}")
     # wgrad's dy, stored (N, Mp): element (c, p) is n = c * L + p for the group's L tokens.
     length, positions = 2**28, np.arange(2**28 - 64, 2**28)  # counters past 2**32 from c = 128
     groups = fake_groups([0], positions, length)
-    got = np.asarray(ragged_module._padded_random(words, groups, 256))
+    got = np.asarray(padded_random(words, groups, 256))
     for c in (0, 1, 127, 128, 255):
         want = section_7(c * length + int(positions[0]), 64)
         np.testing.assert_array_equal(got[c], want, err_msg=f"row {c} of the padded layout")

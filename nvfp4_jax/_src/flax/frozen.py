@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from nvfp4_jax._src.core import ops
 from nvfp4_jax._src.core.array import NVFP4Array, validate_nvfp4_array
-from nvfp4_jax._src.training import gemm
+from nvfp4_jax._src.training import weight_only
 
 Activations = Literal["high_precision", "nvfp4"]
 ACTIVATIONS = ("high_precision", "nvfp4")
@@ -84,8 +84,10 @@ def linear_product(
     inputs = inputs.astype(dtype)
     if input_amax is not None:
         inputs = ops.fake_quantize_with_data_amax(inputs, input_amax, dtype=dtype)
-    # x @ dequantize(W, dtype); on the CPU the weight is decoded in registers (gemm.py).
-    return gemm.weight_only_matmul(inputs, kernel, preferred_element_type=preferred_element_type)
+    # x @ dequantize(W, dtype); on the CPU the weight is decoded in registers (weight_only.py).
+    return weight_only.weight_only_matmul(
+        inputs, kernel, preferred_element_type=preferred_element_type
+    )
 
 
 def experts_product(
@@ -93,15 +95,15 @@ def experts_product(
 ) -> jax.Array:
     """Each expert's tokens times its frozen weight (weight-only), in `dtype`.
 
-    With `group_sizes`, `gemm.weight_only_ragged_dot` of (M, in) tokens sorted by expert;
-    without, each expert's `gemm.weight_only_matmul` of (G, capacity, in) inputs.
+    With `group_sizes`, `weight_only.weight_only_ragged_dot` of (M, in) tokens sorted by expert;
+    without, each expert's `weight_only.weight_only_matmul` of (G, capacity, in) inputs.
     """
     inputs = inputs.astype(dtype)
     if group_sizes is not None:
-        return gemm.weight_only_ragged_dot(inputs, kernel, group_sizes)
+        return weight_only.weight_only_ragged_dot(inputs, kernel, group_sizes)
     return jnp.stack(
         [
-            gemm.weight_only_matmul(inputs[e], gemm.expert_weight(kernel, e))
+            weight_only.weight_only_matmul(inputs[e], weight_only.expert_weight(kernel, e))
             for e in range(kernel.shape[0])
         ]
     )

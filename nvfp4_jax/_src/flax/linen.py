@@ -24,9 +24,10 @@ from flax import linen as nn
 
 from nvfp4_jax._src.core.array import NVFP4Array
 from nvfp4_jax._src.flax import frozen
-from nvfp4_jax._src.training import gemm
+from nvfp4_jax._src.training import weight_only
 from nvfp4_jax._src.training.dot_general import dot_general
-from nvfp4_jax._src.training.ragged import group_amax, ragged_dot
+from nvfp4_jax._src.training.groups import group_amax
+from nvfp4_jax._src.training.ragged import ragged_dot
 from nvfp4_jax._src.training.recipe import NVFP4Recipe
 
 
@@ -187,7 +188,7 @@ class Experts(nn.Module):
         if self.recipe is None:
             if group_sizes is None:
                 return jnp.einsum("gck,gkn->gcn", inputs, kernel, precision=self.precision)
-            return gemm.lax_ragged_dot(inputs, kernel, group_sizes, self.precision)
+            return weight_only.lax_ragged_dot(inputs, kernel, group_sizes, self.precision)
         key = None
         if self.recipe.stochastic_rounding and self.has_rng(self.rng_collection):
             key = self.make_rng(self.rng_collection)

@@ -30,9 +30,10 @@ from nvfp4_jax._src.core.array import NVFP4Array
 from nvfp4_jax._src.core.keys import step_key
 from nvfp4_jax._src.flax import frozen
 from nvfp4_jax._src.flax.frozen import Activations
-from nvfp4_jax._src.training import gemm
+from nvfp4_jax._src.training import weight_only
 from nvfp4_jax._src.training.dot_general import constrain_output, dot_general
-from nvfp4_jax._src.training.ragged import group_amax, ragged_dot
+from nvfp4_jax._src.training.groups import group_amax
+from nvfp4_jax._src.training.ragged import ragged_dot
 from nvfp4_jax._src.training.recipe import NVFP4Recipe
 
 # The names the messages of a frozen layer give: the constructors users call.
@@ -404,7 +405,7 @@ class Experts(nnx.Module):
         if self.recipe is None:
             if group_sizes is None:
                 return jnp.einsum("gck,gkn->gcn", inputs, kernel, precision=self.precision)
-            return gemm.lax_ragged_dot(inputs, kernel, group_sizes, self.precision)
+            return weight_only.lax_ragged_dot(inputs, kernel, group_sizes, self.precision)
         key = _step_key(self.quantize_rngs, self.recipe)
         if group_sizes is None:
             dims = (((2,), (1,)), ((0,), (0,)))
