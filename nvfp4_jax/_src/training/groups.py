@@ -80,9 +80,6 @@ def take_group(table: jax.Array, index: jax.Array, fill) -> jax.Array:
     return jnp.concatenate([table, jnp.full((1,), fill, table.dtype)])[index]
 
 
-# --- per-group tensor amax ------------------------------------------------------------------
-
-
 def segment_amax(xs: jax.Array, ids: jax.Array, groups: int, axis: int) -> jax.Array:
     """The stored amax of every group of `xs` (f32): `max |x|`, 0 if empty, NaN if non-finite.
 

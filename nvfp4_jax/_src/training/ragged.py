@@ -183,9 +183,6 @@ def _wgrad(qx_tokens, d_x_tokens, dy, groups: Groups, g, recipe: NVFP4Recipe, wo
 _ragged_matmul.defvjp(_ragged_matmul_fwd, _ragged_matmul_bwd)
 
 
-# --- the public op ---------------------------------------------------------------------------
-
-
 def _check(lhs, rhs, group_sizes):
     op = "ragged_dot"
     lhs = checks.as_float_array(lhs, op, "lhs")
