@@ -9,6 +9,7 @@ from typing import Any
 import jax
 from flax import nnx
 
+from nvfp4_jax._src.core.keys import fold_in
 from nvfp4_jax._src.model.diagnostics.capture import capture, default_loss, select_targets
 from nvfp4_jax._src.model.diagnostics.numbers import analyze_layer, as_key
 from nvfp4_jax._src.model.diagnostics.report import ModelReport
@@ -81,12 +82,12 @@ def inspect_model(
         if path not in operands:
             targets.skipped[path] = "not called in the pass"
             continue
-        layer_key = jax.random.fold_in(key, index)
+        layer_key = fold_in(key, index)
         for where, flat, x, w, dy in operands[path]:
             name, module_path, slice_key = path, None, layer_key
             if where is not None:  # a slice of a stacked layer: its own GEMM
                 name, module_path = f"{path}[{','.join(map(str, where))}]", path
-                slice_key = jax.random.fold_in(layer_key, flat)
+                slice_key = fold_in(layer_key, flat)
             recipe = targets.recipes[path]
             stats = analyze_layer(x, w, dy, recipe=recipe, key=slice_key, path=name)
             layers.append(dataclasses.replace(stats, module_path=module_path))

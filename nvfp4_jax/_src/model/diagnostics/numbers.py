@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from nvfp4_jax._src.core import formats, ops, reference
+from nvfp4_jax._src.core.keys import sr_seeds
 from nvfp4_jax._src.flax.layer_info import weight_problem
 from nvfp4_jax._src.model.rules import recipe_from_dict, recipe_to_dict
 from nvfp4_jax._src.training.dot_general import dot_general, pad_tokens
@@ -211,8 +212,8 @@ def _gemms(x, w, dy, key, recipe: NVFP4Recipe) -> tuple[jax.Array, ...]:
 
 def _operands(x, w, dy, key, recipe: NVFP4Recipe) -> dict[str, dict[str, jax.Array]]:
     sr, impl = recipe.stochastic_rounding, recipe.implementation
-    # The keys `nvfp4_jax.dot_general` gives dgrad's and wgrad's dy.
-    dgrad_key, wgrad_key = jax.random.split(key) if sr else (None, None)
+    # The keys `nvfp4_jax.dot_general` gives dgrad's and wgrad's dy (from core/keys.py).
+    dgrad_key, wgrad_key = sr_seeds(key, impl) if sr else (None, None)
     rht = recipe.wgrad_rht
     fos_w, fos_x, fos_dy = (recipe.four_over_six(k) for k in ("weight", "activation", "gradient"))
     return {
