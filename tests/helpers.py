@@ -89,6 +89,17 @@ IMPLEMENTATIONS = ["reference", "cpu", pytest.param("cuda", marks=pytest.mark.gp
 NATIVE = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
+def skip_eager_reference(impl: Impl, mode: str) -> None:
+    """Skips the eager run of the pure-jnp reference in the heaviest composite tests.
+
+    Eager dispatch is the same code on every implementation: the native kernels cover it
+    (and the reference's numbers are covered under `jit`), while the reference op by op
+    costs minutes of the suite.
+    """
+    if mode == "eager" and impl.implementation == "reference":
+        pytest.skip("eager dispatch is covered on the native kernels; the reference under jit")
+
+
 def make_impl(name: str) -> Impl:
     """The `Impl` called `name`, or a pytest skip saying why it cannot run here."""
     if name == "reference":

@@ -153,6 +153,8 @@ def test_batched_equals_loop_of_unbatched_calls(impl, case, key_kind, modes):
     expected = loop_vjp(lhs, rhs, dy, dims, recipe, key)
 
     assert expected[0].shape == jax.lax.dot_general(lhs, rhs, dims).shape
+    if impl.implementation == "reference" and "jit" in modes:
+        modes = ("jit",)  # eager dispatch: covered on the native kernels
     for mode in modes:
         run = jit_vjp if mode == "jit" else vjp
         assert_all_same_bits(run(lhs, rhs, dy, dims, recipe, key), expected, f"{case} {mode}")
