@@ -214,3 +214,21 @@ def test_lint_is_clean():
         check=False,
     )
     assert run.returncode == 0, run.stdout + run.stderr
+
+
+def test_no_module_imports_another_modules_private_names():
+    """`from m import _name` only inside m's own package (a package's private helpers)."""
+    found = []
+    for module, path in module_names().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.ImportFrom) and node.module and node.level == 0):
+                continue
+            if not node.module.startswith("nvfp4_jax"):
+                continue
+            package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+            same_package = node.module == package or node.module.startswith(package + ".")
+            private = [a.name for a in node.names if a.name.startswith("_")]
+            private = [n for n in private if n not in ("__version__",)]
+            if private and not same_package:
+                found.append(f"{module} imports {private} from {node.module}")
+    assert not found, "\n".join(found)

@@ -211,13 +211,13 @@ def test_bad_operands_are_named():
 @pytest.fixture
 def spy(monkeypatch):
     calls = []
-    original = _gemm.w4a16
+    original = kernels.w4a16
 
     def counting(*args):
         calls.append(args[0].shape)
         return original(*args)
 
-    monkeypatch.setattr(_gemm, "w4a16", counting)
+    monkeypatch.setattr(kernels, "w4a16", counting)
     return calls
 
 

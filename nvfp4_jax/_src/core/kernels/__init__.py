@@ -12,7 +12,7 @@ runs where is `backends.runs_natively`'s question, asked nowhere else.
 
 from nvfp4_jax._src.core.kernels._amax import amax
 from nvfp4_jax._src.core.kernels._dequantize import dequantize
-from nvfp4_jax._src.core.kernels._gemm import gemm
+from nvfp4_jax._src.core.kernels._gemm import gemm, w4a16
 from nvfp4_jax._src.core.kernels._grouped import grouped_quantize
 from nvfp4_jax._src.core.kernels._library import (
     CPU_TARGETS,
@@ -62,4 +62,5 @@ __all__ = [
     "split_bits_words",
     "threefry2x32",
     "unavailable_reason",
+    "w4a16",
 ]
