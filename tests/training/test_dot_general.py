@@ -25,12 +25,13 @@ import numpy as np
 import pytest
 from helpers import DENSE, assert_same_bits, bits, normal
 
-from nvfp4_jax import NVFP4Recipe, dequantize, dot_general, quantize
+from nvfp4_jax import NVFP4Recipe, dequantize, dot_general, nvfp4_dot_general, quantize
 from nvfp4_jax._src.core import kernels
 from nvfp4_jax._src.core.keys import fold_in, sr_seeds
 from nvfp4_jax._src.core.reference import block_values
 from nvfp4_jax._src.core.reference import decode_scale as global_decode_scale
 from nvfp4_jax._src.core.seed import SRSeed, as_seed
+from nvfp4_jax._src.flax.einsum import NVFP4Einsum
 
 F32_EPS = 2.0**-24
 # Unit roundoff of a result cast to the output dtype (on top of the f32 budget).
@@ -266,6 +267,32 @@ def test_backward_of_3d_input_is_the_flattened_one():
     _, dx2, dw2 = vjp(x.reshape(32, 32), w, dy.reshape(32, 48), NVFP4Recipe(), key)
     assert_same_bits(dx, dx2.reshape(dx.shape))
     assert_same_bits(dw, dw2)
+
+
+def test_contraction_order_does_not_change_the_blocks():
+    """K is blocked in lhs's dimension order however the pairs are listed: `jnp.einsum`
+    (which lists "btnh,nhd->btd" as ((3, 2), (1, 0))), the drop-in, `NVFP4Einsum` and the
+    sorted dimension numbers give the same bits, forward and backward."""
+    x, w = normal((2, 16, 4, 8), 11), normal((4, 8, 32), 12)  # (b, t, n, h), (n, h, d)
+    key = jax.random.key(3)
+    recipe = NVFP4Recipe()
+    drop_in = nvfp4_dot_general(recipe, key)
+    spec = "btnh,nhd->btd"
+    fns = {
+        "einsum": lambda x, w: jnp.einsum(spec, x, w, _dot_general=drop_in),
+        "NVFP4Einsum": lambda x, w: NVFP4Einsum(recipe, key)(spec, x, w),
+        "sorted": lambda x, w: dot_general(x, w, (((2, 3), (0, 1)), ((), ())), key=key),
+        "reversed": lambda x, w: dot_general(x, w, (((3, 2), (1, 0)), ((), ())), key=key),
+    }
+    results = {}
+    for name, fn in fns.items():
+        y, pullback = jax.vjp(jax.jit(fn), x, w)
+        results[name] = (y, *pullback(jnp.cos(y)))
+    for name, got in results.items():
+        for a, b in zip(got, results["sorted"], strict=True):
+            assert_same_bits(a, b, name)
+    flat = dot_general(x.reshape(32, 32), w.reshape(32, 32), (((1,), (0,)), ((), ())), key=key)
+    assert_same_bits(results["reversed"][0], flat.reshape(2, 16, 32))
 
 
 # --- lossless operands: every switch off gives the exact gradients -----------------------------

@@ -398,6 +398,66 @@ def test_within_nvfp4_error_of_jax_ragged_dot():
             assert rel < 0.23, f"{what}[{g}]: relative error {rel:.4f}"
 
 
+@functools.partial(jax.jit, static_argnames=("recipe",))
+def shard_vjp(x, w_local, group_sizes, offset, dy, key, recipe):
+    """(y, dx, dW_local) of an expert-parallel shard's `ragged_dot(..., group_offset=)`."""
+
+    def f(a, b):
+        return ragged_dot(a, b, group_sizes, group_offset=offset, recipe=recipe, key=key)
+
+    y, pullback = jax.vjp(f, x, w_local)
+    return (y, *pullback(dy))
+
+
+@pytest.mark.parametrize("key_kind", ["key", "none"])
+def test_group_offset_shards_give_the_unsharded_groups(key_kind):
+    """A shard with experts o..o+G_local-1 computes their groups as the unsharded call does
+    (group g with `fold_in(key, g)`), zeros elsewhere; one compilation for every offset."""
+    m, sizes = 80, [5, 0, 37, 22, 30]  # the groups stop at row 80: the last has 16 rows
+    x, w, dy = data(m, 64, 32, len(sizes), 11)
+    key = jax.random.key(5) if key_kind == "key" else None
+    recipe = NVFP4Recipe(implementation=NATIVE)
+    loop = group_loop(x, w, sizes, dy, key, recipe, jit=NATIVE == "reference")
+    before = shard_vjp._cache_size()
+    for offset in (0, 2, 4):  # the shard at 4 holds expert 4 and a fifth past the last (empty)
+        w_local = jnp.concatenate([w, jnp.zeros_like(w[:1])])[offset : offset + 2]
+        y, dx, dw = shard_vjp(x, w_local, jnp.asarray(sizes), jnp.int32(offset), dy, key, recipe)
+        assert y.shape == (m, 32) and dx.shape == x.shape and dw.shape == w_local.shape
+        mine = np.zeros(m, bool)
+        for j in range(2):
+            if offset + j >= len(sizes):
+                assert not np.any(np.asarray(dw[j])), f"dW of expert {offset + j} (no group)"
+                continue
+            start, end, y_g, dx_g, dw_g = loop[offset + j]
+            mine[start:end] = True
+            what = f"group {offset + j} of the shard at {offset}"
+            if NATIVE == "reference":
+                assert_same_up_to_summation_order(y[start:end], y_g, 64, f"y of {what}")
+                assert_same_up_to_summation_order(dw[j], dw_g, 48, f"dW of {what}")
+            else:
+                assert_same_bits(y[start:end], y_g, f"y of {what}")
+                assert_same_bits(dx[start:end], dx_g, f"dx of {what}")
+                assert_same_bits(dw[j], dw_g, f"dW of {what}")
+        assert not np.any(np.asarray(y)[~mine]), f"y outside the shard at {offset}"
+        assert not np.any(np.asarray(dx)[~mine]), f"dx outside the shard at {offset}"
+    assert shard_vjp._cache_size() - before == 1
+
+
+def test_group_offset_bad_values_raise_clear_errors():
+    lhs, rhs, gs = jnp.ones((32, 32)), jnp.ones((2, 32, 16)), jnp.array([8, 8, 16])
+    with pytest.raises(TypeError, match="group_offset must be an integer array"):
+        ragged_dot(lhs, rhs, gs, group_offset=1.0)
+    with pytest.raises(TypeError, match="group_offset must be an integer array, got dtype"):
+        ragged_dot(lhs, rhs, gs, group_offset=jnp.ones((1,)))
+    with pytest.raises(ValueError, match=r"group_offset must be a scalar or have shape \(1,\)"):
+        ragged_dot(lhs, rhs, gs, group_offset=jnp.zeros((2,), jnp.int32))
+    with pytest.raises(ValueError, match=r"G >= G_local = 2 .* got shape \(1,\)"):
+        ragged_dot(lhs, rhs, jnp.array([32]), group_offset=0)
+    # Without an offset, group_sizes must match rhs's experts, as in jax.lax.ragged_dot.
+    with pytest.raises(ValueError, match=r"group_sizes must have shape \(G,\) = \(2,\)"):
+        ragged_dot(lhs, rhs, gs)
+
+
 # --- arguments ---------------------------------------------------------------------------------
 
 

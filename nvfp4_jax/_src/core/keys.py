@@ -169,10 +169,18 @@ def group_digests(dy, row_group, num_groups: int) -> jax.Array:
     return jax.ops.segment_sum(row_digest, row_group, num_segments=num_groups)
 
 
-def _group_keys(key, dy, row_group, num_groups: int) -> jax.Array:
-    """Every group's key, (G,) keys: `fold_in(key, g)`, or from its rows of dy for None."""
+def _group_ids(group_ids, num_groups: int) -> jax.Array:
+    """(G,) uint32: the groups' numbers for `fold_in` (0..G-1 unless given)."""
+    if group_ids is None:
+        return jnp.arange(num_groups, dtype=_U32)
+    return jnp.asarray(group_ids).astype(_U32)
+
+
+def _group_keys(key, dy, row_group, num_groups: int, group_ids=None) -> jax.Array:
+    """Every group's key, (G,) keys: `fold_in(key, id_g)`, or from its rows of dy for None."""
     if key is not None:
-        return element_keys(key, num_groups)
+        ids = _group_ids(group_ids, num_groups)
+        return jax.vmap(lambda i: jax.random.fold_in(key, i))(ids)
     base = jax.random.key(GRADIENT_KEY_SEED)
     digest = group_digests(dy, row_group, num_groups)
     return jax.vmap(lambda d: jax.random.fold_in(base, d))(digest)
@@ -183,24 +191,26 @@ def _key_words(keys) -> jax.Array:
     return jax.vmap(lambda k: jax.random.bits(k, (2,), _U32))(keys)
 
 
-def group_sr_words(key, dy, row_group, num_groups: int, implementation=None):
+def group_sr_words(key, dy, row_group, num_groups: int, implementation=None, group_ids=None):
     """The SR key words of every group for dgrad and for wgrad, (G, 2) each.
 
     They are the words (`jax.random.bits(k, (2,), uint32)`) of the two keys of
-    `jax.random.split(k_g)`, k_g group g's key: `fold_in(key, g)`, or with `key` None its
-    gradient key (`group_digests`). Where `native_hash(implementation)` and the keys are
-    threefry ones, the hashes are native custom calls (`kernels.fold_in_words`,
-    `split_bits_words`): the same bits, without the rolled loops XLA's CPU compiler makes
-    of JAX's hashes.
+    `jax.random.split(k_g)`, k_g group g's key: `fold_in(key, id_g)` with `id_g = g` unless
+    `group_ids` (G,) numbers the groups otherwise (an expert-parallel shard's experts keep
+    their global numbers), or with `key` None its gradient key (`group_digests`). Where
+    `native_hash(implementation)` and the keys are threefry ones, the hashes are native
+    custom calls (`kernels.fold_in_words`, `split_bits_words`): the same bits, without the
+    rolled loops XLA's CPU compiler makes of JAX's hashes.
     """
     base = jax.random.key(GRADIENT_KEY_SEED) if key is None else key
     if not (native_hash(implementation) and kernels.is_threefry_key(base)):
-        keys = jax.vmap(jax.random.split)(_group_keys(key, dy, row_group, num_groups))
+        group_keys = _group_keys(key, dy, row_group, num_groups, group_ids)
+        keys = jax.vmap(jax.random.split)(group_keys)
         return _key_words(keys[:, 0]), _key_words(keys[:, 1])
     if key is None:
         data = group_digests(dy, row_group, num_groups)
     else:
-        data = jnp.arange(num_groups, dtype=_U32)
+        data = _group_ids(group_ids, num_groups)
     words = jax.random.key_data(base)
     k0, k1 = kernels.fold_in_words(words[0], words[1], data)
     split = kernels.split_bits_words(k0, k1)  # (G, 4)

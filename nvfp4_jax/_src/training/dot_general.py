@@ -245,6 +245,12 @@ def _normalize_dims(dimension_numbers, lhs, rhs):
             f"dot_general: contracting dimensions {lhs_contract} of lhs {lhs.shape} and "
             f"{rhs_contract} of rhs {rhs.shape} must be non-empty and of equal sizes"
         )
+    # K is flattened in lhs's dimension order, whatever order the pairs are listed in
+    # (`jnp.einsum` lists "btnh,nhd->btd" as ((3, 2), (1, 0))), so that every entry point
+    # (einsum, the drop-in, NVFP4Einsum, the layers) quantizes the same 16-blocks of K.
+    pairs = sorted(zip(lhs_contract, rhs_contract, strict=True))
+    lhs_contract = tuple(d for d, _ in pairs)
+    rhs_contract = tuple(d for _, d in pairs)
     return lhs_contract, rhs_contract, lhs_batch, rhs_batch
 
 
@@ -271,8 +277,10 @@ def dot_general(
 
     `lhs` is the activation and `rhs` the weight. Any contraction is supported (Flax `Dense`,
     `DenseGeneral`, `nnx.Linear`, `nnx.Einsum`-style weights): the contracting axes of both
-    sides are flattened to K, the free axes of lhs to M (tokens) and of rhs to N. K and N
-    must be multiples of 16; M is padded for the wgrad GEMM.
+    sides are flattened to K (in lhs's dimension order, whatever order `dimension_numbers`
+    lists them in, so `jnp.einsum` and `NVFP4Einsum` quantize the same blocks), the free
+    axes of lhs to M (tokens) and of rhs to N. K and N must be multiples of 16; M is padded
+    for the wgrad GEMM.
 
     Batch dimensions (any number, at any positions, as in `jax.lax.dot_general`; e.g. the
     experts of a dropping MoE, `(E, C, K) x (E, K, N)` with `(((2,), (1,)), ((0,), (0,)))`)

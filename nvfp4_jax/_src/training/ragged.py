@@ -96,13 +96,14 @@ def _forward(x, w, groups: Groups, recipe: NVFP4Recipe, out_dtype):
     return y.astype(out_dtype), qw
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _ragged_matmul(x, w, group_sizes, key, recipe, out_dtype):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _ragged_matmul(x, w, group_sizes, group_ids, key, recipe, out_dtype):
+    """`group_ids` (G,) int32: the number each group's SR key is folded with."""
     groups = find_groups(group_sizes, x.shape[0])
     return _forward(x, w, groups, recipe, out_dtype)[0]
 
 
-def _ragged_matmul_fwd(x, w, group_sizes, key, recipe, out_dtype):
+def _ragged_matmul_fwd(x, w, group_sizes, group_ids, key, recipe, out_dtype):
     """The forward and its residuals, chosen as `dot_general` chooses them.
 
     W itself for a high-precision dgrad, x itself for a high-precision wgrad, else the
@@ -116,7 +117,7 @@ def _ragged_matmul_fwd(x, w, group_sizes, key, recipe, out_dtype):
     else:
         qx_tokens, amax_x = quantize_tokens(x, groups, w.shape[0], recipe)  # stored (K, Mp)
         x_res, d_x_tokens = pack(qx_tokens), decode_scale(amax_x)
-    residuals = (qw, x_res, d_x_tokens, group_sizes, key, PrimalTypes.of(x, w))
+    residuals = (qw, x_res, d_x_tokens, group_sizes, group_ids, key, PrimalTypes.of(x, w))
     return y, residuals
 
 
@@ -132,21 +133,21 @@ def _dgrad_weight(w, qw, recipe: NVFP4Recipe):
 
 
 def _ragged_matmul_bwd(recipe, out_dtype, residuals, dy):
-    qw, qx_tokens, d_x_tokens, group_sizes, key, primal_types = residuals
+    qw, qx_tokens, d_x_tokens, group_sizes, group_ids, key, primal_types = residuals
     x_dtype, w_dtype = (aval.dtype for aval in primal_types.avals)
     g = qw.shape[0] if not recipe.dgrad else qw.global_scale.shape[0]
     groups = find_groups(group_sizes, dy.shape[0])
     dgrad_words = wgrad_words = None
     if recipe.stochastic_rounding and (recipe.dgrad or recipe.wgrad):
         dgrad_words, wgrad_words = keys.group_sr_words(
-            key, dy, groups.row_group, g, recipe.implementation
+            key, dy, groups.row_group, g, recipe.implementation, group_ids
         )
     dx = _dgrad(dy, qw, groups, recipe, dgrad_words, x_dtype)
     dw = _wgrad(qx_tokens, d_x_tokens, dy, groups, g, recipe, wgrad_words, w_dtype)
     # Each gradient with its primal's type: dW of experts replicated over shard_map's axes
     # is the sum of the shards' wgrads, as for `jax.lax.ragged_dot`.
     dx, dw = primal_types.conform(dx.astype(x_dtype), dw.astype(w_dtype))
-    return dx, dw, None, None
+    return dx, dw, None, None, None
 
 
 def _dgrad(dy, qw, groups: Groups, recipe: NVFP4Recipe, words, x_dtype):
@@ -183,7 +184,7 @@ def _wgrad(qx_tokens, d_x_tokens, dy, groups: Groups, g, recipe: NVFP4Recipe, wo
 _ragged_matmul.defvjp(_ragged_matmul_fwd, _ragged_matmul_bwd)
 
 
-def _check(lhs, rhs, group_sizes):
+def _check(lhs, rhs, group_sizes, sharded: bool = False):
     op = "ragged_dot"
     lhs = checks.as_float_array(lhs, op, "lhs")
     rhs = checks.as_float_array(rhs, op, "rhs")
@@ -198,7 +199,12 @@ def _check(lhs, rhs, group_sizes):
         raise ValueError(f"{op}: lhs must be 2-D (M, K), got shape {lhs.shape}")
     if rhs.ndim != 3:
         raise ValueError(f"{op}: rhs must be 3-D (G, K, N), got shape {rhs.shape}")
-    if group_sizes.shape != (rhs.shape[0],):
+    if sharded and (group_sizes.ndim != 1 or group_sizes.shape[0] < rhs.shape[0]):
+        raise ValueError(
+            f"{op}: with group_offset, group_sizes must have shape (G,) with G >= G_local = "
+            f"{rhs.shape[0]} for rhs {rhs.shape}, got shape {group_sizes.shape}"
+        )
+    if not sharded and group_sizes.shape != (rhs.shape[0],):
         raise ValueError(
             f"{op}: group_sizes must have shape (G,) = ({rhs.shape[0]},) for rhs {rhs.shape}, "
             f"got shape {group_sizes.shape}"
@@ -240,6 +246,7 @@ def ragged_dot(
     group_sizes: jax.Array,
     precision=None,
     preferred_element_type=None,
+    group_offset=None,
     *,
     recipe: NVFP4Recipe = NVFP4Recipe(),
     key: jax.Array | None = None,
@@ -274,14 +281,23 @@ def ragged_dot(
     activations' and gradients' (`activation_four_over_six`, `gradient_four_over_six`) are
     not implemented for the grouped GEMMs and raise NotImplementedError.
 
+    Expert parallelism (`group_offset`): a shard holding experts `o, ..., o + G_local - 1`
+    of G passes its `rhs` (G_local, K, N), every group's size (G,) and `group_offset=o`.
+    The rows of its experts' groups are computed as above (group o + j with `rhs[j]` and
+    the key `fold_in(key, o + j)`, so the shards together give the unsharded call's bits);
+    the other rows are zero in the result and get a zero dx.
+
     Args:
       lhs: (M, K) activations, bf16/f16/f32; K a multiple of 16.
-      rhs: (G, K, N) weights, bf16/f16/f32; N a multiple of 16.
+      rhs: (G, K, N) weights, bf16/f16/f32; N a multiple of 16. With `group_offset`,
+        (G_local, K, N): the experts from group `group_offset` on.
       group_sizes: (G,) integer sizes of the groups, in row order. Sizes should be
         non-negative and sum to at most M, as `jax.lax.ragged_dot` asks; since they may be
         traced they are not checked: a negative size counts as 0 and the groups stop at row M.
       precision: accepted for signature compatibility and ignored.
       preferred_element_type: the result dtype (default: the promoted input dtype).
+      group_offset: None, or an integer scalar or (1,) array (traced is fine): the group
+        that `rhs[0]` is. Groups past the last one (`o + j >= G`) are empty.
       recipe: the `NVFP4Recipe`.
       key: PRNG key for stochastic rounding of the gradients; None derives one per group
         from its rows of the incoming gradient.
@@ -295,7 +311,7 @@ def ragged_dot(
       (40, 16)
     """
     del precision
-    lhs, rhs, group_sizes = _check(lhs, rhs, group_sizes)
+    lhs, rhs, group_sizes = _check(lhs, rhs, group_sizes, group_offset is not None)
     out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs, rhs))
     if not jnp.issubdtype(out_dtype, jnp.floating):
         raise TypeError(
@@ -307,9 +323,54 @@ def ragged_dot(
         return jnp.zeros((m, n), out_dtype)
     # Under Explicit mesh axes the grouped GEMMs run on whole operands (the groups are rows
     # of the whole lhs): gathered here, the result sharded along M as lhs is.
-    operands = (types.replicated(a) for a in (lhs, rhs, group_sizes))
-    y = _ragged_matmul(*operands, key, recipe, out_dtype)
-    return types.leading_axis_like(y, lhs)
+    lhs, rhs, group_sizes = (types.replicated(a) for a in (lhs, rhs, group_sizes))
+    if group_offset is None:
+        group_ids = jnp.arange(rhs.shape[0], dtype=jnp.int32)
+        y = _ragged_matmul(lhs, rhs, group_sizes, group_ids, key, recipe, out_dtype)
+        return types.leading_axis_like(y, lhs)
+    offset = _check_offset(group_offset)
+    start, local_sizes, group_ids = _local_groups(group_sizes, offset, rhs.shape[0], m)
+    # The shard's groups as a call of their own: its rows rolled to the top (the rows after
+    # them, in no local group, are zero in y and dx), the result rolled back.
+    y = _ragged_matmul(
+        jnp.roll(lhs, -start, axis=0), rhs, local_sizes, group_ids, key, recipe, out_dtype
+    )
+    return types.leading_axis_like(jnp.roll(y, start, axis=0), lhs)
+
+
+def _check_offset(group_offset) -> jax.Array:
+    """The group offset as an int32 scalar; TypeError/ValueError naming what is wrong."""
+    if isinstance(group_offset, (str, bytes, float)):
+        raise TypeError(f"ragged_dot: group_offset must be an integer array, got {group_offset!r}")
+    offset = jnp.asarray(group_offset)
+    if not jnp.issubdtype(offset.dtype, jnp.integer):
+        raise TypeError(
+            f"ragged_dot: group_offset must be an integer array, got dtype {offset.dtype}"
+        )
+    if offset.shape not in ((), (1,)):
+        raise ValueError(
+            "ragged_dot: group_offset must be a scalar or have shape (1,), got shape "
+            f"{offset.shape}"
+        )
+    return offset.reshape(()).astype(jnp.int32)
+
+
+def _local_groups(group_sizes, offset, num_local: int, m: int):
+    """A shard's groups: its first row, its groups' sizes (G_local,) and global numbers.
+
+    The sizes are clamped as `find_groups` clamps them over all G groups (negative as 0,
+    none past row M), so every local group has the rows it has in the unsharded call.
+    """
+    sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
+    ends = jnp.minimum(jnp.cumsum(sizes), m)
+    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends])  # (G + 1,)
+    clamped = ends - starts[:-1]
+    g = group_sizes.shape[0]
+    ids = offset + jnp.arange(num_local, dtype=jnp.int32)
+    local = jnp.where(ids < g, clamped[jnp.clip(ids, 0, g - 1)], 0)
+    local = jnp.where(ids >= 0, local, 0)
+    start = starts[jnp.clip(offset, 0, g)]
+    return start, local, ids
 
 
 __all__ = ["ragged_dot"]
