@@ -19,7 +19,7 @@ import pytest
 
 LISTING = pathlib.Path(__file__).with_name("public_api.txt")
 
-# The public faces: the package, and every module of today's `nvfp4_jax.__all__`.
+# The public faces: the package, every module of its `__all__`, and `nvfp4_jax.qwix` (optional).
 FACES = (
     "nvfp4_jax",
     "nvfp4_jax.checkpoint",
@@ -33,6 +33,7 @@ FACES = (
     "nvfp4_jax.nnx",
     "nvfp4_jax.ops",
     "nvfp4_jax.ptq",
+    "nvfp4_jax.qwix",
     "nvfp4_jax.reference",
     "nvfp4_jax.rules",
 )

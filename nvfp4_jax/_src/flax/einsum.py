@@ -27,9 +27,12 @@ class EinsumPlan:
     Attributes:
       lhs_contract: the input's contracted axes.
       rhs_contract: the kernel's contracted axes, in the same order.
-      perm: the transpose from `dot_general`'s (input free, kernel free) order to the output.
+      perm: the transpose from `dot_general`'s (batch, input free, kernel free) order to the
+        output.
       k: the contracted size.
-      n: the kernel's free size.
+      n: the kernel's free size (batch axes not counted).
+      lhs_batch: the input's batch axes (only with `einsum_plan(..., allow_batch=True)`).
+      rhs_batch: the kernel's batch axes, in the same order.
     """
 
     lhs_contract: tuple[int, ...]
@@ -37,6 +40,13 @@ class EinsumPlan:
     perm: tuple[int, ...]
     k: int
     n: int
+    lhs_batch: tuple[int, ...] = ()
+    rhs_batch: tuple[int, ...] = ()
+
+    @property
+    def dimension_numbers(self):
+        """The `dot_general` dimension numbers of the plan."""
+        return (self.lhs_contract, self.rhs_contract), (self.lhs_batch, self.rhs_batch)
 
 
 def _expand_ellipsis(spec: str, lhs_ndim: int | None) -> tuple[str, str, str]:
@@ -59,7 +69,7 @@ def _expand_ellipsis(spec: str, lhs_ndim: int | None) -> tuple[str, str, str]:
     return lhs.replace("...", letters), rhs, out.replace("...", letters)
 
 
-def _check_subscripts(lhs: str, rhs: str, out: str) -> list[str]:
+def _check_subscripts(lhs: str, rhs: str, out: str, allow_batch: bool) -> list[str]:
     """The contracted letters of a plain dense einsum; ValueError naming what is not."""
     for name, subs in (("input", lhs), ("kernel", rhs), ("output", out)):
         if not subs.isalpha() and subs:
@@ -69,24 +79,32 @@ def _check_subscripts(lhs: str, rhs: str, out: str) -> list[str]:
     if set(out) - set(lhs) - set(rhs):
         raise ValueError(f"the output subscripts {out!r} name letters of neither operand")
     batch = set(lhs) & set(rhs) & set(out)
-    if batch:
+    if batch and not allow_batch:
         raise ValueError(f"batch dimension(s) {''.join(sorted(batch))!r} (in input and kernel)")
     summed = (set(lhs) ^ set(rhs)) - set(out)
     if summed:
         raise ValueError(f"dimension(s) {''.join(sorted(summed))!r} of one operand are summed")
-    contracted = [c for c in lhs if c in rhs]
+    contracted = [c for c in lhs if c in rhs and c not in batch]
     if not contracted:
         raise ValueError("no dimension is contracted (an outer product)")
     return contracted
 
 
-def einsum_plan(spec: str, rhs_shape: Sequence[int], lhs_ndim: int | None = None) -> EinsumPlan:
+def einsum_plan(
+    spec: str,
+    rhs_shape: Sequence[int],
+    lhs_ndim: int | None = None,
+    *,
+    allow_batch: bool = False,
+) -> EinsumPlan:
     """How an einsum of an input and one weight runs as the NVFP4 `dot_general`.
 
     Args:
       spec: the einsum string, `input,kernel->output` (an `...` in input and output allowed).
       rhs_shape: the kernel's shape.
       lhs_ndim: the input's rank (None: one dimension for an ellipsis, for a static check).
+      allow_batch: accept batch dimensions (letters of input, kernel and output, such as the
+        experts of `"eck,ekn->ecn"`): each batch element is its own GEMM (`dot_general`).
 
     Raises:
       ValueError: saying why the einsum is not a plain dense contraction (batch dimensions,
@@ -96,21 +114,27 @@ def einsum_plan(spec: str, rhs_shape: Sequence[int], lhs_ndim: int | None = None
     lhs, rhs, out = _expand_ellipsis(spec.replace(" ", ""), lhs_ndim)
     if len(rhs) != len(rhs_shape):
         raise ValueError(f"the kernel subscripts {rhs!r} do not match its shape {rhs_shape}")
-    contracted = _check_subscripts(lhs, rhs, out)
+    contracted = _check_subscripts(lhs, rhs, out, allow_batch)
+    batch = [c for c in lhs if c in rhs and c in out]
     k = math.prod(rhs_shape[rhs.index(c)] for c in contracted)
-    n = math.prod(size for c, size in zip(rhs, rhs_shape, strict=True) if c not in contracted)
+    n = math.prod(
+        size for c, size in zip(rhs, rhs_shape, strict=True) if c not in contracted + batch
+    )
     if k % formats.BLOCK_SIZE or n % formats.BLOCK_SIZE:
         raise ValueError(
             f"the contracted size K={k} and the kernel's free size N={n} must be multiples "
             f"of {formats.BLOCK_SIZE}"
         )
-    result = [c for c in lhs if c not in contracted] + [c for c in rhs if c not in contracted]
+    paired = contracted + batch
+    result = batch + [c for c in lhs if c not in paired] + [c for c in rhs if c not in paired]
     return EinsumPlan(
         lhs_contract=tuple(lhs.index(c) for c in contracted),
         rhs_contract=tuple(rhs.index(c) for c in contracted),
         perm=tuple(result.index(c) for c in out),
         k=k,
         n=n,
+        lhs_batch=tuple(lhs.index(c) for c in batch),
+        rhs_batch=tuple(rhs.index(c) for c in batch),
     )
 
 
