@@ -1,6 +1,7 @@
 # Sourced by main.sh and test.sh: makes .venv in the repo root (reused on later runs) and
 # installs nvfp4_jax into it, building the native kernels when a C++ compiler is present.
 # Usage: source scripts/setup_venv.sh [EXTRAS]   e.g. EXTRAS="[test]"
+# PYTHON picks the interpreter, NVFP4_VENV the folder (default .venv).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 python=${PYTHON:-python3}
@@ -9,9 +10,10 @@ if ! "$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
   echo "Set PYTHON=/path/to/python3.11 and run again." >&2
   exit 1
 fi
-[ -x .venv/bin/python ] || "$python" -m venv .venv
-.venv/bin/python -m pip install -q --upgrade pip
+venv=${NVFP4_VENV:-.venv}
+[ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
+"$venv/bin/python" -m pip install -q --upgrade pip
 # The build reads the XLA FFI headers from the installed jaxlib, so install the build
 # requirements into the venv and build without isolation (no second jaxlib download).
-.venv/bin/python -m pip install -q "scikit-build-core>=0.10" "jax>=0.10" "jaxlib>=0.10"
-.venv/bin/python -m pip install -q --no-build-isolation -e ".${1:-}"
+"$venv/bin/python" -m pip install -q "scikit-build-core>=0.10" "jax>=0.10" "jaxlib>=0.10"
+"$venv/bin/python" -m pip install -q --no-build-isolation -e ".${1:-}"

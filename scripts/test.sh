@@ -3,14 +3,51 @@
 # the documentation build with warnings as errors (scripts/docs.sh). Extra arguments go to
 # pytest, e.g. `bash scripts/test.sh -k hadamard`; NVFP4_SKIP_DOCS=1 skips the docs build
 # (for a quick loop). The exit status is pytest's, or the docs build's if pytest passed.
+#
+# Then, where a Python >= 3.12 is present (NVFP4_NEWEST_PYTHON, python3.12, python3.13 or
+# pyenv's), the fast tests and the integrations' tests (qwix) run again in .venv-newest with
+# the newest JAX that Python gets (jax 0.12 on 3.12 and 3.13; .venv has what Python 3.11
+# gets, jax 0.10), at XLA's default optimization level. NVFP4_SKIP_NEWEST=1 skips it; with
+# pytest arguments given it is skipped too (a focused run).
 set -euo pipefail
 source "$(dirname "$0")/setup_venv.sh" "[test]"
 status=0
-.venv/bin/python -m pytest -n "${NVFP4_TEST_WORKERS:-auto}" "$@" || status=$?
+.venv/bin/python -m pytest -n "${NVFP4_TEST_WORKERS:-auto}" --dist worksteal "$@" || status=$?
 if [ "${NVFP4_SKIP_DOCS:-0}" != 1 ]; then
   echo "Building the documentation (scripts/docs.sh; NVFP4_SKIP_DOCS=1 skips it)"
   if ! NVFP4_DOCS_NO_INSTALL=1 bash scripts/docs.sh; then
     [ "$status" != 0 ] || status=1
+  fi
+fi
+
+newest_python() {
+  local candidates=("${NVFP4_NEWEST_PYTHON:-}" python3.12 python3.13)
+  if command -v pyenv > /dev/null; then
+    candidates+=("$(pyenv root)"/versions/3.12*/bin/python3 "$(pyenv root)"/versions/3.13*/bin/python3)
+  fi
+  local p
+  for p in "${candidates[@]}"; do
+    if [ -n "$p" ] && "$p" -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2> /dev/null; then
+      echo "$p"
+      return 0
+    fi
+  done
+  return 1
+}
+
+if [ "${NVFP4_SKIP_NEWEST:-0}" != 1 ] && [ "$#" = 0 ]; then
+  if newest=$(newest_python); then
+    echo "The newest JAX: the fast tests and the integrations' tests in .venv-newest ($newest)"
+    if (PYTHON=$newest NVFP4_VENV=.venv-newest source scripts/setup_venv.sh "[test]") &&
+      .venv-newest/bin/python -c 'import jax; print("jax", jax.__version__)' &&
+      NVFP4_TEST_XLA_OPTIMIZE=1 .venv-newest/bin/python -m pytest \
+        -n "${NVFP4_TEST_WORKERS:-auto}" --dist worksteal -m "not integration or newest"; then
+      :
+    else
+      [ "$status" != 0 ] || status=1
+    fi
+  else
+    echo "No Python >= 3.12 found: the newest-JAX pass is skipped (set NVFP4_NEWEST_PYTHON)."
   fi
 fi
 exit "$status"

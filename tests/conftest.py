@@ -4,6 +4,18 @@ the `integration` marker.
 JAX sees 8 CPU devices in every test process (the flag must be set before JAX starts), so
 the multi-device tests are ordinary tests; single-device tests run on device 0 as usual.
 
+XLA compiles the tests' programs with LLVM's optimizations off
+(`--xla_backend_optimization_level=0`): the suite's time is mostly XLA compiling small
+programs that then run for milliseconds, and this cuts a training step's compile 3x to 4x.
+What the contract fixes does not depend on it (every bit-exact test passes at both levels;
+docs/NUMERICS.md says how the code stays exact whether or not LLVM fuses a multiply and an
+add into an FMA, which it does only when optimizing), but f32 arithmetic outside the
+contract may round differently, so the JAX processes a test starts compile with the same
+flags (`helpers.xla_compile_flags`). The test command's second environment (the newest JAX,
+scripts/test.sh) runs the fast tests at XLA's default level; `NVFP4_TEST_XLA_OPTIMIZE=1`
+keeps the default here too. The run's processes share one compilation cache
+(`pytest_configure`).
+
 `tests/` mirrors the package: `core/`, `training/`, `flax/`, `io/`, `model/` hold the tests of
 `nvfp4_jax/_src/<package>/`, one file per module or feature. `integration/` holds the tests
 that start processes, train the example or need optional engines: every test there is
@@ -15,15 +27,59 @@ from __future__ import annotations
 import os
 
 os.environ["XLA_FLAGS"] = " ".join(
-    [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8"]
-).strip()
+    filter(
+        None,
+        [
+            os.environ.get("XLA_FLAGS", ""),
+            "--xla_force_host_platform_device_count=8",
+            os.environ.get("NVFP4_TEST_XLA_OPTIMIZE", "0") != "1"
+            and "--xla_backend_optimization_level=0",
+        ],
+    )
+)
 
 import pathlib
+import shutil
+import tempfile
 
+import jax
 import pytest
 from helpers import IMPLEMENTATIONS, NATIVE, Impl, make_impl
 
 INTEGRATION = pathlib.Path(__file__).resolve().parent / "integration"
+_CACHE_ENV = "NVFP4_TEST_XLA_CACHE"
+
+
+def pytest_configure(config):
+    """One XLA compilation cache for the whole run: its workers and the processes tests start.
+
+    The workers compile many of the same programs (and every started process all of its
+    own), so they share JAX's persistent compilation cache in a temporary folder made by
+    the controlling process and removed when the run ends. `NVFP4_TEST_XLA_CACHE=0` turns
+    it off.
+    """
+    if os.environ.get(_CACHE_ENV) == "0":
+        return
+    if not hasattr(config, "workerinput"):  # the controlling process (or the only one)
+        config._nvfp4_cache = tempfile.mkdtemp(prefix="nvfp4-jax-xla-cache-")
+        os.environ[_CACHE_ENV] = config._nvfp4_cache  # the workers start after this
+    folder = os.environ.get(_CACHE_ENV)
+    if not folder:
+        return
+    settings = {
+        "jax_compilation_cache_dir": folder,
+        "jax_persistent_cache_min_compile_time_secs": 0,
+        "jax_persistent_cache_min_entry_size_bytes": 0,
+    }
+    for name, value in settings.items():
+        jax.config.update(name, value)
+        os.environ[name.upper()] = str(value)  # for the processes tests start
+
+
+def pytest_unconfigure(config):
+    folder = getattr(config, "_nvfp4_cache", None)
+    if folder:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -254,3 +254,11 @@ def make_mesh(shape, names, mode: str = "auto") -> jax.sharding.Mesh:
 def mesh_context(mesh: jax.sharding.Mesh, mode: str):
     """`jax.set_mesh(mesh)` where `mode` uses it, else a context that does nothing."""
     return jax.set_mesh(mesh) if mode != "auto" else contextlib.nullcontext()
+
+
+def xla_compile_flags() -> str:
+    """This process's XLA flags without the device count: what a test passes to the JAX
+    processes it starts (which set their own device count), so that they compile their
+    programs as this one does (conftest.py's optimization level)."""
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    return " ".join(f for f in flags if not f.startswith("--xla_force_host_platform_device_count"))

@@ -17,7 +17,13 @@ import os
 import sys
 
 DEVICES_PER_PROCESS = 4
-os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={DEVICES_PER_PROCESS}"
+# The parent's compile flags (XLA_FLAGS without its device count), and this process's count.
+os.environ["XLA_FLAGS"] = " ".join(
+    [
+        os.environ.get("XLA_FLAGS", ""),
+        f"--xla_force_host_platform_device_count={DEVICES_PER_PROCESS}",
+    ]
+).strip()
 
 import jax  # noqa: E402
 

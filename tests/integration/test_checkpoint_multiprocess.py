@@ -161,10 +161,11 @@ def free_port() -> int:
 
 
 def start_processes(workdir, mode: str) -> list[subprocess.Popen]:
+    from helpers import xla_compile_flags  # noqa: PLC0415 (this file also runs as a child)
+
+    devices = f"--xla_force_host_platform_device_count={LOCAL_DEVICES}"
     env = dict(
-        os.environ,
-        JAX_PLATFORMS="cpu",
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={LOCAL_DEVICES}",
+        os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"{xla_compile_flags()} {devices}".strip()
     )
     port = free_port()
     return [

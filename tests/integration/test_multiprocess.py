@@ -18,7 +18,7 @@ import jax
 import multiprocess_tasks
 import numpy as np
 import pytest
-from helpers import assert_same_bits
+from helpers import assert_same_bits, xla_compile_flags
 from training.test_distributed import EXACT_LEAVES, F32_SUM_TOLERANCE
 
 pytestmark = [
@@ -42,8 +42,8 @@ def two_processes(tmp_path_factory):
     """Runs every task in two processes; returns the directory of their results."""
     workdir = str(tmp_path_factory.mktemp("multiprocess"))
     port = _free_port()
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["JAX_PLATFORMS"] = "cpu"
+    # The children set their own device count and compile as this process does.
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_compile_flags())
     procs = [
         subprocess.Popen(
             [

@@ -24,6 +24,8 @@ import pytest
 from helpers import assert_same_bits
 
 qwix = pytest.importorskip("qwix")
+# Run again by the test command with the newest JAX (scripts/test.sh).
+pytestmark = pytest.mark.newest
 
 import nvfp4_jax  # noqa: E402
 from nvfp4_jax import NVFP4Recipe, nvfp4_dot_general  # noqa: E402

@@ -147,8 +147,10 @@ FORWARD_CASES = {
 
 
 def flatten_operands(lhs, rhs, dims):
-    """(x (M, K), w (K, N), unflatten_x, unflatten_w): K in the order the dims list it."""
+    """(x (M, K), w (K, N), unflatten_x, unflatten_w): K flattened in lhs's axis order,
+    however the dims list the pairs (the contract: einsum and NVFP4Einsum block alike)."""
     (lc, rc), _ = dims
+    lc, rc = zip(*sorted(zip(lc, rc, strict=True)), strict=True)
     lf = [d for d in range(lhs.ndim) if d not in lc]
     rf = [d for d in range(rhs.ndim) if d not in rc]
     lperm, rperm = lf + list(lc), list(rc) + rf
