@@ -49,16 +49,26 @@ METHODS = (
 )
 
 
+def _signature(value) -> inspect.Signature | str:
+    """The signature to describe, or the text for a value that has none of its own."""
+    if isinstance(value, types.ModuleType) or not callable(value):
+        return ""
+    if not str(getattr(value, "__module__", "")).startswith("nvfp4_jax"):
+        return "(external)"  # another library's object re-exported: its signature is its own
+    try:
+        return inspect.signature(value)
+    except (TypeError, ValueError):
+        return ""
+
+
 def signature_of(value) -> str:
     """A callable's parameters as text: names, kinds and the defaults that are literals
     (other defaults show as `...`, since their reprs vary across JAX versions); '' for
-    constants and modules."""
-    if isinstance(value, types.ModuleType) or not callable(value):
-        return ""
-    try:
-        signature = inspect.signature(value)
-    except (TypeError, ValueError):
-        return ""
+    constants and modules; `(external)` for another library's callable (JAX's
+    `PartitionSpec` changes its parameters from version to version)."""
+    signature = _signature(value)
+    if isinstance(signature, str):
+        return signature
     if isinstance(value, type) and [p.kind for p in signature.parameters.values()] == [
         inspect.Parameter.VAR_POSITIONAL,
         inspect.Parameter.VAR_KEYWORD,
