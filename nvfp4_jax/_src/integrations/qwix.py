@@ -363,14 +363,13 @@ class NVFP4Provider(qwix.QtProvider):
                 lhs, rhs, group_sizes, precision, preferred_element_type, group_offset
             )
         key = self._enter("ragged_dot")
-        problem = "" if rule.recipe is not None else "-"
-        if not problem and not _float(lhs, rhs):
+        problem = ""
+        if rule.recipe is not None and not _float(lhs, rhs):
             problem = "its operands are not floats"
-        if not problem and jnp.ndim(lhs) == 2 and jnp.ndim(rhs) == 3:
+        elif rule.recipe is not None and jnp.ndim(lhs) == 2 and jnp.ndim(rhs) == 3:
             problem = _sizes_problem(jnp.shape(lhs)[1], jnp.shape(rhs)[2])
-        if problem:
-            action = "high_precision" if rule.recipe is None else "skipped"
-            self._record(key, rule, action, "" if rule.recipe is None else problem)
+        if rule.recipe is None or problem:
+            self._record(key, rule, "skipped" if problem else "high_precision", problem)
             return jax.lax.ragged_dot(
                 lhs,
                 rhs,
