@@ -22,10 +22,9 @@ if [ "${NVFP4_SKIP_DOCS:-0}" != 1 ]; then
 fi
 
 newest_python() {
+  local root=${PYENV_ROOT:-$HOME/.pyenv}
   local candidates=("${NVFP4_NEWEST_PYTHON:-}" python3.12 python3.13)
-  if command -v pyenv > /dev/null; then
-    candidates+=("$(pyenv root)"/versions/3.12*/bin/python3 "$(pyenv root)"/versions/3.13*/bin/python3)
-  fi
+  candidates+=("$root"/versions/3.12*/bin/python3 "$root"/versions/3.13*/bin/python3)
   local p
   for p in "${candidates[@]}"; do
     if [ -n "$p" ] && "$p" -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2> /dev/null; then
