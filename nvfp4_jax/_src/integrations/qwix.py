@@ -123,6 +123,12 @@ def _float(*arrays) -> bool:
     return all(jnp.issubdtype(jnp.result_type(a), jnp.floating) for a in arrays)
 
 
+def _not_one_weight(both: bool) -> str:
+    """Why an op of two weights (`both`) or of two activations stays in high precision."""
+    which = "two weights" if both else "no weight operand (activations only)"
+    return f"{which}: computed in high precision"
+
+
 def _sizes_problem(k: int, n: int) -> str:
     if k % _BLOCK or n % _BLOCK:
         return f"its contracted size K={k} and weight free size N={n} must be multiples of 16"
@@ -248,8 +254,7 @@ class NVFP4Provider(qwix.QtProvider):
             return high_precision("high_precision")
         lhs_weight, rhs_weight = self._is_weight(lhs), self._is_weight(rhs)
         if lhs_weight == rhs_weight:
-            which = "two weights" if lhs_weight else "no weight operand (activations only)"
-            return high_precision("skipped", f"{which}: computed in high precision")
+            return high_precision("skipped", _not_one_weight(lhs_weight))
         (lc, rc), (lb, rb) = dimension_numbers
         x, w, dims = lhs, rhs, dimension_numbers
         if lhs_weight:  # the weight becomes the rhs; the result is transposed back
@@ -321,8 +326,7 @@ class NVFP4Provider(qwix.QtProvider):
             return high_precision("skipped", "not an einsum of two operands")
         weights = [self._is_weight(a) for a in operands]
         if weights[0] == weights[1]:
-            which = "two weights" if weights[0] else "no weight operand (activations only)"
-            return high_precision("skipped", f"{which}: computed in high precision")
+            return high_precision("skipped", _not_one_weight(weights[0]))
         spec, (x, w) = einsum_str.replace(" ", ""), operands
         if weights[0]:  # the weight becomes the kernel operand
             inputs, out = spec.split("->") if "->" in spec else (spec, None)
