@@ -107,9 +107,13 @@ def step_key(stream_key, count, implementation=None):
     return fold_in(stream_key, count, implementation)
 
 
-def element_keys(key, count: int):
-    """`fold_in(key, i)` for i in 0..count-1, (count,) keys: a batch element's or a group's."""
-    return jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(count, dtype=_U32))
+def element_keys(key, count: int, ids=None):
+    """`fold_in(key, i)` for i in 0..count-1, or in `ids` (count,): a batch element's keys.
+
+    A group's too: an expert-parallel shard's groups keep their global numbers as `ids`.
+    """
+    ids = jnp.arange(count, dtype=_U32) if ids is None else jnp.asarray(ids).astype(_U32)
+    return jax.vmap(lambda i: jax.random.fold_in(key, i))(ids)
 
 
 def _mix32(h):
@@ -169,18 +173,10 @@ def group_digests(dy, row_group, num_groups: int) -> jax.Array:
     return jax.ops.segment_sum(row_digest, row_group, num_segments=num_groups)
 
 
-def _group_ids(group_ids, num_groups: int) -> jax.Array:
-    """(G,) uint32: the groups' numbers for `fold_in` (0..G-1 unless given)."""
-    if group_ids is None:
-        return jnp.arange(num_groups, dtype=_U32)
-    return jnp.asarray(group_ids).astype(_U32)
-
-
 def _group_keys(key, dy, row_group, num_groups: int, group_ids=None) -> jax.Array:
     """Every group's key, (G,) keys: `fold_in(key, id_g)`, or from its rows of dy for None."""
     if key is not None:
-        ids = _group_ids(group_ids, num_groups)
-        return jax.vmap(lambda i: jax.random.fold_in(key, i))(ids)
+        return element_keys(key, num_groups, group_ids)
     base = jax.random.key(GRADIENT_KEY_SEED)
     digest = group_digests(dy, row_group, num_groups)
     return jax.vmap(lambda d: jax.random.fold_in(base, d))(digest)
@@ -210,7 +206,8 @@ def group_sr_words(key, dy, row_group, num_groups: int, implementation=None, gro
     if key is None:
         data = group_digests(dy, row_group, num_groups)
     else:
-        data = _group_ids(group_ids, num_groups)
+        data = jnp.arange(num_groups, dtype=_U32) if group_ids is None else group_ids
+        data = jnp.asarray(data).astype(_U32)
     words = jax.random.key_data(base)
     k0, k1 = kernels.fold_in_words(words[0], words[1], data)
     split = kernels.split_bits_words(k0, k1)  # (G, 4)
