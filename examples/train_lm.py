@@ -695,6 +695,24 @@ def switch_precision(model, args, rules) -> None:
     )
 
 
+def finish_at_run_time(recipe_name: str, args) -> bool:
+    """Whether the run's high-precision finish is a runtime flag of its compiled step
+    (`CompiledRun`): an NVFP4 run that switches its forward GEMMs alone."""
+    return (
+        recipe_name == "nvfp4"
+        and switch_step(args) is not None
+        and args.high_precision_final_gemms == "fprop"
+    )
+
+
+def switch_streams(model, args, rules) -> None:
+    """Gives `model` the SR streams `switch_precision` gives, its recipes unchanged: the
+    switch of a run whose finish is a runtime flag (`finish_at_run_time`)."""
+    switched = nnx.clone(model)
+    switch_precision(switched, args, rules)
+    nnx.update(model, nnx.state(switched, nnx.RngState))
+
+
 def check_model_shape(args) -> str | None:
     """Why the flags make no working model (None if they do): builds it and traces the loss of
     one sequence abstractly (no memory, no compile), so any shape rule of `lm_model` counts."""
@@ -807,6 +825,104 @@ def eval_loss(model, batches):
     return loss_fn(model, batches.reshape(-1, batches.shape[-1]))
 
 
+def _gradients(graph, state, batch):
+    """`train_step`'s loss, load-balancing loss and gradients of the model (`graph`, `state`),
+    and the model's state after them (its SR streams advanced)."""
+    model = nnx.merge(graph, state)
+    (_, (loss, aux)), grads = nnx.value_and_grad(train_loss_fn, has_aux=True)(model, batch)
+    return loss, aux, grads, nnx.state(model)
+
+
+def _in_phase(finish, fn, *operands):
+    """`fn(*operands)`, under `nvfp4_jax.high_precision_forward(finish)` unless it is None."""
+    if finish is None:
+        return fn(*operands)
+    with nvfp4_jax.high_precision_forward(finish):
+        return fn(*operands)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _compiled_train_step(graphs, state, opt_state, batch, finish):
+    """`train_step` on split state: (loss, aux, the model's and the optimizer's new state).
+
+    `graphs`: the model's and the optimizer's graphs; `finish`: None, or a bool scalar that
+    puts the NVFP4 forward GEMMs in high precision at run time (the finish's program is the
+    NVFP4 phase's).
+    """
+    loss, aux, grads, state = _in_phase(finish, _gradients, graphs[0], state, batch)
+    model, optimizer = nnx.merge(graphs[0], state), nnx.merge(graphs[1], opt_state)
+    optimizer.update(model, grads)
+    return loss, aux, nnx.state(model), nnx.state(optimizer)
+
+
+def _evaluation(graph, state, batches):
+    """`eval_loss` of the model (`graph`, `state`), and the model's state after it."""
+    model = nnx.merge(graph, state)
+    return loss_fn(model, batches.reshape(-1, batches.shape[-1])), nnx.state(model)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _compiled_eval_loss(graph, state, batches, finish):
+    """`eval_loss` on split state: (the loss, the model's new state)."""
+    return _in_phase(finish, _evaluation, graph, state, batches)
+
+
+class CompiledRun:
+    """One run's train step and evaluation, split state in and out, each compiled once.
+
+    The model and optimizer are split once into their graphs and state; the state goes through
+    the compiled functions step after step and back into the objects by `sync` (before a
+    checkpoint, the switch and the end of the run).
+
+    A run whose high-precision finish puts only the forward GEMMs in high precision (`--high-
+    precision-final-gemms fprop`, the default) passes `finish`: a flag the compiled step and
+    evaluation take as an argument (`nvfp4_jax.high_precision_forward`), so the switch
+    (`switch_streams`) compiles nothing and its steps are bit for bit those of the model
+    switched by `switch_precision` and compiled anew (tests/integration/test_train_lm.py).
+    With `--high-precision-final-gemms all` the backward's residuals change with the recipe:
+    that run switches its graph by `switch` and compiles again.
+
+    Args:
+      model: the model, in the recipe of the step the run starts from.
+      optimizer: its optimizer.
+      finish: None (no runtime switch), or whether the run starts in its finish.
+    """
+
+    def __init__(self, model, optimizer, finish: bool | None = None):
+        self.model, self.optimizer = model, optimizer
+        self.graph, self.state = nnx.split(model)
+        self.opt_graph, self.opt_state = nnx.split(optimizer)
+        self.finish = None if finish is None else np.bool_(finish)
+
+    def step(self, batch) -> tuple[jax.Array, jax.Array]:
+        """One optimizer step (`train_step`): (loss, load-balancing loss) before the update."""
+        graphs = (self.graph, self.opt_graph)
+        loss, aux, self.state, self.opt_state = _compiled_train_step(
+            graphs, self.state, self.opt_state, batch, self.finish
+        )
+        return loss, aux
+
+    def eval_loss(self, batches) -> jax.Array:
+        """The mean validation loss over a stack of batches (`eval_loss`)."""
+        loss, self.state = _compiled_eval_loss(self.graph, self.state, batches, self.finish)
+        return loss
+
+    def sync(self) -> None:
+        """Writes the run's state into the model and optimizer objects."""
+        nnx.update(self.model, self.state)
+        nnx.update(self.optimizer, self.opt_state)
+
+    def switch(self, change) -> None:
+        """Calls `change(model)` on the synced model (`switch_precision`, or with `finish`,
+        `switch_streams`) and goes on from the model's state (and graph) after it; with
+        `finish`, the finish starts."""
+        self.sync()
+        change(self.model)
+        self.graph, self.state = nnx.split(self.model)
+        if self.finish is not None:
+            self.finish = np.bool_(True)
+
+
 def _savable(state):
     """Typed PRNG keys -> raw uint32 data, for orbax."""
     return jax.tree.map(
@@ -856,10 +972,12 @@ class Checkpoints:
             return None
         return restored["config"]
 
-    def save(self, step: int, model, optimizer, history: dict, config: dict, force: bool = False):
-        """Saves at multiples of `every` (and when `force`)."""
-        if not (force or (self.every and step % self.every == 0)):
-            return
+    def due(self, step: int, force: bool = False) -> bool:
+        """Whether the run saves at `step`: at multiples of `every`, and when `force`."""
+        return force or bool(self.every and step % self.every == 0)
+
+    def save(self, step: int, model, optimizer, history: dict, config: dict):
+        """Saves the model and optimizer state, the history and the config as `step`."""
         state = _savable({"model": nnx.state(model), "optimizer": nnx.state(optimizer)})
         self.manager.save(
             step,
@@ -992,7 +1110,8 @@ def _resume_phase(recipe_name: str, args, model, rules, checkpoints) -> bool:
     step = (checkpoints.latest_step() or 0) if args.resume else 0
     if not in_high_precision(recipe_name, args, step):
         return False
-    switch_precision(model, args, rules)
+    if not finish_at_run_time(recipe_name, args):  # else the restored streams are the finish's
+        switch_precision(model, args, rules)
     return True
 
 
@@ -1010,9 +1129,10 @@ def run(recipe_name: str, args, train, val, config: dict, console: Console, rule
     val_batches = jnp.stack(
         [batch_at(val, 10**9 + i, args.batch, args.seq_len, args.seed) for i in range(EVAL_BATCHES)]
     )
-    # The graph of (model, optimizer) split once, not at every call: nnx.jit's per-call
-    # traversal costs milliseconds, more for NVFP4 layers (their quantization RNG state).
-    step_fn = nnx.cached_partial(train_step, model, optimizer)
+    # The state split once, not at every call: nnx.jit's per-call graph traversal costs
+    # milliseconds, more for NVFP4 layers (their quantization RNG state).
+    at_run_time = finish_at_run_time(recipe_name, args)
+    steps = CompiledRun(model, optimizer, finish=switched if at_run_time else None)
     step_seconds = []  # the train steps alone (no evaluation, no checkpoint), this session
     columns = (TextColumn(f"{recipe_name:>5s}"), BarColumn(), TextColumn("{task.fields[info]}"))
     with Progress(*columns, TimeRemainingColumn(), console=console) as progress:
@@ -1020,9 +1140,9 @@ def run(recipe_name: str, args, train, val, config: dict, console: Console, rule
         tick = time.perf_counter()
         for step in range(start_step + 1, last + 1):
             if not switched and in_high_precision(recipe_name, args, step):
-                switch_precision(model, args, rules)
+                change = switch_streams if at_run_time else switch_precision
+                steps.switch(lambda m, change=change: change(m, args, rules))
                 switched = True
-                step_fn = nnx.cached_partial(train_step, model, optimizer)
                 history["high_precision_from"] = step
                 _say(
                     console,
@@ -1032,7 +1152,7 @@ def run(recipe_name: str, args, train, val, config: dict, console: Console, rule
                 )
             batch = batch_at(train, step, args.batch, args.seq_len, args.seed)
             begin = time.perf_counter()
-            loss, aux = step_fn(batch)
+            loss, aux = steps.step(batch)
             loss = float(loss)
             step_seconds.append(time.perf_counter() - begin)
             history["step"].append(step)
@@ -1041,7 +1161,7 @@ def run(recipe_name: str, args, train, val, config: dict, console: Console, rule
                 history.setdefault("aux_loss", []).append(float(aux))
             if step % args.eval_every == 0 or step == args.steps:
                 history["val_step"].append(step)
-                history["val_loss"].append(float(eval_loss(model, val_batches)))
+                history["val_loss"].append(float(steps.eval_loss(val_batches)))
             now = time.perf_counter()
             history["seconds"] += now - tick
             tokens_per_s = args.batch * args.seq_len / max(now - tick, 1e-9)
@@ -1057,7 +1177,10 @@ def run(recipe_name: str, args, train, val, config: dict, console: Console, rule
                 # The first step compiles; the steady state is the median of the others.
                 history["first_step_seconds"] = step_seconds[0]
                 history["step_ms"] = 1e3 * float(np.median(step_seconds[1:] or step_seconds))
-            checkpoints.save(step, model, optimizer, history, config, force=step == last)
+            if checkpoints.due(step, force=step == last):
+                steps.sync()
+                checkpoints.save(step, model, optimizer, history, config)
+    steps.sync()
     if "diverged_at" in history:
         _say(
             console,

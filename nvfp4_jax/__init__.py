@@ -64,7 +64,7 @@ from nvfp4_jax._src.training.distributed import quantize_master_weights
 from nvfp4_jax._src.training.dot_general import dot_general, nvfp4_dot_general
 from nvfp4_jax._src.training.gemm import scaled_matmul
 from nvfp4_jax._src.training.ragged import ragged_dot
-from nvfp4_jax._src.training.recipe import NVFP4Recipe
+from nvfp4_jax._src.training.recipe import NVFP4Recipe, high_precision_forward
 from nvfp4_jax._src.training.scaled_matmul import (
     from_scaled_matmul_operands,
     to_scaled_matmul_operands,
@@ -96,6 +96,7 @@ __all__ = [
     "get_rht_matrix",
     "get_sign_from_vector",
     "get_wgrad_sign_vector",
+    "high_precision_forward",
     "hf",
     "inspect_model",
     "is_nvfp4_array",

@@ -143,7 +143,7 @@ def test_main_from_a_train_lm_nvfp4_checkpoint(tmp_path, capsys):
     optimizer = train_lm.make_optimizer(model, args)
     text = train_lm.load_text(None)
     checkpoints = train_lm.Checkpoints(train_lm.checkpoint_folder(args, "nvfp4"))
-    checkpoints.save(1, model, optimizer, {}, train_lm.run_config(args, text), force=True)
+    checkpoints.save(1, model, optimizer, {}, train_lm.run_config(args, text))
     result = generate.main(["--checkpoint", str(out), "--tokens", "3", "--precision", "nvfp4"])
     printed = capsys.readouterr().out
     assert "step 1" in printed and "7 frozen NVFP4 linears" in printed  # layer 0's seven

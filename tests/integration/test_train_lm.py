@@ -353,6 +353,65 @@ def test_high_precision_final_resumes_exactly_across_the_switch(tmp_path, capsys
         assert resumed.get("high_precision_from") == (4 if stop >= 4 else None)
 
 
+def _state_bytes(model) -> list[bytes]:
+    """Every leaf of the model's state (parameters and SR streams) as bytes."""
+    leaves = jax.tree.leaves(nnx.state(model))
+    return [
+        np.asarray(
+            jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+        ).tobytes()
+        for x in leaves
+    ]
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [[], ["--experts", "2"], ["--high-precision-final-gemms", "all"]],
+    ids=["dense", "moe", "all_gemms"],
+)
+def test_the_switch_at_run_time_is_the_recompiled_switch(flags):
+    # What `run` does (`CompiledRun`: one compiled step, the finish a runtime flag for the
+    # forward; with "all" GEMMs a switched graph and a second compile) against the switch as
+    # it was: `switch_precision` and `train_step` compiled anew. Steps 1-2 NVFP4, 3-4 finish.
+    args = train_lm.parse_args(
+        [*TINY, "--batch", "2", "--steps", "4", "--high-precision-final", "0.5", *flags]
+    )
+    train, val = train_lm.split_text(train_lm.load_text(None), args.seq_len)
+    batches = [train_lm.batch_at(train, s, args.batch, args.seq_len, 0) for s in range(1, 5)]
+    val_batches = jax.numpy.stack([train_lm.batch_at(val, 10**9, args.batch, args.seq_len, 0)])
+    rules = train_lm.model_rules(args)
+    at_run_time = train_lm.finish_at_run_time("nvfp4", args)
+    assert at_run_time == ("all" not in flags)
+
+    model = train_lm.make_model(args, "nvfp4", rules)
+    optimizer = train_lm.make_optimizer(model, args)
+    want = []
+    for step, batch in enumerate(batches, 1):
+        if step == 3:
+            train_lm.switch_precision(model, args, rules)
+        loss, _ = train_lm.train_step(model, optimizer, batch)
+        want.append((float(loss), float(train_lm.eval_loss(model, val_batches))))
+    want_state = _state_bytes(model)
+
+    model = train_lm.make_model(args, "nvfp4", rules)
+    steps = train_lm.CompiledRun(
+        model, train_lm.make_optimizer(model, args), finish=False if at_run_time else None
+    )
+    change = train_lm.switch_streams if at_run_time else train_lm.switch_precision
+    got, programs = [], []
+    for step, batch in enumerate(batches, 1):
+        if step == 3:
+            steps.switch(lambda m: change(m, args, rules))
+        loss, _ = steps.step(batch)
+        got.append((float(loss), float(steps.eval_loss(val_batches))))
+        programs.append(train_lm._compiled_train_step._cache_size())
+    steps.sync()
+    assert got == want
+    assert _state_bytes(model) == want_state
+    # The runtime switch compiles nothing; the switched graph compiles its step once.
+    assert programs[3] - programs[1] == (0 if at_run_time else 1)
+
+
 def test_high_precision_final_switches_the_rules():
     args = train_lm.parse_args(
         [*TINY, "--steps", "10", "--high-precision-final", "0.2", "--keep-bf16", "head"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +18,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import nvfp4_jax
 import nvfp4_jax.nnx as nvfp4_nnx
 from nvfp4_jax import NVFP4Recipe, dot_general, ragged_dot
 from nvfp4_jax._src.core.array import NVFP4Array
@@ -154,7 +156,8 @@ def test_the_forward_saves_only_what_the_backward_needs():
 
     def residuals(**switches):
         r = dataclasses.replace(recipe, **switches)
-        _, (w_res, x_res, *_) = dot_general_module._nvfp4_matmul_fwd(x, w, KEY, r, jnp.bfloat16)
+        fwd = dot_general_module._nvfp4_matmul_fwd
+        _, (w_res, x_res, *_) = fwd(x, w, KEY, None, r, jnp.bfloat16)
         return w_res, x_res
 
     w_res, x_res = residuals()
@@ -235,3 +238,94 @@ def test_ragged_weight_1d_with_a_high_precision_forward():
     got = _vjp(_ragged(dataclasses.replace(base, fprop=False)), x, w, dy)
     _assert_equal(got[1], nvfp4[1], "dx")
     _assert_equal(got[2], nvfp4[2], "dW")
+
+
+# --- the forward's precision at run time (`high_precision_forward`) ----------------------------
+
+BATCH_DIMS = (((2,), (1,)), ((0,), (0,)))
+
+
+def _flagged(fn):
+    """(y, dx, dW) of `fn` for dy under `high_precision_forward(flag)`, `flag` traced: one
+    compiled program for both values."""
+
+    @jax.jit
+    def run(x, w, dy, flag):
+        with nvfp4_jax.high_precision_forward(flag):
+            y, pullback = jax.vjp(fn, x, w)
+        return (y, *pullback(dy.astype(y.dtype)))
+
+    return run
+
+
+def _batched(recipe, key=KEY):
+    return lambda x, w: dot_general(x, w, BATCH_DIMS, recipe=recipe, key=key)
+
+
+@pytest.mark.parametrize(
+    "weight_2d, implementation", [(True, None), (False, None), (True, "reference")]
+)
+@pytest.mark.parametrize("op", ["dot_general", "batched", "ragged_dot", "no_key"])
+def test_the_runtime_flag_gives_the_fprop_switchs_bits(op, weight_2d, implementation):
+    base = NVFP4Recipe(weight_2d=weight_2d, implementation=implementation)
+    x, w, dy = _data(jnp.bfloat16, groups=4 if op == "ragged_dot" else None)
+    if op == "batched":
+        x, w, dy = (jnp.stack([a, a[::-1] * 2]) for a in (x, w, dy))
+    make = {
+        "dot_general": _nvfp4,
+        "batched": _batched,
+        "ragged_dot": _ragged,
+        "no_key": lambda r: lambda x, w: dot_general(x, w, DIMS, recipe=r),
+    }[op]
+    run = _flagged(make(base))
+    for flag, recipe in ((False, base), (True, dataclasses.replace(base, fprop=False))):
+        want = _vjp(make(recipe), x, w, dy)
+        got = run(x, w, dy, jnp.bool_(flag))
+        for name, g, r in zip(("y", "dx", "dW"), got, want, strict=True):
+            _assert_equal(g, r, f"{name} of {op} with the flag {flag}")
+    assert run._cache_size() == 1  # the switch compiled nothing
+
+
+def test_the_flag_concerns_only_nvfp4_forwards():
+    x, w, dy = _data(jnp.bfloat16)
+    # A recipe with its forward already in high precision, and code outside the block.
+    for recipe in (NVFP4Recipe(fprop=False), ALL_HIGH):
+        want = _vjp(_nvfp4(recipe), x, w, dy)
+        for flag in (False, True):
+            got = _flagged(_nvfp4(recipe))(x, w, dy, jnp.bool_(flag))
+            for name, g, r in zip(("y", "dx", "dW"), got, want, strict=True):
+                _assert_equal(g, r, f"{name} of {recipe} with the flag {flag}")
+    with nvfp4_jax.high_precision_forward(True):
+        pass
+    _assert_equal(_nvfp4(NVFP4Recipe())(x, w), _vjp(_nvfp4(NVFP4Recipe()), x, w, dy)[0], "after")
+
+
+def test_the_flag_reaches_the_layers_and_eager_calls():
+    x = jax.random.normal(jax.random.key(1), (8, 64), jnp.float32)
+    layer = nvfp4_nnx.Linear(
+        64, 32, recipe=NVFP4Recipe(stochastic_rounding=False), rngs=nnx.Rngs(0)
+    )
+    switched = nvfp4_nnx.Linear(
+        64, 32, recipe=NVFP4Recipe(stochastic_rounding=False, fprop=False), rngs=nnx.Rngs(0)
+    )
+    for flag in (True, np.bool_(True), jnp.array(True)):  # eagerly
+        with nvfp4_jax.high_precision_forward(flag):
+            _assert_equal(layer(x), switched(x), "y")
+    _assert_equal(layer(x), nvfp4_nnx.Linear(64, 32, rngs=nnx.Rngs(0), recipe=layer.recipe)(x), "y")
+
+
+@pytest.mark.parametrize(
+    "flag, message",
+    [
+        (1, "int"),
+        (np.ones((2,), bool), "bool[2]"),
+        (jnp.float32(1), "float32[]"),
+        ("yes", "str"),
+    ],
+)
+def test_a_bad_flag_is_named(flag, message):
+    with pytest.raises(
+        TypeError, match=r"high_precision_forward: flag must be a bool.*" + re.escape(message)
+    ):
+        with nvfp4_jax.high_precision_forward(flag):
+            pass

@@ -38,7 +38,7 @@ from nvfp4_jax._src.core.ops import quantize_with_spec
 from nvfp4_jax._src.core.spec import QuantSpec
 from nvfp4_jax._src.core.types import PrimalTypes
 from nvfp4_jax._src.training import gemm
-from nvfp4_jax._src.training.recipe import NVFP4Recipe
+from nvfp4_jax._src.training.recipe import NVFP4Recipe, forward_flag
 
 _F32 = jnp.float32
 
@@ -78,11 +78,11 @@ def _quantize_weight(w, recipe: NVFP4Recipe, gemm_name: str = "fprop"):
     return quantize_with_spec(w, spec, implementation=recipe.implementation)
 
 
-def _fprop(x, w, recipe: NVFP4Recipe):
+def _fprop_operands(x, w, recipe: NVFP4Recipe):
+    """The fprop's operands (x along K, W packed for reuse) and the packed W."""
     qw = _quantize_weight(w, recipe)
     qx = _operand(x, recipe, recipe.spec("activation", "fprop"))  # stored (M, K)
-    w_operand = _array_operand(qw, recipe)
-    return gemm.matmul(qx, w_operand), qw
+    return qx, _array_operand(qw, recipe), qw
 
 
 # --- the GEMMs a recipe puts in high precision (`fprop`, `dgrad` or `wgrad` False) -------------
@@ -90,10 +90,14 @@ def _fprop(x, w, recipe: NVFP4Recipe):
 _MATMUL_DIMS = (((1,), (0,)), ((), ()))
 
 
+def _high_precision_f32(x, w):
+    """X W (M, N) with f32 accumulation, in f32."""
+    return jax.lax.dot_general(x, w, _MATMUL_DIMS, preferred_element_type=_F32)
+
+
 def _high_precision(x, w, out_dtype):
     """The high-precision fprop: y = x W (M, N), f32 accumulation, in `out_dtype`."""
-    y = jax.lax.dot_general(x, w, _MATMUL_DIMS, preferred_element_type=_F32)
-    return y.astype(out_dtype)
+    return _high_precision_f32(x, w).astype(out_dtype)
 
 
 def _high_precision_dgrad(dy, w, x_aval, out_dtype):
@@ -111,27 +115,42 @@ def _high_precision_wgrad(dy, x, w_aval, out_dtype):
     return dw
 
 
-def _forward(x, w, recipe: NVFP4Recipe, out_dtype):
-    """The forward: y in `out_dtype`, and the fprop's quantized W (None in high precision)."""
+def _forward(x, w, recipe: NVFP4Recipe, out_dtype, high_precision=None):
+    """The forward: y in `out_dtype`, and the fprop's quantized W (None in high precision).
+
+    `high_precision` (`recipe.forward_flag`; None: NVFP4): a bool scalar choosing at run time
+    between the NVFP4 GEMM and the high-precision one. The operands are quantized either way
+    (the packed W serves dgrad, as with `fprop=False`), and only the GEMM sits in the
+    `jax.lax.cond`: what XLA fuses into the quantize and the cast stays as without the flag,
+    so each branch gives the bits of its recipe's own program.
+    """
     if not recipe.fprop:
         return _high_precision(x, w, out_dtype), None
-    y, qw = _fprop(x, w, recipe)
+    qx, w_operand, qw = _fprop_operands(x, w, recipe)
+    if high_precision is None:
+        y = gemm.matmul(qx, w_operand)
+    else:
+        y = jax.lax.cond(
+            high_precision,
+            lambda: _high_precision_f32(x, w),
+            lambda: gemm.matmul(qx, w_operand),
+        )
     return y.astype(out_dtype), qw
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _nvfp4_matmul(x, w, key, recipe, out_dtype):
-    return _forward(x, w, recipe, out_dtype)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _nvfp4_matmul(x, w, key, high_precision, recipe, out_dtype):
+    return _forward(x, w, recipe, out_dtype, high_precision)[0]
 
 
-def _nvfp4_matmul_fwd(x, w, key, recipe, out_dtype):
+def _nvfp4_matmul_fwd(x, w, key, high_precision, recipe, out_dtype):
     """The forward and the residuals, each only where a backward GEMM needs it.
 
     For an NVFP4 dgrad the packed W it multiplies (the fprop's when 2D), for a
     high-precision one W itself; for an NVFP4 wgrad the packed x along the tokens, for a
     high-precision one x itself.
     """
-    y, qw = _forward(x, w, recipe, out_dtype)
+    y, qw = _forward(x, w, recipe, out_dtype, high_precision)
     w_res = x_res = None
     if not recipe.dgrad:
         w_res = w
@@ -182,7 +201,7 @@ def _nvfp4_matmul_bwd(recipe, out_dtype, residuals, dy):
     # Each gradient with its primal's type: dW of a weight replicated over shard_map's axes
     # is the sum of the shards' wgrads, as for `jax.lax.dot_general`.
     dx, dw = types.conform(dx.astype(x_aval.dtype), dw.astype(w_aval.dtype))
-    return dx, dw, None
+    return dx, dw, None, None
 
 
 _nvfp4_matmul.defvjp(_nvfp4_matmul_fwd, _nvfp4_matmul_bwd)
@@ -332,7 +351,8 @@ def dot_general(
     if not lhs_batch:
         x = jnp.transpose(lhs, lhs_free + list(lhs_contract)).reshape(m, k)
         w = jnp.transpose(rhs, list(rhs_contract) + rhs_free).reshape(k, n)
-        return _nvfp4_matmul(x, w, key, recipe, out_dtype).reshape(out_shape)
+        flag = forward_flag(recipe)
+        return _nvfp4_matmul(x, w, key, flag, recipe, out_dtype).reshape(out_shape)
     batch_shape = [lhs.shape[d] for d in lhs_batch]
     b = math.prod(batch_shape)
     x = jnp.transpose(lhs, [*lhs_batch, *lhs_free, *lhs_contract]).reshape(b, m, k)
@@ -349,9 +369,10 @@ def batched_matmul(x, w, key, recipe: NVFP4Recipe, out_dtype) -> jax.Array:
     `key` is None). `recipe.gemm_backend` must be resolved ("emulated" or "scaled_matmul").
     """
     keys = None if key is None else element_keys(key, x.shape[0])
+    flag = forward_flag(recipe)
 
     def one(x_b, w_b, key_b):
-        return _nvfp4_matmul(x_b, w_b, key_b, recipe, out_dtype)
+        return _nvfp4_matmul(x_b, w_b, key_b, flag, recipe, out_dtype)
 
     def run(x, w, keys):
         return jax.vmap(one, in_axes=(0, 0, None if keys is None else 0))(x, w, keys)

@@ -67,7 +67,7 @@ from nvfp4_jax._src.training.grouped_gemm import (
     ragged_gemm,
 )
 from nvfp4_jax._src.training.groups import Groups, find_groups, take_group
-from nvfp4_jax._src.training.recipe import NVFP4Recipe
+from nvfp4_jax._src.training.recipe import NVFP4Recipe, forward_flag
 
 _F32 = jnp.float32
 _BLOCK = formats.BLOCK_SIZE
@@ -79,38 +79,51 @@ def _row_scale(product, alpha, groups: Groups, num_groups: int):
     return jnp.where(valid, product * take_group(alpha, groups.row_group, 0)[:, None], _F32(0))
 
 
-def _fprop(x, w, groups: Groups, recipe: NVFP4Recipe):
+def _forward(x, w, groups: Groups, recipe: NVFP4Recipe, out_dtype, flag=None):
+    """The forward: y in `out_dtype`, and the fprop's quantized weights (None if high precision).
+
+    `flag` (`recipe.forward_flag`; None: NVFP4): a bool scalar choosing at run time between
+    the NVFP4 GEMM and the high-precision one; the operands are quantized either way and only
+    the GEMM sits in the `jax.lax.cond`, as in `dot_general`.
+    """
+    if not recipe.fprop:
+        return high_precision(x, w, groups.sizes, out_dtype), None
     g = w.shape[0]
     qx, amax_x = quantize_rows(x, groups, g, recipe)
     qw = quantize_weights(w, recipe, "fprop")  # stored (G, N, K)
-    w_values, d_w = weight_values(qw, recipe)
-    product = ragged_gemm(1, 2, 0)(block_values(qx, recipe.gemm_dtype), w_values, groups.sizes)
-    return _row_scale(product, group_alpha(decode_scale(amax_x), d_w), groups, g), qw
 
+    def nvfp4():
+        w_values, d_w = weight_values(qw, recipe)
+        values = block_values(qx, recipe.gemm_dtype)
+        product = ragged_gemm(1, 2, 0)(values, w_values, groups.sizes)
+        return _row_scale(product, group_alpha(decode_scale(amax_x), d_w), groups, g)
 
-def _forward(x, w, groups: Groups, recipe: NVFP4Recipe, out_dtype):
-    """The forward: y in `out_dtype`, and the fprop's quantized weights (None if high precision)."""
-    if not recipe.fprop:
-        return high_precision(x, w, groups.sizes, out_dtype), None
-    y, qw = _fprop(x, w, groups, recipe)
+    if flag is None:
+        y = nvfp4()
+    else:
+        y = jax.lax.cond(flag, lambda: ragged_gemm(1, 1, 0)(x, w, groups.sizes), nvfp4)
     return y.astype(out_dtype), qw
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _ragged_matmul(x, w, group_sizes, group_ids, key, recipe, out_dtype):
-    """`group_ids` (G,) int32: the number each group's SR key is folded with."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _ragged_matmul(x, w, group_sizes, group_ids, key, flag, recipe, out_dtype):
+    """The grouped NVFP4 GEMM, differentiable in x and w.
+
+    `group_ids` (G,) int32: the number each group's SR key is folded with; `flag`: the
+    `high_precision_forward` flag (None: none).
+    """
     groups = find_groups(group_sizes, x.shape[0])
-    return _forward(x, w, groups, recipe, out_dtype)[0]
+    return _forward(x, w, groups, recipe, out_dtype, flag)[0]
 
 
-def _ragged_matmul_fwd(x, w, group_sizes, group_ids, key, recipe, out_dtype):
+def _ragged_matmul_fwd(x, w, group_sizes, group_ids, key, flag, recipe, out_dtype):
     """The forward and its residuals, chosen as `dot_general` chooses them.
 
     W itself for a high-precision dgrad, x itself for a high-precision wgrad, else the
     packed operands the NVFP4 GEMMs need.
     """
     groups = find_groups(group_sizes, x.shape[0])
-    y, qw = _forward(x, w, groups, recipe, out_dtype)
+    y, qw = _forward(x, w, groups, recipe, out_dtype, flag)
     qw = _dgrad_weight(w, qw, recipe)
     if not recipe.wgrad:
         x_res, d_x_tokens = x, None
@@ -147,7 +160,7 @@ def _ragged_matmul_bwd(recipe, out_dtype, residuals, dy):
     # Each gradient with its primal's type: dW of experts replicated over shard_map's axes
     # is the sum of the shards' wgrads, as for `jax.lax.ragged_dot`.
     dx, dw = primal_types.conform(dx.astype(x_dtype), dw.astype(w_dtype))
-    return dx, dw, None, None, None
+    return dx, dw, None, None, None, None
 
 
 def _dgrad(dy, qw, groups: Groups, recipe: NVFP4Recipe, words, x_dtype):
@@ -324,16 +337,17 @@ def ragged_dot(
     # Under Explicit mesh axes the grouped GEMMs run on whole operands (the groups are rows
     # of the whole lhs): gathered here, the result sharded along M as lhs is.
     lhs, rhs, group_sizes = (types.replicated(a) for a in (lhs, rhs, group_sizes))
+    flag = forward_flag(recipe)
     if group_offset is None:
         group_ids = jnp.arange(rhs.shape[0], dtype=jnp.int32)
-        y = _ragged_matmul(lhs, rhs, group_sizes, group_ids, key, recipe, out_dtype)
+        y = _ragged_matmul(lhs, rhs, group_sizes, group_ids, key, flag, recipe, out_dtype)
         return types.leading_axis_like(y, lhs)
     offset = _check_offset(group_offset)
     start, local_sizes, group_ids = _local_groups(group_sizes, offset, rhs.shape[0], m)
     # The shard's groups as a call of their own: its rows rolled to the top (the rows after
     # them, in no local group, are zero in y and dx), the result rolled back.
     y = _ragged_matmul(
-        jnp.roll(lhs, -start, axis=0), rhs, local_sizes, group_ids, key, recipe, out_dtype
+        jnp.roll(lhs, -start, axis=0), rhs, local_sizes, group_ids, key, flag, recipe, out_dtype
     )
     return types.leading_axis_like(jnp.roll(y, start, axis=0), lhs)
 

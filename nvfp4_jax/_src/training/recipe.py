@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
+from collections.abc import Iterator
 from typing import Literal
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from nvfp4_jax._src.core import backends, checks, formats
 from nvfp4_jax._src.core.backends import Implementation
@@ -165,3 +170,58 @@ class NVFP4Recipe:
     def uses_four_over_six(self) -> bool:
         """True when any operand class is quantized with Four Over Six."""
         return any(getattr(self, f"{k}_four_over_six") for k in FOUR_OVER_SIX_OPERANDS)
+
+
+# --- the forward's precision chosen at run time (`high_precision_forward`) ---------------------
+
+_HIGH_PRECISION_FORWARD: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar(
+    "nvfp4_jax_high_precision_forward", default=None
+)
+
+
+@contextlib.contextmanager
+def high_precision_forward(flag=True) -> Iterator[None]:
+    """Inside, the NVFP4 GEMMs compute their forward in high precision where `flag` is true.
+
+    `flag` is a bool, or a traced bool scalar: a jitted training step takes it as an argument
+    and switches the forward of every NVFP4 `dot_general` and `ragged_dot` traced in the
+    block (the layers', the drop-ins', the einsum's) between NVFP4 and high precision at run
+    time, through `jax.lax.cond`, without compiling again. Where it is true a GEMM computes
+    bit for bit what its recipe with `fprop=False` computes (docs/NUMERICS.md section 9); the
+    backward GEMMs stay as the recipe says, with the same residuals and SR keys. A recipe
+    whose `fprop` is already False ignores it; high-precision layers have no NVFP4 GEMM.
+    This is the high-precision finish in one compiled step:
+
+        @jax.jit
+        def step(params, batch, finish):
+            with nvfp4_jax.high_precision_forward(finish):
+                return jax.grad(loss)(params, batch)
+
+    Args:
+      flag: a bool, or a bool scalar array (NumPy's or JAX's, traced or not).
+
+    Raises:
+      TypeError: when `flag` is not a bool or a bool scalar.
+    """
+    value = jnp.asarray(flag) if isinstance(flag, bool | np.bool_ | np.ndarray) else flag
+    if not isinstance(value, jax.Array | jax.core.Tracer) or (
+        value.shape != () or value.dtype != jnp.bool_
+    ):
+        raise TypeError(
+            "high_precision_forward: flag must be a bool or a bool scalar array, got "
+            f"{getattr(value, 'dtype', type(value).__name__)}"
+            f"{list(getattr(value, 'shape', ()))}"
+        )
+    token = _HIGH_PRECISION_FORWARD.set(value)
+    try:
+        yield
+    finally:
+        _HIGH_PRECISION_FORWARD.reset(token)
+
+
+def forward_flag(recipe: NVFP4Recipe) -> jax.Array | None:
+    """The `high_precision_forward` flag a GEMM with `recipe` obeys.
+
+    None outside the block, or when the recipe's forward is not in NVFP4.
+    """
+    return _HIGH_PRECISION_FORWARD.get() if recipe.fprop else None
