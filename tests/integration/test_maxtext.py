@@ -1,0 +1,280 @@
+"""MaxText trains in NVFP4 through `python -m nvfp4_jax.maxtext` (marker `maxtext`; needs the
+environment `bash scripts/maxtext_env.sh` makes, since MaxText needs Python >= 3.12).
+
+    bash scripts/maxtext_env.sh              # once: .maxtext-venv
+    bash scripts/test.sh -m maxtext -n 0     # about 2 minutes on 2 cores
+
+MaxText lives in its own environment, so one child process
+(`tests/integration/maxtext_child.py`, run with that environment's Python;
+NVFP4_MAXTEXT_PYTHON points elsewhere) does the MaxText side and reports in JSON; the tests
+here check:
+
+* MaxText's `DenseGeneral` in a decoder layer, under the hook's provider, equals the drop-in
+  `nvfp4_jax.dot_general` on the same weights bit for bit (output, input and weight
+  gradients); its MoE router (`gate`) equals the plain bf16 layer; the experts' GEMM as
+  MaxText's `RoutedMoE` issues it equals `nvfp4_jax.ragged_dot` bit for bit;
+* a tiny MaxText decoder, dense (llama2) and Mixtral-style MoE (4 experts, megablox off),
+  trains three steps on the CPU through the launcher: nvfp4_jax's custom calls (the NVFP4
+  GEMM, the quantize, the experts' grouped quantize) are in the compiled train step and
+  absent from plain MaxText's; the first step's loss equals the bf16 run's within the NVFP4
+  error; the loss falls; the provider's report puts every decoder projection and the
+  experts in NVFP4 and the router and output head outside;
+* `python -m nvfp4_jax.maxtext` refuses an MoE with megablox on (MaxText's default), naming
+  the flags to change.
+
+The first tests need no MaxText: the module imports without it and says how to get it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+import re
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+import nvfp4_jax.maxtext as nvfp4_maxtext
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.maxtext
+
+MAXTEXT_PYTHON = pathlib.Path(
+    os.environ.get("NVFP4_MAXTEXT_PYTHON", ROOT / ".maxtext-venv/bin/python")
+)
+# The first step's loss (the forward pass of the initial weights: stochastic rounding only
+# touches the backward) in NVFP4 against bf16: each projection's output carries NVFP4's
+# rounding error (about 15% of its norm for these random weights, measured by the child), but
+# the loss is an average over 64 tokens of a near-uniform prediction, which moves it by
+# about 0.2% (measured: 0.15% dense). Bound: 1% of the loss.
+FIRST_LOSS_RTOL = 0.01
+# The NVFP4 custom calls each compiled train step holds (the CPU kernels).
+GEMM, QUANTIZE, GROUPED = "nvfp4_gemm", "nvfp4_quantize", "nvfp4_grouped_quantize"
+
+
+def maxtext_available() -> str:
+    if not MAXTEXT_PYTHON.exists():
+        return f"no MaxText environment at {MAXTEXT_PYTHON}: run bash scripts/maxtext_env.sh"
+    return ""
+
+
+# --- without MaxText ----------------------------------------------------------------------------
+
+
+def test_the_hook_without_maxtext_names_the_set_up_script():
+    probe = "import maxtext"
+    if subprocess.run([sys.executable, "-c", probe], capture_output=True).returncode == 0:
+        pytest.skip("MaxText is importable here")
+    with pytest.raises(ImportError, match="scripts/maxtext_env.sh"):
+        with nvfp4_maxtext.install():
+            pass
+
+
+@pytest.mark.parametrize(
+    "fields, flags",
+    [
+        ({}, ["megablox=True"]),
+        ({"use_tokamax_gmm": True, "megablox": False}, ["use_tokamax_gmm=True"]),
+        ({"megablox": True, "use_tokamax_gmm": True}, ["megablox=True", "use_tokamax_gmm=True"]),
+    ],
+)
+def test_check_config_refuses_kernels_that_bypass_ragged_dot(fields, flags):
+    config = SimpleNamespace(num_experts=8, sparse_matmul=True, **fields)
+    with pytest.raises(ValueError, match="stay in bf16") as error:
+        nvfp4_maxtext.check_config(config)
+    message = str(error.value)
+    assert all(flag in message for flag in flags), message
+    assert "megablox=False use_tokamax_gmm=False" in message
+
+
+def test_check_config_passes_ragged_dot_dense_einsum_and_dense_models():
+    for config in (
+        SimpleNamespace(num_experts=8, sparse_matmul=True, megablox=False, use_tokamax_gmm=False),
+        SimpleNamespace(num_experts=8, sparse_matmul=False, megablox=True, use_tokamax_gmm=True),
+        SimpleNamespace(num_experts=1, megablox=True),
+    ):
+        assert nvfp4_maxtext.check_config(config) is None
+    with pytest.raises(ValueError, match="use_batch_split_schedule=False"):
+        nvfp4_maxtext.check_config(SimpleNamespace(use_batch_split_schedule=True))
+
+
+def test_rules_mirror_maxtexts_qwix_rules():
+    rules = nvfp4_maxtext.rules_from_config(SimpleNamespace(quantize_mtp=True))
+    assert [(r.module_path, r.recipe is None) for r in rules] == [
+        (r".*/gate$", True),
+        ("(decoder/.*layers.*|mtp_block/.*)", False),
+    ]
+    assert set(rules[-1].op_names) == {"dot_general", "einsum", "ragged_dot"}
+    rules = nvfp4_maxtext.rules_from_config(
+        SimpleNamespace(), rules=[nvfp4_maxtext_rule("layers/.*/wo", None)]
+    )
+    assert rules[0].recipe is None and rules[0].module_path.endswith("(?:layers/.*/wo)(?s:.*)")
+
+
+def nvfp4_maxtext_rule(pattern, recipe):
+    from nvfp4_jax.rules import Rule  # noqa: PLC0415
+
+    return Rule(pattern, recipe)
+
+
+def test_the_launcher_owns_the_quantization_setting(capsys):
+    with pytest.raises(SystemExit, match="quantization=int8 was given"):
+        nvfp4_maxtext.main(["nvfp4_jax.maxtext", "base.yml", "quantization=int8"])
+    with pytest.raises(SystemExit, match="use_qwix_quantization"):
+        nvfp4_maxtext.main(["nvfp4_jax.maxtext", "base.yml", "use_qwix_quantization=false"])
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--nvfp4-recipe", "{"], "--nvfp4-recipe {: Expecting"),
+        (["--nvfp4-recipe", "[]"], "expected a JSON object of NVFP4Recipe fields"),
+        (["--nvfp4-recipe", '{"fprop": 2}'], "--nvfp4-recipe .*fprop"),
+        (["--nvfp4-recipe", '{"colour": 1}'], "--nvfp4-recipe .*colour"),
+        (["--nvfp4-rules", "/no/such/rules.json"], "--nvfp4-rules /no/such/rules.json: "),
+    ],
+)
+def test_bad_launcher_flags_exit_with_a_message(flags, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        nvfp4_maxtext.main(["nvfp4_jax.maxtext", "base.yml", *flags])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert re.search(message, err), err
+
+
+def test_a_rules_file_that_is_not_a_list_exits_with_a_message(tmp_path, capsys):
+    rules = tmp_path / "rules.json"
+    rules.write_text('{"pattern": "x"}')
+    with pytest.raises(SystemExit):
+        nvfp4_maxtext.main(["nvfp4_jax.maxtext", "base.yml", "--nvfp4-rules", str(rules)])
+    assert "expected a JSON list of rules" in capsys.readouterr().err
+
+
+# --- MaxText, in its own environment ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def child(tmp_path_factory) -> dict:
+    """maxtext_child.py's JSON: the layer checks, two trainings each way, the refusal."""
+    if reason := maxtext_available():
+        pytest.skip(reason)
+    work = tmp_path_factory.mktemp("maxtext")
+    dump = work / "xla"
+    dump.mkdir()
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": f"--xla_dump_to={dump} --xla_dump_hlo_module_re=.*train_step.*",
+    }
+    env.pop("PYTHONPATH", None)
+    run = subprocess.run(
+        [
+            str(MAXTEXT_PYTHON),
+            str(ROOT / "tests" / "integration" / "maxtext_child.py"),
+            str(work / "out.json"),
+            str(dump),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=work,
+    )
+    assert run.returncode == 0, run.stderr[-5000:]
+    return json.loads((work / "out.json").read_text())
+
+
+def part(child: dict, *keys):
+    value = child
+    for key in keys:
+        assert isinstance(value, dict) and "error" not in value, value.get("error", value)
+        value = value[key]
+    return value
+
+
+def test_maxtexts_projection_is_the_drop_in_bit_for_bit(child):
+    dense = part(child, "layers", "dense")
+    assert [d["action"] for d in dense["report"].values()] == ["nvfp4"], dense["report"]
+    assert dense["y"] and dense["dx"] and dense["dw"], dense
+    # ... and it is NVFP4, not bf16: the output moves by NVFP4's rounding error.
+    assert dense["differs_from_bf16"] and 0.02 < dense["rel_err_vs_bf16"] < 0.3, dense
+
+
+def test_maxtexts_router_stays_bf16(child):
+    router = part(child, "layers", "router")
+    assert [d["action"] for d in router["report"].values()] == ["high_precision"]
+    assert router["y"], router
+
+
+def test_maxtexts_expert_gemm_is_ragged_dot_bit_for_bit(child):
+    experts = part(child, "layers", "experts")
+    assert [d["action"] for d in experts["report"].values()] == ["nvfp4"], experts["report"]
+    assert experts["y"] and experts["dx"] and experts["dw"], experts
+
+
+@pytest.mark.parametrize("model", ["dense", "moe"])
+def test_a_tiny_maxtext_decoder_trains_in_nvfp4(child, model):
+    run = "dense" if model == "dense" else "moe_run"
+    nvfp4, bf16 = part(child, run, "nvfp4"), part(child, run, "bf16")
+    # The NVFP4 GEMMs are in the compiled train step: nvfp4_jax's CPU kernels' custom calls.
+    calls = nvfp4["custom_calls"]
+    assert calls.get(GEMM, 0) > 0 and calls.get(QUANTIZE, 0) > 0, calls
+    if model == "moe":
+        assert calls.get(GROUPED, 0) > 0, calls  # the experts' ragged_dot
+    assert not bf16["custom_calls"], bf16["custom_calls"]
+    # The first step's loss: bf16's within the NVFP4 error, and not bf16's bits.
+    first, reference = nvfp4["losses"][0], bf16["losses"][0]
+    assert math.isfinite(first) and first != reference
+    assert abs(first - reference) <= FIRST_LOSS_RTOL * reference, (first, reference)
+    assert len(nvfp4["losses"]) == 3 and nvfp4["losses"][-1] < nvfp4["losses"][0], nvfp4
+    # What the provider did: every decoder projection (and the experts) in NVFP4.
+    # (MaxText builds the model more than once, abstract and concrete: one provider each.)
+    report = nvfp4["report"][0]
+    assert all(other == report for other in nvfp4["report"]), nvfp4["report"]
+    actions = {path.split(":")[0]: d["action"] for path, d in report.items()}
+    projections = [
+        f"decoder/layers/self_attention/{name}" for name in ("query", "key", "value", "out")
+    ]
+    if model == "dense":
+        projections += [f"decoder/layers/mlp/{name}" for name in ("wi_0", "wi_1")]
+        # `--nvfp4-rules` put `mlp/wo$` in high precision, before MaxText's rules.
+        assert actions["decoder/layers/mlp/wo"] == "high_precision", actions
+    for path in projections:
+        assert actions.get(path) == "nvfp4", (path, actions)
+    assert not [p for p in actions if "logits" in p or "embed" in p], actions  # not matched
+    if model == "moe":
+        ragged = [p for p, d in report.items() if ":ragged_dot" in p]
+        assert len(ragged) == 3 and all(report[p]["action"] == "nvfp4" for p in ragged), report
+        gates = [p for p in actions if p.endswith("/gate")]
+        assert gates and all(actions[p] == "high_precision" for p in gates), actions
+
+
+def test_the_launcher_refuses_megablox(child, tmp_path):
+    """`python -m nvfp4_jax.maxtext` on an MoE with MaxText's default megablox=True."""
+    moe = [a for a in part(child, "moe") if not a.startswith("megablox=")]
+    run = subprocess.run(
+        [
+            str(MAXTEXT_PYTHON),
+            "-m",
+            "nvfp4_jax.maxtext",
+            part(child, "config"),
+            "run_name=refused",
+            f"base_output_directory={tmp_path}",
+            *part(child, "tiny"),
+            *moe,
+        ],
+        env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert run.returncode != 0
+    assert "ValueError: nvfp4_jax.maxtext: the MoE experts would stay in bf16" in run.stderr, (
+        run.stderr[-3000:]
+    )
+    assert "megablox=True" in run.stderr and "megablox=False use_tokamax_gmm=False" in run.stderr
