@@ -10,8 +10,10 @@ compiles each train step (StableHLO op count, trace + lower seconds, compile sec
 times the steps interleaved, one NVFP4 step and one bf16 step per round on the same batch, so
 that both see the same load. Prints the medians and their ratio.
 
-The NVFP4 step is the run's first one: its NVFP4 layers with every GEMM in NVFP4 (a
-`--high-precision-final` switch happens late in a run and is not measured). The example's
+Each step is the one the example runs (`train_lm.CompiledRun`): the NVFP4 run's program holds
+its high-precision finish as a runtime flag (`nvfp4_jax.high_precision_forward`, with the
+default `--high-precision-final-gemms fprop`), timed in its NVFP4 phase, every GEMM of the
+NVFP4 layers in NVFP4. The example's
 defaults keep the first block, the last block and the head in bf16; `-- --bf16-first 0` puts
 every block but the last in NVFP4. The line `# nvfp4 layers:` says which layers are which.
 """
@@ -45,11 +47,12 @@ RECIPES = ("nvfp4", "bf16")
 
 
 def build(args, recipe: str):
-    """The model, optimizer and cached step function of one recipe."""
+    """The model and the `train_lm.CompiledRun` of one recipe, as the example builds them."""
     rules = train_lm.model_rules(args) if recipe == "nvfp4" else None
     model = train_lm.make_model(args, recipe, rules)
     optimizer = train_lm.make_optimizer(model, args)
-    return model, optimizer, nnx.cached_partial(train_lm.train_step, model, optimizer)
+    finish = False if train_lm.finish_at_run_time(recipe, args) else None
+    return model, train_lm.CompiledRun(model, optimizer, finish=finish)
 
 
 def _grouped(paths: list[str]) -> str:
@@ -74,10 +77,13 @@ def layer_summary(model) -> str:
     return "# nvfp4 layers: " + "; ".join([*parts, f"bf16: {_grouped(sorted(high)) or 'none'}"])
 
 
-def program_stats(model, optimizer, batch) -> tuple[int, float, float]:
+def program_stats(run, batch) -> tuple[int, float, float]:
     """StableHLO op count, trace + lower seconds and compile seconds of one train step."""
     start = time.perf_counter()
-    lowered = train_lm.train_step.lower(model, optimizer, batch)
+    graphs = (run.graph, run.opt_graph)
+    lowered = train_lm._compiled_train_step.lower(
+        graphs, run.state, run.opt_state, batch, run.finish
+    )
     text = lowered.as_text()
     traced = time.perf_counter()
     lowered.compile()
@@ -116,16 +122,18 @@ def main() -> None:
     print("\n".join(header_lines(sys.argv[1:], "benchmarks/train_step.py")))
     built = {r: build(example, r) for r in RECIPES}
     print(layer_summary(built["nvfp4"][0]))
-    for recipe, (model, optimizer, step_fn) in built.items():
-        ops, lower_s, compile_s = program_stats(model, optimizer, batch(0))
-        float(step_fn(batch(0))[0])  # (loss, aux); the cached step compiles its own program once
-        times = f"trace + lower {lower_s:.1f} s, compile {compile_s:.1f} s"
+    compile_seconds = {}
+    for recipe, (_, run) in built.items():
+        ops, lower_s, compile_seconds[recipe] = program_stats(run, batch(0))
+        float(run.step(batch(0))[0])  # (loss, aux); the jitted step compiles its own program once
+        times = f"trace + lower {lower_s:.1f} s, compile {compile_seconds[recipe]:.1f} s"
         print(f"{recipe:>5s}: {ops:,} StableHLO ops, {times}")
+    print(f"compile NVFP4 / bf16: {compile_seconds['nvfp4'] / compile_seconds['bf16']:.2f}x")
     seconds = {r: [] for r in RECIPES}
     for i in range(args.steps):
-        for recipe, (_, _, step_fn) in built.items():
+        for recipe, (_, run) in built.items():
             start = time.perf_counter()
-            float(step_fn(batch(i + 1))[0])
+            float(run.step(batch(i + 1))[0])
             seconds[recipe].append(time.perf_counter() - start)
     median = {r: 1e3 * statistics.median(s) for r, s in seconds.items()}
     for recipe in RECIPES:

@@ -63,6 +63,13 @@ BINARY_SNIFF_BYTES = 1 << 16
 # The flags a resumed run must share with its checkpoint: they fix the model, the batches
 # and the learning-rate schedule. The others (--eval-every, --save-every, --stop-after,
 # --recipe) may change between the parts of a run.
+# JAX's persistent compilation cache (--compile-cache): a run loads what an earlier one compiled.
+DEFAULT_COMPILE_CACHE = (
+    pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache")
+    / "nvfp4_jax"
+    / "xla"
+)
+
 RESUME_FLAGS = (
     "steps",
     "batch",
@@ -178,6 +185,11 @@ def _text_file(text: str) -> pathlib.Path:
             f"{text} looks like a binary file (a NUL byte at offset {nul}); pass a text file"
         )
     return path
+
+
+def _compile_cache(text: str) -> pathlib.Path | str:
+    """An argparse `type`: "none", or a folder that exists or can be created and written."""
+    return "none" if text == "none" else _out_folder(text)
 
 
 def _out_folder(text: str) -> pathlib.Path:
@@ -432,6 +444,15 @@ def build_parser() -> argparse.ArgumentParser:
         f"{DEFAULT_INTERVAL} or --steps)",
     )
     p.add_argument("--out", type=_out_folder, default="runs/train_lm", help="the output folder")
+    p.add_argument(
+        "--compile-cache",
+        type=_compile_cache,
+        default=None,
+        metavar="DIR|none",
+        help="JAX's persistent compilation cache, so that a run with programs an earlier run "
+        f"compiled loads them (default: JAX_COMPILATION_CACHE_DIR if set, else "
+        f"{DEFAULT_COMPILE_CACHE}; none: compile everything)",
+    )
     p.add_argument(
         "--resume",
         action="store_true",
@@ -1314,10 +1335,29 @@ def plot(histories: dict, path: pathlib.Path) -> None:
     plt.close(fig)
 
 
+def use_compile_cache(choice: pathlib.Path | str | None) -> None:
+    """Points JAX's persistent compilation cache at `--compile-cache` (every program, however
+    fast it compiled), leaves one configured already (JAX_COMPILATION_CACHE_DIR) as it is, or
+    turns it off ("none"). A program loaded from the cache is the compiled one, bit for bit.
+    """
+    if choice == "none":
+        jax.config.update("jax_enable_compilation_cache", False)
+        return
+    if choice is None:
+        if jax.config.jax_compilation_cache_dir:
+            return
+        choice = DEFAULT_COMPILE_CACHE
+    jax.config.update("jax_enable_compilation_cache", True)
+    jax.config.update("jax_compilation_cache_dir", str(choice))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
 def main(argv=None) -> dict:
     """Runs the recipes the flags ask for and writes the table, plot and JSON."""
     parser = build_parser()
     args = parse_args(argv, parser)
+    use_compile_cache(args.compile_cache)
     try:
         return train_and_report(args)
     except UsageError as error:
