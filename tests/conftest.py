@@ -82,40 +82,29 @@ def pytest_unconfigure(config):
         shutil.rmtree(folder, ignore_errors=True)
 
 
-# Known failures with JAX >= 0.12 (issue 34): the native kernels under Explicit mesh axes
-# reach XLA's CPU compiler with a `Sharding` custom call it has no implementation for.
-# Strict: a fix makes them fail as XPASS, so that this list is emptied with it.
-JAX_012_KNOWN_FAILURES = {
-    "training/test_distributed.py::test_train_step_sharded_equals_one_device"
-    "[cpu-explicit-data_parallel]",
-    "training/test_distributed.py::test_layer_data_parallel_equals_one_device"
-    "[cpu-nnx_linear-explicit]",
-    "training/test_distributed.py::test_layer_data_parallel_equals_one_device"
-    "[cpu-linen_dense-explicit]",
-    "training/test_distributed.py::test_example_step_data_parallel[dense]",
-    "training/test_distributed.py::test_example_step_data_parallel[moe]",
-}
+# The native kernels' training under JAX's default mesh (Explicit axes), which jax 0.12 once
+# broke (`_partition.whole_under_explicit_axes`): marked `newest`, so that scripts/test.sh
+# runs them again in .venv-newest (the rest of test_distributed.py runs on one JAX version).
+NEWEST_DISTRIBUTED = (
+    "test_train_step_sharded_equals_one_device",
+    "test_layer_data_parallel_equals_one_device",
+)
 
 
 def pytest_collection_modifyitems(config, items):
-    """Mark every test under tests/integration/ as `integration`; the known JAX 0.12 failures."""
+    """Mark every test under tests/integration/ as `integration`, and `NEWEST_DISTRIBUTED`'s
+    native Explicit-axes cases as `newest`."""
     del config
-    newest = jax.__version_info__ >= (0, 12)
-    tests = pathlib.Path(__file__).resolve().parent
     for item in items:
-        path = pathlib.Path(str(item.path)).resolve()
-        if INTEGRATION in path.parents:
+        if INTEGRATION in pathlib.Path(str(item.path)).resolve().parents:
             item.add_marker(pytest.mark.integration)
-        node = f"{path.relative_to(tests).as_posix()}::{item.name}"
-        if newest and node in JAX_012_KNOWN_FAILURES:
-            item.add_marker(
-                pytest.mark.xfail(
-                    raises=jax.errors.JaxRuntimeError,
-                    strict=True,
-                    reason="JAX 0.12: 'No registered implementation for untyped custom call "
-                    "to Sharding for Host' under Explicit axes (issue 34)",
-                )
-            )
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if (
+            item.originalname in NEWEST_DISTRIBUTED
+            and params.get("impl") == "cpu"
+            and params.get("mode") == "explicit"
+        ):
+            item.add_marker(pytest.mark.newest)
 
 
 @pytest.fixture(params=IMPLEMENTATIONS)

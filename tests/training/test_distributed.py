@@ -63,7 +63,10 @@ import lm_model
 
 AXIS = "x"
 
-pytestmark = pytest.mark.skipif(jax.device_count("cpu") < 8, reason="needs 8 CPU devices")
+pytestmark = [
+    pytest.mark.skipif(jax.device_count("cpu") < 8, reason="needs 8 CPU devices"),
+    pytest.mark.distributed,
+]
 
 
 @pytest.fixture(params=["reference", "cpu"])

@@ -150,6 +150,19 @@ def explicit_mesh(operands):
     return None
 
 
+def whole_under_explicit_axes() -> bool:
+    """Whether operands sharded over no Explicit axis (`explicit_mesh` None) are whole here.
+
+    True under a context mesh whose axes are all Explicit (or Manual, inside `shard_map`):
+    the operands' types say they are replicated, so the kernel runs on them as they are. A
+    custom partitioning rule would have nothing to split, and on jax 0.12 (Shardy) its
+    lowering under such a mesh leaves a `Sharding` custom call that XLA's CPU backend cannot
+    run ("No registered implementation for untyped custom call to Sharding for Host").
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    return not mesh.empty and not mesh.auto_axes and bool(mesh.explicit_axes)
+
+
 def _explicit_call(partition, mesh, args):
     """The partition rule run as a `shard_map` over the Explicit axes of `mesh`.
 
@@ -240,6 +253,8 @@ def with_rule(raw, partition, infer, rule: str, **rule_options):
         mesh = explicit_mesh(args)
         if mesh is not None:
             return _explicit_call(partition, mesh, args)
+        if whole_under_explicit_axes():
+            return raw(*args)
         return partitioned(*args)
 
     @call.def_vmap
