@@ -6,8 +6,8 @@
 #
 # Then, where a Python >= 3.12 is present (NVFP4_NEWEST_PYTHON, python3.12, python3.13 or
 # pyenv's), the core package's tests (the numerics of every op on every implementation),
-# the public API, the integrations' tests and the tests under JAX's default mesh (Explicit axes)
-# (marked `newest`: qwix, tests/training/test_distributed.py's Explicit ones) run again in
+# the public API, the precision schedule (high_precision_forward), the integrations' tests and
+# the native kernels under JAX's default mesh (marked `newest`: qwix, Explicit axes) run again in
 # .venv-newest with the newest JAX that Python gets (jax 0.12 on 3.12 and 3.13; .venv has
 # what Python 3.11 gets, jax 0.10), at XLA's default optimization level. NVFP4_SKIP_NEWEST=1
 # skips it; with pytest arguments given it is skipped too (a focused run).
@@ -44,7 +44,8 @@ if [ "${NVFP4_SKIP_NEWEST:-0}" != 1 ] && [ "$#" = 0 ]; then
       NVFP4_TEST_XLA_OPTIMIZE=1 .venv-newest/bin/python -m pytest \
         -n "${NVFP4_TEST_WORKERS:-auto}" --dist worksteal \
         -m "newest or not (integration or distributed)" \
-        tests/core tests/test_public_api.py tests/integration tests/training/test_distributed.py; then
+        tests/core tests/test_public_api.py tests/integration \
+        tests/training/test_distributed.py tests/training/test_recipe_precision.py; then
       :
     else
       [ "$status" != 0 ] || status=1
