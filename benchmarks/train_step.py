@@ -80,10 +80,7 @@ def layer_summary(model) -> str:
 def program_stats(run, batch) -> tuple[int, float, float]:
     """StableHLO op count, trace + lower seconds and compile seconds of one train step."""
     start = time.perf_counter()
-    graphs = (run.graph, run.opt_graph)
-    lowered = train_lm._compiled_train_step.lower(
-        graphs, run.state, run.opt_state, batch, run.finish
-    )
+    lowered = run.lower(batch)
     text = lowered.as_text()
     traced = time.perf_counter()
     lowered.compile()

@@ -830,12 +830,23 @@ def make_optimizer(model, args) -> nnx.Optimizer:
     return nnx.Optimizer(model, adamw(args.lr, args.steps, args.warmup), wrt=nnx.Param)
 
 
+def _loss_and_grads(model, batch):
+    """(cross-entropy, load-balancing loss, the objective's gradients): `train_loss_fn`, with
+    experts the cross-entropy plus `--aux-loss-coef` times the load-balancing loss."""
+    (_, (loss, aux)), grads = nnx.value_and_grad(train_loss_fn, has_aux=True)(model, batch)
+    return loss, aux, grads
+
+
+def _mean_loss(model, batches):
+    """The mean loss over a stack of batches (no gradients, so no SR randomness)."""
+    return loss_fn(model, batches.reshape(-1, batches.shape[-1]))
+
+
 @nnx.jit
 def train_step(model, optimizer, batch):
     """One optimizer step; returns the cross-entropy and the MoE's load-balancing loss (0 for
-    a dense model), both before the update. The gradient is the objective's (`train_loss_fn`:
-    with experts, the cross-entropy plus `--aux-loss-coef` times the load-balancing loss)."""
-    (_, (loss, aux)), grads = nnx.value_and_grad(train_loss_fn, has_aux=True)(model, batch)
+    a dense model), both before the update (`_loss_and_grads`)."""
+    loss, aux, grads = _loss_and_grads(model, batch)
     optimizer.update(model, grads)
     return loss, aux
 
@@ -843,15 +854,14 @@ def train_step(model, optimizer, batch):
 @nnx.jit
 def eval_loss(model, batches):
     """Mean validation loss over a stack of batches (no gradients, so no SR randomness)."""
-    return loss_fn(model, batches.reshape(-1, batches.shape[-1]))
+    return _mean_loss(model, batches)
 
 
 def _gradients(graph, state, batch):
-    """`train_step`'s loss, load-balancing loss and gradients of the model (`graph`, `state`),
-    and the model's state after them (its SR streams advanced)."""
+    """`_loss_and_grads` of the model (`graph`, `state`), and its state after them (its SR
+    streams advanced)."""
     model = nnx.merge(graph, state)
-    (_, (loss, aux)), grads = nnx.value_and_grad(train_loss_fn, has_aux=True)(model, batch)
-    return loss, aux, grads, nnx.state(model)
+    return *_loss_and_grads(model, batch), nnx.state(model)
 
 
 def _in_phase(finish, fn, *operands):
@@ -879,7 +889,7 @@ def _compiled_train_step(graphs, state, opt_state, batch, finish):
 def _evaluation(graph, state, batches):
     """`eval_loss` of the model (`graph`, `state`), and the model's state after it."""
     model = nnx.merge(graph, state)
-    return loss_fn(model, batches.reshape(-1, batches.shape[-1])), nnx.state(model)
+    return _mean_loss(model, batches), nnx.state(model)
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -915,13 +925,22 @@ class CompiledRun:
         self.opt_graph, self.opt_state = nnx.split(optimizer)
         self.finish = None if finish is None else np.bool_(finish)
 
+    def _step_args(self, batch) -> tuple:
+        return (self.graph, self.opt_graph), self.state, self.opt_state, batch, self.finish
+
     def step(self, batch) -> tuple[jax.Array, jax.Array]:
         """One optimizer step (`train_step`): (loss, load-balancing loss) before the update."""
-        graphs = (self.graph, self.opt_graph)
-        loss, aux, self.state, self.opt_state = _compiled_train_step(
-            graphs, self.state, self.opt_state, batch, self.finish
-        )
+        loss, aux, self.state, self.opt_state = _compiled_train_step(*self._step_args(batch))
         return loss, aux
+
+    def lower(self, batch):
+        """The train step `step` runs, lowered for `batch` (`jax.stages.Lowered`)."""
+        return _compiled_train_step.lower(*self._step_args(batch))
+
+    @staticmethod
+    def programs() -> int:
+        """How many train-step programs this process has compiled (every run's)."""
+        return _compiled_train_step._cache_size()
 
     def eval_loss(self, batches) -> jax.Array:
         """The mean validation loss over a stack of batches (`eval_loss`)."""

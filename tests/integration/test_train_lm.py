@@ -404,7 +404,7 @@ def test_the_switch_at_run_time_is_the_recompiled_switch(flags):
             steps.switch(lambda m: change(m, args, rules))
         loss, _ = steps.step(batch)
         got.append((float(loss), float(steps.eval_loss(val_batches))))
-        programs.append(train_lm._compiled_train_step._cache_size())
+        programs.append(steps.programs())
     steps.sync()
     assert got == want
     assert _state_bytes(model) == want_state

@@ -308,6 +308,8 @@ def test_the_flag_reaches_the_layers_and_eager_calls():
     switched = nvfp4_nnx.Linear(
         64, 32, recipe=NVFP4Recipe(stochastic_rounding=False, fprop=False), rngs=nnx.Rngs(0)
     )
+    # The two recipes differ on these inputs, so the flag's effect shows.
+    assert not np.array_equal(np.asarray(layer(x)), np.asarray(switched(x)))
     for flag in (True, np.bool_(True), jnp.array(True)):  # eagerly
         with nvfp4_jax.high_precision_forward(flag):
             _assert_equal(layer(x), switched(x), "y")

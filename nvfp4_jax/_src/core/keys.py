@@ -107,13 +107,17 @@ def step_key(stream_key, count, implementation=None):
     return fold_in(stream_key, count, implementation)
 
 
+def _numbers(count: int, ids=None) -> jax.Array:
+    """(count,) uint32: 0..count-1, or `ids` (an expert-parallel shard's global group numbers)."""
+    return jnp.arange(count, dtype=_U32) if ids is None else jnp.asarray(ids).astype(_U32)
+
+
 def element_keys(key, count: int, ids=None):
     """`fold_in(key, i)` for i in 0..count-1, or in `ids` (count,): a batch element's keys.
 
     A group's too: an expert-parallel shard's groups keep their global numbers as `ids`.
     """
-    ids = jnp.arange(count, dtype=_U32) if ids is None else jnp.asarray(ids).astype(_U32)
-    return jax.vmap(lambda i: jax.random.fold_in(key, i))(ids)
+    return jax.vmap(lambda i: jax.random.fold_in(key, i))(_numbers(count, ids))
 
 
 def _mix32(h):
@@ -206,8 +210,7 @@ def group_sr_words(key, dy, row_group, num_groups: int, implementation=None, gro
     if key is None:
         data = group_digests(dy, row_group, num_groups)
     else:
-        data = jnp.arange(num_groups, dtype=_U32) if group_ids is None else group_ids
-        data = jnp.asarray(data).astype(_U32)
+        data = _numbers(num_groups, group_ids)
     words = jax.random.key_data(base)
     k0, k1 = kernels.fold_in_words(words[0], words[1], data)
     split = kernels.split_bits_words(k0, k1)  # (G, 4)

@@ -90,14 +90,10 @@ def _fprop_operands(x, w, recipe: NVFP4Recipe):
 _MATMUL_DIMS = (((1,), (0,)), ((), ()))
 
 
-def _high_precision_f32(x, w):
-    """X W (M, N) with f32 accumulation, in f32."""
-    return jax.lax.dot_general(x, w, _MATMUL_DIMS, preferred_element_type=_F32)
-
-
 def _high_precision(x, w, out_dtype):
     """The high-precision fprop: y = x W (M, N), f32 accumulation, in `out_dtype`."""
-    return _high_precision_f32(x, w).astype(out_dtype)
+    y = jax.lax.dot_general(x, w, _MATMUL_DIMS, preferred_element_type=_F32)
+    return y.astype(out_dtype)
 
 
 def _high_precision_dgrad(dy, w, x_aval, out_dtype):
@@ -132,7 +128,7 @@ def _forward(x, w, recipe: NVFP4Recipe, out_dtype, high_precision=None):
     else:
         y = jax.lax.cond(
             high_precision,
-            lambda: _high_precision_f32(x, w),
+            lambda: _high_precision(x, w, _F32),
             lambda: gemm.matmul(qx, w_operand),
         )
     return y.astype(out_dtype), qw

@@ -101,7 +101,7 @@ def _forward(x, w, groups: Groups, recipe: NVFP4Recipe, out_dtype, flag=None):
     if flag is None:
         y = nvfp4()
     else:
-        y = jax.lax.cond(flag, lambda: ragged_gemm(1, 1, 0)(x, w, groups.sizes), nvfp4)
+        y = jax.lax.cond(flag, lambda: high_precision(x, w, groups.sizes, _F32), nvfp4)
     return y.astype(out_dtype), qw
 
 

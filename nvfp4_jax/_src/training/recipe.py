@@ -211,7 +211,7 @@ def high_precision_forward(flag=True) -> Iterator[None]:
       1
     """
     value = jnp.asarray(flag) if isinstance(flag, bool | np.bool_ | np.ndarray) else flag
-    if not isinstance(value, jax.Array | jax.core.Tracer) or (
+    if not isinstance(value, jax.Array) or (  # a tracer is a jax.Array too
         value.shape != () or value.dtype != jnp.bool_
     ):
         raise TypeError(
