@@ -44,6 +44,38 @@ from nvfp4_jax._src.core.spec import QuantSpec
 _F32 = jnp.float32
 
 
+# --- each backend computation as one program ------------------------------------------------
+# An eager call of an op runs its backend's computation as one compiled program: the
+# reference is a few hundred jnp operations, which eager JAX would otherwise compile and run
+# one by one (seconds on the first call of each shape). Under `jit` these inline into the
+# caller's program as any nested `jit` does. Same bits either way (the contract is exact).
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2))
+def _backend_rht(backend: Backend, x, inverse: bool):
+    return backend.rht(x, inverse=inverse)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2))
+def _backend_amax(backend: Backend, x, rht: bool):
+    return backend.amax(x, rht=rht)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4))
+def _backend_quantize(backend: Backend, x, amax, seed, spec: QuantSpec):
+    return backend.quantize(x, amax, seed, spec)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4))
+def _backend_fake_quantize(backend: Backend, x, amax, seed, spec: QuantSpec):
+    return backend.fake_quantize(x, amax, seed, spec)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4, 5))
+def _backend_dequantize(backend: Backend, codes, scales, decode_scale, rht: bool, dtype):
+    return backend.dequantize(codes, scales, decode_scale, rht=rht, dtype=dtype)
+
+
 # --- apply_rht ------------------------------------------------------------------------------
 
 
@@ -75,7 +107,7 @@ def apply_rht(
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
 def _rht(x, inverse: bool, backend: Backend):
-    return backend.rht(x, inverse=inverse)
+    return _backend_rht(backend, x, inverse)
 
 
 @_rht.defjvp
@@ -111,7 +143,7 @@ def tensor_amax(
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
 def _amax(x, rht: bool, backend: Backend):
-    return backend.amax(x, rht=rht)
+    return _backend_amax(backend, x, rht)
 
 
 def _max_abs(x, rht: bool):
@@ -217,7 +249,7 @@ def quantize_with_spec(
     # for one (their tangents are symbolically zero).
     stored = lax.stop_gradient(jnp.moveaxis(x, spec.axis, -1))
     amax = None if amax is None else lax.stop_gradient(amax)
-    codes, scales, stored_amax = backend.quantize(stored, amax, seed, spec.stored())
+    codes, scales, stored_amax = _backend_quantize(backend, stored, amax, seed, spec.stored())
     return spec_array(codes, scales, stored_amax, x.dtype, spec)
 
 
@@ -354,7 +386,7 @@ def fake_quantize_with_data_amax(
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4))
 def _fake_quantize(x, amax, seed, spec: QuantSpec, backend: Backend):
-    return backend.fake_quantize(x, amax, seed, spec)
+    return _backend_fake_quantize(backend, x, amax, seed, spec)
 
 
 @_fake_quantize.defjvp
@@ -410,7 +442,7 @@ def _dequantize_batch(codes, scales, decode_scale, backend, rht, dtype):
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4, 5))
 def _dequantize(codes, scales, decode_scale, backend: Backend, rht: bool, dtype):
-    return backend.dequantize(codes, scales, decode_scale, rht=rht, dtype=dtype)
+    return _backend_dequantize(backend, codes, scales, decode_scale, rht, jnp.dtype(dtype))
 
 
 @_dequantize.defjvp

@@ -201,6 +201,9 @@ def _nvfp4_matmul_bwd(recipe, out_dtype, residuals, dy):
 
 
 _nvfp4_matmul.defvjp(_nvfp4_matmul_fwd, _nvfp4_matmul_bwd)
+# Called as one program: eagerly, the forward and the backward each compile once instead of
+# operation by operation (under `jit` it inlines, as any nested `jit` does).
+_matmul = jax.jit(_nvfp4_matmul, static_argnums=(4, 5))
 
 
 def _dims(dims, operand, name: str, kind: str) -> tuple[int, ...]:
@@ -348,7 +351,7 @@ def dot_general(
         x = jnp.transpose(lhs, lhs_free + list(lhs_contract)).reshape(m, k)
         w = jnp.transpose(rhs, list(rhs_contract) + rhs_free).reshape(k, n)
         flag = forward_flag(recipe)
-        return _nvfp4_matmul(x, w, key, flag, recipe, out_dtype).reshape(out_shape)
+        return _matmul(x, w, key, flag, recipe, out_dtype).reshape(out_shape)
     batch_shape = [lhs.shape[d] for d in lhs_batch]
     b = math.prod(batch_shape)
     x = jnp.transpose(lhs, [*lhs_batch, *lhs_free, *lhs_contract]).reshape(b, m, k)
@@ -364,8 +367,12 @@ def batched_matmul(x, w, key, recipe: NVFP4Recipe, out_dtype) -> jax.Array:
     padding and SR key (`fold_in(key, b)` for element b, or derived from its own dy when
     `key` is None). `recipe.gemm_backend` must be resolved ("emulated" or "scaled_matmul").
     """
+    return _batched_matmul(x, w, key, forward_flag(recipe), recipe, out_dtype)
+
+
+@functools.partial(jax.jit, static_argnums=(4, 5))
+def _batched_matmul(x, w, key, flag, recipe: NVFP4Recipe, out_dtype) -> jax.Array:
     keys = None if key is None else element_keys(key, x.shape[0])
-    flag = forward_flag(recipe)
 
     def one(x_b, w_b, key_b):
         return _nvfp4_matmul(x_b, w_b, key_b, flag, recipe, out_dtype)

@@ -195,6 +195,8 @@ def _wgrad(qx_tokens, d_x_tokens, dy, groups: Groups, g, recipe: NVFP4Recipe, wo
 
 
 _ragged_matmul.defvjp(_ragged_matmul_fwd, _ragged_matmul_bwd)
+# One program per call, as `dot_general`'s matmul: eagerly it compiles once, not op by op.
+_ragged = jax.jit(_ragged_matmul, static_argnums=(6, 7))
 
 
 def _check(lhs, rhs, group_sizes, sharded: bool = False):
@@ -340,13 +342,13 @@ def ragged_dot(
     flag = forward_flag(recipe)
     if group_offset is None:
         group_ids = jnp.arange(rhs.shape[0], dtype=jnp.int32)
-        y = _ragged_matmul(lhs, rhs, group_sizes, group_ids, key, flag, recipe, out_dtype)
+        y = _ragged(lhs, rhs, group_sizes, group_ids, key, flag, recipe, out_dtype)
         return types.leading_axis_like(y, lhs)
     offset = _check_offset(group_offset)
     start, local_sizes, group_ids = _local_groups(group_sizes, offset, rhs.shape[0], m)
     # The shard's groups as a call of their own: its rows rolled to the top (the rows after
     # them, in no local group, are zero in y and dx), the result rolled back.
-    y = _ragged_matmul(
+    y = _ragged(
         jnp.roll(lhs, -start, axis=0), rhs, local_sizes, group_ids, key, flag, recipe, out_dtype
     )
     return types.leading_axis_like(jnp.roll(y, start, axis=0), lhs)
