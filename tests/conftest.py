@@ -19,7 +19,13 @@ keeps the default here too. The run's processes share one compilation cache
 `tests/` mirrors the package: `core/`, `training/`, `flax/`, `io/`, `model/` hold the tests of
 `nvfp4_jax/_src/<package>/`, one file per module or feature. `integration/` holds the tests
 that start processes, train the example or need optional engines: every test there is
-marked `integration`, so `pytest -m "not integration"` is the fast inner loop.
+marked `integration`. The fast inner loop is `pytest -m "not slow"` (about 3 minutes on 2
+cores); `slow` marks, besides the integration tests, the sharding tests of
+`training/test_distributed.py` (marked `distributed`), the training ops' cases on the
+reference implementation (`tests/training/`, `impl` or `implementation` "reference": the
+native cases stay, and `tests/core/` shows both implementations quantize to the same bits)
+and the tests marked `@pytest.mark.slow` in their file (several seconds each on 2 cores).
+CI runs them all.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ import pytest
 from helpers import IMPLEMENTATIONS, NATIVE, Impl, make_impl
 
 INTEGRATION = pathlib.Path(__file__).resolve().parent / "integration"
+TRAINING = pathlib.Path(__file__).resolve().parent / "training"
 _CACHE_ENV = "NVFP4_TEST_XLA_CACHE"
 
 
@@ -92,13 +99,21 @@ NEWEST_DISTRIBUTED = (
 
 
 def pytest_collection_modifyitems(config, items):
-    """Mark every test under tests/integration/ as `integration`, and `NEWEST_DISTRIBUTED`'s
-    native Explicit-axes cases as `newest`."""
+    """Marks `integration` every test under tests/integration/, `slow` those and the rest the
+    inner loop leaves out (see the module docstring), `newest` `NEWEST_DISTRIBUTED`'s native
+    Explicit-axes cases."""
     del config
     for item in items:
-        if INTEGRATION in pathlib.Path(str(item.path)).resolve().parents:
-            item.add_marker(pytest.mark.integration)
+        path = pathlib.Path(str(item.path)).resolve()
         params = getattr(getattr(item, "callspec", None), "params", {})
+        if INTEGRATION in path.parents:
+            item.add_marker(pytest.mark.integration)
+            item.add_marker(pytest.mark.slow)
+        elif item.get_closest_marker("distributed") or (
+            TRAINING in path.parents
+            and "reference" in (params.get("impl"), params.get("implementation"))
+        ):
+            item.add_marker(pytest.mark.slow)
         if (
             item.originalname in NEWEST_DISTRIBUTED
             and params.get("impl") == "cpu"

@@ -36,6 +36,7 @@ def test_every_module_is_found():
     assert len(MODULES) > 30
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", MODULES)
 def test_docstring_examples(name):
     module = importlib.import_module(name)

@@ -205,6 +205,7 @@ def test_the_same_error_on_every_implementation(impl):
     assert len(set(messages.values())) == 1, messages
 
 
+@pytest.mark.slow
 def test_the_rht_of_tiny_values_dequantizes_alike(impl):
     """docs/NUMERICS.md section 8: where the RHT's butterflies meet f32 subnormals (flushed by
     XLA on CPU), codes of that block may differ, but its scale is 0, so it decodes to 0."""
@@ -255,6 +256,7 @@ def _value_and_grads(f, x, w, dy):
     return (y, *pullback(dy))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bad", [np.nan, np.inf], ids=["nan", "inf"])
 @pytest.mark.parametrize("where", ["x", "w", "dy"])
 @pytest.mark.parametrize("api", LAYER_APIS)

@@ -581,6 +581,7 @@ def test_negative_zero_amax_is_zero():
 EMPTY_SHAPES = [(0, 32), (4, 0), (0,), (2, 0, 16), (0, 0)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", EMPTY_SHAPES, ids=str)
 @pytest.mark.parametrize("dtype", [F32, BF16, np.float16], ids=["f32", "bf16", "f16"])
 def test_zero_size(shape, dtype):

@@ -234,6 +234,7 @@ def tie_units(n, size, a, seed):
     return units
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("m", MAXES)
 def test_near_ties_1x16(mode, m):
@@ -445,6 +446,7 @@ def test_vmap_batches_the_decode_scale():
         np.testing.assert_array_equal(np.asarray(q.dequantize())[i], oracle.dequantize(o))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", MESH_MODES)
 @pytest.mark.parametrize("name", ["reference", "cpu"])
 def test_sharded_quantize_is_the_unsharded_one(name, mode):

@@ -55,6 +55,7 @@ def run_python(source: str):
     assert run.returncode == 0, run.stdout + run.stderr
 
 
+@pytest.mark.slow
 def test_exported_function_runs_in_a_fresh_process(tmp_path):
     make_impl("cpu")
     pytest.importorskip("flatbuffers")  # what jax.export's serialization needs

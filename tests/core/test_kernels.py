@@ -60,6 +60,7 @@ def check_against_oracle(native, x, *, block_2d, rht, sr, what=""):
     assert_same_bits(fake, o.dequant_stored.reshape(fake.shape), f"{what} fake_quantize")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype,block_2d,rht,sr,shape", list(matrix()))
 def test_quantize_and_fake_quantize_bits(native, dtype, block_2d, rht, sr, shape):
     x = heavy_tailed(shape, dtype, seed=sum(shape))
@@ -100,6 +101,7 @@ def split_cases():
         )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape,dtype,axis,block_2d,rht,sr", list(split_cases()))
 def test_tensors_split_between_threads_equal_the_reference(
     native, shape, dtype, axis, block_2d, rht, sr
@@ -136,6 +138,7 @@ def cpu_isa(request):
     module.set_isa("")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "dtype,block_2d,rht,sr",
     [("bf16", False, True, True), ("f16", True, True, False), ("f32", False, False, True)],

@@ -56,6 +56,7 @@ def test_rht_gradient_is_the_transpose(impl, inverse):
     assert_same_bits(g, reference, "same rule on every implementation")
 
 
+@pytest.mark.slow
 def test_rht_check_grads_forward_and_reverse(impl):
     x = data((4, 32))
 
@@ -68,6 +69,7 @@ def test_rht_check_grads_forward_and_reverse(impl):
 # --- tensor_amax ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rht", [False, True], ids=["plain", "rht"])
 def test_amax_gradient_is_that_of_max_abs(impl, rht):
     x = data(seed=3)

@@ -185,6 +185,7 @@ XLA_PATH_KNOWN_FAILURES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["eager", "jit"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_vmap_is_the_loop_of_per_element_calls(impl, case, mode, request):

@@ -566,6 +566,7 @@ def kind_of(case: Case, o, outside: bool) -> str:
     return "bit-exact"
 
 
+@pytest.mark.slow
 @budget("quantize")
 @given(case=quantize_cases(), out=st.sampled_from(sorted(DTYPES)))
 def test_quantize_agrees(impls, case, out):
@@ -598,6 +599,7 @@ def _expected_fake(case: Case, o, global_scale: bool, dtype) -> np.ndarray:
         return np.moveaxis(values, -1, case.axis).astype(dtype)
 
 
+@pytest.mark.slow
 @budget("fake_quantize")
 @given(
     case=quantize_cases(),
@@ -654,6 +656,7 @@ def quantized(draw):
     return q, draw(st.sampled_from(sorted(DTYPES)))
 
 
+@pytest.mark.slow
 @budget("dequantize")
 @given(args=quantized())
 def test_dequantize_agrees(impls, args):
@@ -676,6 +679,7 @@ def test_dequantize_agrees(impls, args):
         assert_same_bits(results[0][1], want, "dequantize vs oracle")
 
 
+@pytest.mark.slow
 @budget("tensor_amax")
 @given(
     layout=st.sampled_from(LAYOUTS),

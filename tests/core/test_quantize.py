@@ -506,6 +506,7 @@ def test_relative_mse_table(impl, scheme, expected):
 # ----------------------------------------------------------------------------- NaN / inf
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf], ids=["nan", "inf", "neginf"])
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
 @pytest.mark.parametrize("rht", [False, True], ids=["plain", "rht"])
@@ -595,6 +596,7 @@ def eager_dequantize(impl, q):
     return nvfp4_jax.dequantize(q, implementation=impl.implementation)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["1d", "2d", "rht", "sr"])
 def test_jit_matches_eager(impl, mode):
     x = jax.device_put(jnp.asarray(heavy_tailed((32, 64), "bf16", seed=31)), impl.device)
@@ -608,6 +610,7 @@ def test_jit_matches_eager(impl, mode):
     assert_same_bits(np.asarray(round_trip), deq_eager, "jit round trip")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["1d", "ax0", "2d", "rht"])
 def test_vmap_matches_per_slice(impl, mode):
     xs = jax.device_put(jnp.asarray(heavy_tailed((3, 32, 64), "f32", seed=33)), impl.device)
@@ -632,6 +635,7 @@ def test_vmap_over_keys_matches_per_key(impl):
         assert_same_bits(batched.codes[i], single.codes, f"key {i}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["1d", "2d", "rht", "sr"])
 def test_scan_matches_per_slice(impl, mode):
     xs = jax.device_put(jnp.asarray(heavy_tailed((4, 32, 64), "bf16", seed=37)), impl.device)

@@ -35,6 +35,7 @@ def round_to_nearest(impl) -> nvfp4_jax.NVFP4Recipe:
     return nvfp4_jax.NVFP4Recipe(stochastic_rounding=False, implementation=impl.implementation)
 
 
+@pytest.mark.slow
 def test_nnx_experts_is_ragged_dot_per_expert(impl):
     recipe = round_to_nearest(impl)
     layer = nvfp4_jax.nnx.Experts(G, K, N, recipe=recipe, rngs=nnx.Rngs(0))
@@ -98,6 +99,7 @@ def test_set_recipe_switches_precision_and_keeps_the_kernel():
         )
 
 
+@pytest.mark.slow
 def test_calibration_records_each_experts_max():
     layer = nvfp4_jax.nnx.Experts(G, K, N, rngs=nnx.Rngs(0, quantize=1))
     x, sizes = data()

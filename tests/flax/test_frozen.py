@@ -103,6 +103,7 @@ def test_frozen_layers_hold_no_abstract_state():
     assert_same_bits(experts.input_amax[...], np.zeros((G,), np.float32), "input_amax")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rows", [6, weight_only.WEIGHT_ONLY_MAX_ROWS + 4])
 def test_a_model_with_frozen_experts_jits_saves_and_calibrates(rows, tmp_path):
     model = MoE()
@@ -127,6 +128,7 @@ def test_a_model_with_frozen_experts_jits_saves_and_calibrates(rows, tmp_path):
 # --- derivatives: the weight-only GEMMs and the layers built on them ----------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["eager", "jit"])
 @pytest.mark.parametrize("rows", ROWS)
 def test_weight_only_matmul_grad_in_x_is_the_dequantized_matmuls(impl, rows, mode):
@@ -159,6 +161,7 @@ def test_weight_only_matmul_grad_in_x_is_the_dequantized_matmuls(impl, rows, mod
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["eager", "jit"])
 def test_weight_only_matmul_forward_mode_is_the_dequantized_matmuls(impl, mode):
     q, x = weight(seed=2, shape=(32, 16)), activations((2, 32), seed=4)
@@ -194,6 +197,7 @@ def test_the_frozen_weight_gets_no_derivative(impl, rows):
     assert float(d_amax) == 0 and not np.any(np.asarray(d_scales, np.float32))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["eager", "jit"])
 @pytest.mark.parametrize(
     "rows", [7, weight_only.WEIGHT_ONLY_MAX_ROWS, weight_only.WEIGHT_ONLY_MAX_ROWS + 8]
@@ -220,6 +224,7 @@ def test_weight_only_ragged_dot_grad_in_x_is_the_ragged_dots(impl, rows, mode):
 # The frozen layers run the default implementation: the native kernels where they run.
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["eager", "jit"])
 @pytest.mark.parametrize("activations_kind", ["high_precision", "nvfp4"])
 @pytest.mark.parametrize("rows", [4, weight_only.WEIGHT_ONLY_MAX_ROWS + 1])
@@ -294,6 +299,7 @@ class FrozenNet(nnx.Module):
         return self.experts(h, sizes_for(x.shape[0]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rows", [8, weight_only.WEIGHT_ONLY_MAX_ROWS + 8])
 def test_inspect_model_sees_through_frozen_layers(rows):
     model = FrozenNet(nnx.Rngs(0))

@@ -63,6 +63,7 @@ def test_nnx_linear_draws_a_fresh_sr_key_every_call():
     assert_same_bits(layer(x), layer(x))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "implementation", ["reference"] + (["ffi"] if nvfp4_jax.kernels.is_available("cpu") else [])
 )

@@ -382,6 +382,7 @@ def check_killed_run(run, old, new, latest):
     assert same_tree(restore_checkpoint(run["dir"]), latest), run
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="the crash child forks")
 def test_a_save_killed_at_any_point_leaves_the_old_or_the_new_checkpoint(tmp_path):
     old = {"v2": make_tree(0), "v1": make_tree(0, with_key=False), "none": None}

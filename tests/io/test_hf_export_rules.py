@@ -68,6 +68,7 @@ def example():
     return args, model, report, calibrated
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("given", ["state", "model", "report", "rules"])
 def test_w4a16_export_follows_the_model(tmp_path, example, given):
     """W4A16: the layers trained in bf16 are written in bf16, whatever form the model is in."""
@@ -103,6 +104,7 @@ def test_w4a16_export_follows_the_model(tmp_path, example, given):
     np.testing.assert_array_equal(written, np.asarray(kernel.astype(jnp.bfloat16)).T)
 
 
+@pytest.mark.slow
 def test_w4a4_export_of_the_calibrated_model_and_back(tmp_path, example):
     """W4A4 needs input amaxes only where the model computed in NVFP4, and loads back."""
     args, _, _, calibrated = example

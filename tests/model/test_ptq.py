@@ -117,6 +117,7 @@ def test_max_is_what_the_exporter_writes_for_the_float_model(tmp_path):
     assert sum(name.endswith(".weight_scale_2") for name in written) == len(LINEARS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ptq.METHODS)
 def test_every_method_exports_w4a4_and_loads_back_bit_exactly(tmp_path, method):
     frozen, report = frozen_lm(method, "nvfp4")
@@ -370,6 +371,7 @@ def test_a_model_whose_only_linear_cannot_be_quantized_says_why():
 # --- the example --------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_ptq_lm_quantizes_a_tiny_bf16_run(tmp_path, capsys):
     run = tmp_path / "run"
     flags = ["--width", "32", "--depth", "1", "--heads", "2", "--batch", "8", "--seq-len", "32"]

@@ -161,6 +161,7 @@ def expert_operands(model: MoE, x: jax.Array):
     ]
 
 
+@pytest.mark.slow
 def test_inspect_model_reports_each_expert_as_its_own_gemm():
     model = MoE(nnx.Rngs(0), recipe=RTN)
     x = tokens(m=64)
@@ -186,6 +187,7 @@ def test_inspect_model_reports_each_expert_as_its_own_gemm():
     assert report.suggest_rules(0.01)[0] == Rule("^experts$", None)
 
 
+@pytest.mark.slow
 def test_inspect_model_under_rules_and_through_remat_and_dispatched_tokens():
     x = tokens(m=64)
     plain = inspect_model(MoE(nnx.Rngs(0)), x, rules=ALL_RTN, key=3)

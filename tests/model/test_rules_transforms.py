@@ -155,6 +155,7 @@ def test_inspect_model_sees_layers_behind_nnx_remat_with_unchanged_numbers():
     assert [s.path for s in jitted.layers] == ["a", "b"] and jitted["a"].tokens == 32
 
 
+@pytest.mark.slow
 def test_inspect_model_reports_each_slice_of_a_stacked_layer_under_nnx_scan():
     model = Stacked(nnx.Rngs(0))
     x = batch()

@@ -141,6 +141,7 @@ PARAMS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "case, key_kind, modes", PARAMS, ids=[f"{c}-{k}-{'+'.join(m)}" for c, k, m in PARAMS]
 )

@@ -88,6 +88,7 @@ def modelled(x, q):
 SHAPES = [(1, 1, 16), (1, 37, 160), (3, 45, 16 * 9), (8, 33, 4096), (13, 100, 256), (21, 7, 48)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("m,n,k", SHAPES, ids=[f"{m}x{n}x{k}" for m, n, k in SHAPES])
 def test_matches_the_model_of_its_summation_order(m, n, k, dtype):
@@ -342,6 +343,7 @@ def call_operand_shapes(hlo: str) -> list[str]:
     return re.findall(r"\w+\[[\d,]*\]", calls[0].split("operand_layout_constraints=")[1])
 
 
+@pytest.mark.slow
 @needs_8_devices
 @pytest.mark.parametrize("mode", ["auto", "explicit"])
 @pytest.mark.parametrize("case", list(SHARDED_CASES))

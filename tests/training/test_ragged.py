@@ -165,6 +165,7 @@ def test_equals_per_group_dot_general(sizes_name, recipe_name, implementation, k
     assert_equals_group_loop(x, w, sizes, dy, key, recipe, exact=exact)
 
 
+@pytest.mark.slow
 def test_bf16_inputs_equal_per_group_dot_general():
     x, w, dy = data(48, 32, 48, 3, 2, jnp.bfloat16)
     recipe = NVFP4Recipe(implementation=NATIVE)
@@ -172,6 +173,7 @@ def test_bf16_inputs_equal_per_group_dot_general():
     assert y.dtype == dx.dtype == dw.dtype == jnp.bfloat16
 
 
+@pytest.mark.slow
 def test_group_sizes_are_traced_one_compilation_serves_all():
     x, w, dy = data(64, 32, 32, 4, 3)
     key, recipe = jax.random.key(2), NVFP4Recipe(implementation=NATIVE)
@@ -272,6 +274,7 @@ def ragged_operands(x, dy, group_sizes, key, recipe):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("key_kind", ["key", "none"])
 def test_operands_are_bit_for_bit_the_dense_ones(key_kind, implementation):
@@ -409,6 +412,7 @@ def shard_vjp(x, w_local, group_sizes, offset, dy, key, recipe):
     return (y, *pullback(dy))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("key_kind", ["key", "none"])
 def test_group_offset_shards_give_the_unsharded_groups(key_kind):
     """A shard with experts o..o+G_local-1 computes their groups as the unsharded call does
@@ -581,6 +585,7 @@ def one_sequence_vjp(x, w, group_sizes, dy, key, recipe):
 
 # Under jit: eagerly the reference runs op by op (XLA compiles each op on its own, a minute
 # per case); tests/core/test_ops_vmap.py's ragged_dot case runs vmap of ragged_dot eagerly too.
+@pytest.mark.slow
 @pytest.mark.parametrize(("key_kind", "mode"), [("key", "jit"), ("none", "jit")])
 def test_vmap_over_token_sets_is_the_loop_bit_for_bit(impl, key_kind, mode):
     """vmap of the vjp (the weights shared, each token set its own sizes and key) against a
@@ -599,6 +604,7 @@ def test_vmap_over_token_sets_is_the_loop_bit_for_bit(impl, key_kind, mode):
             assert_same_bits(a[b], e, f"{name} of token set {b}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["eager", "jit"])
 def test_grad_of_vmap_and_vmap_of_grad_are_the_loop(impl, mode):
     """The per-sequence MoE's gradients both ways round: vmap of grad gives each token set's
@@ -635,6 +641,7 @@ def test_grad_of_vmap_and_vmap_of_grad_are_the_loop(impl, mode):
     assert np.all(np.abs(np.asarray(gw) - per_set.sum(axis=0)) <= atol), "grad of vmap: dW"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe_name", ["high_precision", "w1d_no_sr", "nested"])
 def test_vmap_of_every_gemm_form_is_the_loop(impl, recipe_name):
     """Under jit: the GEMMs a recipe puts in high precision (`jax.lax.ragged_dot` and its
@@ -676,6 +683,7 @@ EMPTY = {
 
 
 # Every case under jit; eagerly (op by op, slow on the reference) the two empty contractions.
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("case", "mode"), [*((case, "jit") for case in EMPTY), ("k0", "eager"), ("k0_n0", "eager")]
 )
@@ -749,6 +757,7 @@ def fake_groups(row_local, pad_local, padded_size):
     )
 
 
+@pytest.mark.slow
 def test_sr_numbering_past_2_to_the_32_counters_is_section_7():
     """Element n of a group's own tensor draws counter n // 8 as 64 bits (docs/NUMERICS.md
     section 7: the high word is its own, no wrap), past 2**35 elements as below: the bytes

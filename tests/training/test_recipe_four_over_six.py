@@ -76,6 +76,7 @@ def _assert_close(actual, expected, k, what):
                                err_msg=what)  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize(
     "classes", [("weight",), ("activation",), ("gradient",), CLASSES], ids="+".join
@@ -107,6 +108,7 @@ def test_each_gemm_is_the_product_of_the_four_over_six_operands(mode, classes, i
         assert moved == (not np.array_equal(np.asarray(a), np.asarray(b))), name
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(len(IMPLEMENTATIONS) < 2, reason="no native CPU kernels")
 @pytest.mark.parametrize("e4m3_max", [256, 448])
 def test_stochastic_rounding_under_four_over_six_is_the_same_on_every_implementation(e4m3_max):

@@ -125,6 +125,7 @@ def test_all_high_precision_is_lax_dot_general(dtype, out_dtype):
         _assert_equal(g, r, name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("weight_2d", [True, False])
 @pytest.mark.parametrize("off", GEMMS)
 def test_one_gemm_in_high_precision_others_unchanged(off, weight_2d):
@@ -172,6 +173,7 @@ def test_the_forward_saves_only_what_the_backward_needs():
     assert w_res is w and x_res is x
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("off", [("fprop",), ("dgrad",), ("wgrad",), GEMMS])
 def test_batched_dot_general_honors_the_switches(off):
     """Batch element b is the unbatched call on it with `fold_in(key, b)`."""
@@ -221,6 +223,7 @@ def test_ragged_all_high_precision_is_lax_ragged_dot():
     assert not np.any(np.asarray(got[0][32:], np.float32))  # the rows in no group
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("off", GEMMS)
 def test_ragged_one_gemm_in_high_precision_others_unchanged(off):
     x, w, dy = _data(jnp.bfloat16, groups=4)
@@ -262,6 +265,7 @@ def _batched(recipe, key=KEY):
     return lambda x, w: dot_general(x, w, BATCH_DIMS, recipe=recipe, key=key)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "weight_2d, implementation", [(True, None), (False, None), (True, "reference")]
 )
