@@ -89,6 +89,8 @@ def pytest_unconfigure(config):
         shutil.rmtree(folder, ignore_errors=True)
 
 
+# The markers of the longest modules, which run first (`pytest_collection_modifyitems`).
+LONGEST = ("integration", "distributed")
 # The native kernels' training under JAX's default mesh (Explicit axes), which jax 0.12 once
 # broke (`_partition.whole_under_explicit_axes`): marked `newest`, so that scripts/test.sh
 # runs them again in .venv-newest (the rest of test_distributed.py runs on one JAX version).
@@ -101,7 +103,7 @@ NEWEST_DISTRIBUTED = (
 def pytest_collection_modifyitems(config, items):
     """Marks `integration` every test under tests/integration/, `slow` those and the rest the
     inner loop leaves out (see the module docstring), `newest` `NEWEST_DISTRIBUTED`'s native
-    Explicit-axes cases."""
+    Explicit-axes cases; then puts the `LONGEST` modules first."""
     del config
     for item in items:
         path = pathlib.Path(str(item.path)).resolve()
@@ -120,6 +122,11 @@ def pytest_collection_modifyitems(config, items):
             and params.get("mode") == "explicit"
         ):
             item.add_marker(pytest.mark.newest)
+    # The longest modules first (a stable sort: each module stays in one piece, in order):
+    # pytest-xdist gives each worker a contiguous share and a worker that runs out steals
+    # from the end of another's, so the run ends on short tests, and a module's fixtures
+    # (the two processes of test_multiprocess.py) are not built on both workers.
+    items.sort(key=lambda item: not any(map(item.get_closest_marker, LONGEST)))
 
 
 @pytest.fixture(params=IMPLEMENTATIONS)
