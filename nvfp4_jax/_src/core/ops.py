@@ -51,29 +51,14 @@ _F32 = jnp.float32
 # caller's program as any nested `jit` does. Same bits either way (the contract is exact).
 
 
-@functools.partial(jax.jit, static_argnums=(0, 2))
-def _backend_rht(backend: Backend, x, inverse: bool):
-    return backend.rht(x, inverse=inverse)
+def _on_backend(backend: Backend, method: str, *arrays, **options):
+    """`backend.<method>(*arrays, **options)` as one program; `options` are static."""
+    return _on_backend_jit(backend, method, tuple(sorted(options.items())), *arrays)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 2))
-def _backend_amax(backend: Backend, x, rht: bool):
-    return backend.amax(x, rht=rht)
-
-
-@functools.partial(jax.jit, static_argnums=(0, 4))
-def _backend_quantize(backend: Backend, x, amax, seed, spec: QuantSpec):
-    return backend.quantize(x, amax, seed, spec)
-
-
-@functools.partial(jax.jit, static_argnums=(0, 4))
-def _backend_fake_quantize(backend: Backend, x, amax, seed, spec: QuantSpec):
-    return backend.fake_quantize(x, amax, seed, spec)
-
-
-@functools.partial(jax.jit, static_argnums=(0, 4, 5))
-def _backend_dequantize(backend: Backend, codes, scales, decode_scale, rht: bool, dtype):
-    return backend.dequantize(codes, scales, decode_scale, rht=rht, dtype=dtype)
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _on_backend_jit(backend: Backend, method: str, options: tuple, *arrays):
+    return getattr(backend, method)(*arrays, **dict(options))
 
 
 # --- apply_rht ------------------------------------------------------------------------------
@@ -107,7 +92,7 @@ def apply_rht(
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
 def _rht(x, inverse: bool, backend: Backend):
-    return _backend_rht(backend, x, inverse)
+    return _on_backend(backend, "rht", x, inverse=inverse)
 
 
 @_rht.defjvp
@@ -143,7 +128,7 @@ def tensor_amax(
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
 def _amax(x, rht: bool, backend: Backend):
-    return _backend_amax(backend, x, rht)
+    return _on_backend(backend, "amax", x, rht=rht)
 
 
 def _max_abs(x, rht: bool):
@@ -249,7 +234,9 @@ def quantize_with_spec(
     # for one (their tangents are symbolically zero).
     stored = lax.stop_gradient(jnp.moveaxis(x, spec.axis, -1))
     amax = None if amax is None else lax.stop_gradient(amax)
-    codes, scales, stored_amax = _backend_quantize(backend, stored, amax, seed, spec.stored())
+    codes, scales, stored_amax = _on_backend(
+        backend, "quantize", stored, amax, seed, spec=spec.stored()
+    )
     return spec_array(codes, scales, stored_amax, x.dtype, spec)
 
 
@@ -386,7 +373,7 @@ def fake_quantize_with_data_amax(
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4))
 def _fake_quantize(x, amax, seed, spec: QuantSpec, backend: Backend):
-    return _backend_fake_quantize(backend, x, amax, seed, spec)
+    return _on_backend(backend, "fake_quantize", x, amax, seed, spec=spec)
 
 
 @_fake_quantize.defjvp
@@ -442,7 +429,9 @@ def _dequantize_batch(codes, scales, decode_scale, backend, rht, dtype):
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4, 5))
 def _dequantize(codes, scales, decode_scale, backend: Backend, rht: bool, dtype):
-    return _backend_dequantize(backend, codes, scales, decode_scale, rht, jnp.dtype(dtype))
+    return _on_backend(
+        backend, "dequantize", codes, scales, decode_scale, rht=rht, dtype=jnp.dtype(dtype)
+    )
 
 
 @_dequantize.defjvp
