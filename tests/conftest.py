@@ -25,7 +25,16 @@ cores); `slow` marks, besides the integration tests, the sharding tests of
 reference implementation (`tests/training/`, `impl` or `implementation` "reference": the
 native cases stay, and `tests/core/` shows both implementations quantize to the same bits)
 and the tests marked `@pytest.mark.slow` in their file (several seconds each on 2 cores).
-CI runs them all.
+CI runs them all, but for the reference sweep below.
+
+The reference sweep: eleven tests of the training GEMMs (`REFERENCE_KEPT`) repeat one check
+over many parameter sets on both implementations. Their composition (the custom_vjp, the
+recipe's operands, the sharding rules) is the same code whatever implementation quantizes,
+and `tests/core/` shows both implementations quantize to the same bits, op by op: on the
+reference each of them runs one chosen case by default (the native cases all run), and the
+others are marked `reference_sweep` and deselected. `pytest --reference-sweep -m
+reference_sweep tests/training` runs them (a heavy optional check, about 3 minutes of worker
+time; run it before a change to the training ops is merged).
 """
 
 from __future__ import annotations
@@ -99,12 +108,48 @@ NEWEST_DISTRIBUTED = (
     "test_layer_data_parallel_equals_one_device",
 )
 
+# The reference sweep (see the module docstring): test name -> the one reference case (its id)
+# that runs by default; the test's other reference cases run with --reference-sweep.
+REFERENCE_KEPT = {
+    "test_train_step_sharded_equals_one_device": "reference-explicit-fsdp",
+    "test_shard_map_replicated_weight_grads": "reference-explicit-dot_general-nvfp4",
+    "test_layer_data_parallel_equals_one_device": "reference-nnx_linear-explicit",
+    "test_forward_equals_scaled_gemm_of_block_values": "dense_general_2_axes-bf16-reference",
+    "test_backward_equals_hand_built_gemms": "m40_k32_n32_padded-f32-default-reference",
+    "test_batched_equals_loop_of_unbatched_calls": "reference-experts_leading-key-eager+jit",
+    "test_vmap_over_token_sets_is_the_loop_bit_for_bit": "reference-key-jit",
+    "test_vmap_of_every_gemm_form_is_the_loop": "reference-nested",
+    "test_empty_dimensions_give_jax_ragged_dots_zeros": "reference-k0_n0-jit",
+    "test_each_gemm_is_the_product_of_the_four_over_six_operands": (
+        "mse-weight+activation+gradient-reference"
+    ),
+    "test_the_runtime_flag_gives_the_fprop_switchs_bits": "dot_general-True-reference",
+}
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--reference-sweep",
+        action="store_true",
+        help="also run the reference sweep (tests/conftest.py: REFERENCE_KEPT), deselected "
+        "by default",
+    )
+
+
+def _in_reference_sweep(item, params) -> bool:
+    kept = REFERENCE_KEPT.get(item.originalname)
+    if kept is None or "reference" not in (params.get("impl"), params.get("implementation")):
+        return False
+    return item.callspec.id != kept
+
 
 def pytest_collection_modifyitems(config, items):
     """Marks `integration` every test under tests/integration/, `slow` those and the rest the
     inner loop leaves out (see the module docstring), `newest` `NEWEST_DISTRIBUTED`'s native
-    Explicit-axes cases; then puts the `LONGEST` modules first."""
-    del config
+    Explicit-axes cases, `reference_sweep` the reference sweep (deselected without
+    --reference-sweep); then puts the `LONGEST` modules first."""
+    sweep = config.getoption("--reference-sweep")
+    swept = []
     for item in items:
         path = pathlib.Path(str(item.path)).resolve()
         params = getattr(getattr(item, "callspec", None), "params", {})
@@ -122,6 +167,18 @@ def pytest_collection_modifyitems(config, items):
             and params.get("mode") == "explicit"
         ):
             item.add_marker(pytest.mark.newest)
+        if _in_reference_sweep(item, params):
+            item.add_marker(pytest.mark.reference_sweep)
+            swept.append(item)
+    # A renamed case must not take a test's every reference case out of the default run.
+    kept = {(item.originalname, item.callspec.id) for item in items if hasattr(item, "callspec")}
+    for name in {item.originalname for item in swept}:
+        if (name, REFERENCE_KEPT[name]) not in kept:
+            raise pytest.UsageError(f"REFERENCE_KEPT[{name!r}]: no case {REFERENCE_KEPT[name]!r}")
+    if swept and not sweep:
+        config.hook.pytest_deselected(items=swept)
+        deselected = set(map(id, swept))
+        items[:] = [item for item in items if id(item) not in deselected]
     # The longest modules first (a stable sort: each module stays in one piece, in order):
     # pytest-xdist gives each worker a contiguous share and a worker that runs out steals
     # from the end of another's, so the run ends on short tests, and a module's fixtures
