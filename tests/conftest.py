@@ -136,11 +136,9 @@ def pytest_addoption(parser):
     )
 
 
-def _in_reference_sweep(item, params) -> bool:
+def _in_reference_sweep(item, on_reference: bool) -> bool:
     kept = REFERENCE_KEPT.get(item.originalname)
-    if kept is None or "reference" not in (params.get("impl"), params.get("implementation")):
-        return False
-    return item.callspec.id != kept
+    return on_reference and kept is not None and item.callspec.id != kept
 
 
 def pytest_collection_modifyitems(config, items):
@@ -153,13 +151,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         path = pathlib.Path(str(item.path)).resolve()
         params = getattr(getattr(item, "callspec", None), "params", {})
+        on_reference = "reference" in (params.get("impl"), params.get("implementation"))
         if INTEGRATION in path.parents:
             item.add_marker(pytest.mark.integration)
             item.add_marker(pytest.mark.slow)
-        elif item.get_closest_marker("distributed") or (
-            TRAINING in path.parents
-            and "reference" in (params.get("impl"), params.get("implementation"))
-        ):
+        elif item.get_closest_marker("distributed") or (TRAINING in path.parents and on_reference):
             item.add_marker(pytest.mark.slow)
         if (
             item.originalname in NEWEST_DISTRIBUTED
@@ -167,7 +163,7 @@ def pytest_collection_modifyitems(config, items):
             and params.get("mode") == "explicit"
         ):
             item.add_marker(pytest.mark.newest)
-        if _in_reference_sweep(item, params):
+        if _in_reference_sweep(item, on_reference):
             item.add_marker(pytest.mark.reference_sweep)
             swept.append(item)
     # A renamed case must not take a test's every reference case out of the default run.
