@@ -34,7 +34,9 @@ and `tests/core/` shows both implementations quantize to the same bits, op by op
 reference each of them runs one chosen case by default (the native cases all run), and the
 others are marked `reference_sweep` and deselected. `pytest --reference-sweep -m
 reference_sweep tests/training` runs them (a heavy optional check: 58 tests, about 2
-minutes on 2 cores; run it before a change to the training ops is merged).
+minutes on 2 cores; run it before a change to the training ops is merged). The two-process
+tests (`integration/test_multiprocess.py`) likewise run the reference's hardest cases
+only; `pytest --reference-sweep tests/integration/test_multiprocess.py` runs all of them.
 """
 
 from __future__ import annotations
@@ -72,8 +74,11 @@ def pytest_configure(config):
     The workers compile many of the same programs (and every started process all of its
     own), so they share JAX's persistent compilation cache in a temporary folder made by
     the controlling process and removed when the run ends. `NVFP4_TEST_XLA_CACHE=0` turns
-    it off.
+    it off. With `--reference-sweep`, `NVFP4_REFERENCE_SWEEP=1` tells the multi-process
+    tasks (and the processes that run them) to run every reference case.
     """
+    if config.getoption("--reference-sweep"):  # for integration/multiprocess_tasks.py too
+        os.environ["NVFP4_REFERENCE_SWEEP"] = "1"
     if os.environ.get(_CACHE_ENV) == "0":
         return
     if not hasattr(config, "workerinput"):  # the controlling process (or the only one)

@@ -7,6 +7,13 @@ same code runs on a mesh of 8 devices, so the parent compares the two results di
 Global inputs are built from the same host data in every process
 (`jax.make_array_from_callback`: each process fills only its own devices' shards) and global
 results are gathered with `multihost_utils.process_allgather`.
+
+The native kernels run every case. The reference runs the hardest cases of each task (SR
+with the RHT, a 3D tensor sharded along its middle axis, 2D blocks; the FSDP step under
+Explicit axes): its multi-process behaviour is XLA's partitioning of the same jnp code in
+every case, and tests/core shows it quantizes to the native bits. In a run with
+`--reference-sweep` (tests/conftest.py sets `NVFP4_REFERENCE_SWEEP=1`, which the processes
+the test starts inherit) the reference runs every case too.
 """
 
 from __future__ import annotations
@@ -26,6 +33,19 @@ import nvfp4_jax
 
 AXIS = "x"
 IMPLEMENTATIONS = ("reference", "ffi")
+# The reference's cases outside the sweep (see the module's docstring).
+REFERENCE_QUANTIZE_CASES = (
+    "rows_sharded_rht_sr_bf16",
+    "middle_axis_sharded_3d_sr",
+    "rows_sharded_2d_sr",
+)
+REFERENCE_TRAIN_CASES = (("explicit", "fsdp"),)
+
+
+def reference_runs(case) -> bool:
+    """Whether the reference runs this case: a kept one, or any in the reference sweep."""
+    kept = case in REFERENCE_QUANTIZE_CASES + REFERENCE_TRAIN_CASES
+    return kept or os.environ.get("NVFP4_REFERENCE_SWEEP") == "1"
 
 
 def mesh(axis_type: AxisType = AxisType.Auto) -> jax.sharding.Mesh:
@@ -76,11 +96,13 @@ def _sharded_quantize_cases():
 
 
 def quantize_task(workdir: str) -> dict[str, np.ndarray]:
-    """Every case of test_distributed's JIT_CASES, on each implementation."""
+    """test_distributed's JIT_CASES on each implementation (the reference: see `reference_runs`)."""
     cases, data = _sharded_quantize_cases()
     out = {}
     for implementation in IMPLEMENTATIONS:
         for case, (shape, spec, kw) in cases.items():
+            if implementation == "reference" and not reference_runs(case):
+                continue
             x = np.asarray(data(shape))
             if case.endswith("bf16"):
                 x = x.astype(jnp.bfloat16)
@@ -97,7 +119,8 @@ def quantize_task(workdir: str) -> dict[str, np.ndarray]:
 
 
 def train_task(workdir: str) -> dict[str, np.ndarray]:
-    """test_distributed's NVFP4 MLP step, data-parallel and FSDP, on each implementation."""
+    """test_distributed's NVFP4 MLP step, data-parallel and FSDP, under Auto and Explicit
+    axes, on each implementation (the reference: see `reference_runs`)."""
     from training.test_distributed import TRAIN_SPECS, mlp_loss, train_setup  # noqa: PLC0415
 
     out = {}
@@ -105,6 +128,8 @@ def train_task(workdir: str) -> dict[str, np.ndarray]:
         recipe = nvfp4_jax.NVFP4Recipe(implementation=implementation)
         step = jax.jit(jax.value_and_grad(mlp_loss), static_argnums=4)
         for layout, specs in TRAIN_SPECS.items():
+            if implementation == "reference" and not reference_runs((mode, layout)):
+                continue
             params, x, y, key = train_setup()
             params = {name: put(value, specs[name], axis_type) for name, value in params.items()}
             batch = P(AXIS, None)
