@@ -768,6 +768,17 @@ def _sr_seed(args, switch: bool = False) -> int:
     return sr_seed + 1 if switch else sr_seed
 
 
+def write_atomically(path: pathlib.Path, text: str) -> None:
+    """Writes `text` to `path` through a temporary file beside it: a run killed while writing
+    leaves the old file or the new one, never half of one."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def diagnose(args, train, out: pathlib.Path, console: Console) -> list[nvfp4_jax.Rule]:
     """Runs `nvfp4_jax.inspect_model` on the first batch with the NVFP4 run's rules, writes
     `diagnostics.json` and `diagnostics.png`, prints the worst layers, and returns the rules
@@ -776,7 +787,7 @@ def diagnose(args, train, out: pathlib.Path, console: Console) -> list[nvfp4_jax
     model = make_model(args, "bf16")
     batch = batch_at(train, 0, args.batch, args.seq_len, args.seed)
     report = nvfp4_jax.inspect_model(model, batch, loss_fn=loss_fn, rules=rules, key=args.seed)
-    (out / "diagnostics.json").write_text(report.to_json())
+    write_atomically(out / "diagnostics.json", report.to_json())
     report.plot(out / "diagnostics.png")
     worst = sorted(report.scores().items(), key=lambda kv: -kv[1])[:3]
     console.print(
@@ -1052,6 +1063,33 @@ class Checkpoints:
 def checkpoint_folder(args, recipe_name: str) -> pathlib.Path:
     """Where the checkpoints of one recipe's run live."""
     return args.out / "checkpoints" / recipe_name
+
+
+# The NVFP4 checkpoints' config holds, under this name, the rules the run trains with (the
+# flags' rules, or the diagnostics' suggestion with --suggest-share): a resumed run takes
+# them from there instead of running the diagnostics again.
+TRAINED_RULES = "trained_rules"
+
+
+def saved_config(config: dict, recipe_name: str, args, rules=None) -> dict:
+    """What one recipe's checkpoints save besides its state: the run config, and for the
+    NVFP4 run the rules it trains with (`rules`, default `model_rules(args)`)."""
+    if recipe_name != "nvfp4":
+        return config
+    rules = model_rules(args) if rules is None else rules
+    return {**config, TRAINED_RULES: [rule.to_dict() for rule in rules]}
+
+
+def checkpoint_rules(args) -> list[nvfp4_jax.Rule] | None:
+    """The rules the NVFP4 run in --out trained with (saved with its latest checkpoint), or
+    None: no NVFP4 checkpoint, or one saved before the rules were."""
+    folder = checkpoint_folder(args, "nvfp4")
+    if not folder.is_dir():
+        return None
+    checkpoints = Checkpoints(folder, create=False)
+    step = checkpoints.latest_step()
+    saved = None if step is None else (checkpoints.config(step) or {}).get(TRAINED_RULES)
+    return None if saved is None else [nvfp4_jax.Rule.from_dict(rule) for rule in saved]
 
 
 def run_config(args, text: np.ndarray) -> dict:
@@ -1425,8 +1463,23 @@ def train_and_report(args) -> dict:
             f"top-{cfg.top_k}, load-balancing loss weight {cfg.router_aux_loss_coef}",
             markup=False,
         )
-    rules = diagnose(args, train, args.out, console) if "nvfp4" in names else None
-    histories = {name: run(name, args, train, val, config, console, rules) for name in names}
+    rules = None
+    if "nvfp4" in names:
+        # A resumed run trains with its checkpoint's rules; its diagnostics are the first
+        # part's (the same flags, so the same model, batch and rules: the same report).
+        rules = checkpoint_rules(args) if args.resume else None
+        if rules is None:
+            rules = diagnose(args, train, args.out, console)
+        else:
+            console.print(
+                f"diagnostics: those of the run's start ({args.out / 'diagnostics.json'}); "
+                "the NVFP4 run resumes with its checkpoint's rules",
+                markup=False,
+            )
+    histories = {
+        name: run(name, args, train, val, saved_config(config, name, args, rules), console, rules)
+        for name in names
+    }
     if args.stop_after is not None and args.stop_after < args.steps:
         console.print(f"stopped after step {args.stop_after}; continue with --resume")
         return {"histories": histories}
@@ -1434,8 +1487,8 @@ def train_and_report(args) -> dict:
     flags = {k: str(v) if isinstance(v, pathlib.Path) else v for k, v in vars(args).items()}
     flags["rules"] = [[r.pattern, None if r.recipe is None else str(r.recipe)] for r in rules or []]
     results = {"config": flags, "results": rows, "histories": histories}
-    (args.out / "results.json").write_text(
-        json.dumps(_json_safe(results), indent=1, allow_nan=False)
+    write_atomically(
+        args.out / "results.json", json.dumps(_json_safe(results), indent=1, allow_nan=False)
     )
     plot(histories, args.out / "curves.png")
     console.print(f"wrote {args.out / 'results.json'} and {args.out / 'curves.png'}", markup=False)

@@ -54,17 +54,31 @@ def test_tiny_model_learns_with_both_recipes(tmp_path):
 
 
 def test_resume_continues_exactly(tmp_path, capsys):
-    # At the defaults, Four Over Six on every operand: its runs resume exactly too.
+    # At the defaults, Four Over Six on every operand: its runs resume exactly too. With
+    # --suggest-share the diagnostics choose rules, which the resumed part takes from its
+    # checkpoint (it does not run the diagnostics again).
     assert train_lm.nvfp4_recipe(train_lm.parse_args(TINY)).uses_four_over_six
     flags = ["--recipe", "nvfp4", "--steps", "6", "--eval-every", "3", "--save-every", "2"]
-    straight = _run(tmp_path / "straight", *flags)["histories"]["nvfp4"]
+    flags += ["--suggest-share", "0.25"]
+    straight = _run(tmp_path / "straight", *flags)
     _run(tmp_path / "resumed", *flags, "--stop-after", "3")
-    resumed = _run(tmp_path / "resumed", *flags, "--resume")["histories"]["nvfp4"]
+    diagnostics = tmp_path / "resumed" / "diagnostics.json"
+    written = diagnostics.stat().st_mtime_ns
+    capsys.readouterr()
+    resumed = _run(tmp_path / "resumed", *flags, "--resume")
+    out = capsys.readouterr().out
+    assert "the NVFP4 run resumes with its checkpoint's rules" in out
+    assert "diagnostics (weight-gradient angle" not in out
+    assert diagnostics.stat().st_mtime_ns == written
+    kept = [pattern for pattern, recipe in straight["config"]["rules"] if recipe is None]
+    assert len(kept) == 2  # a quarter of the 8 GEMMs, which TINY's own rules keep in NVFP4
+    assert resumed["config"]["rules"] == straight["config"]["rules"]
+    straight, resumed = straight["histories"]["nvfp4"], resumed["histories"]["nvfp4"]
     assert resumed["step"] == straight["step"] == list(range(1, 7))
     assert resumed["train_loss"] == straight["train_loss"]
     assert resumed["val_loss"] == straight["val_loss"]
     # The recipe's name survives rich's markup parsing (it used to swallow "[nvfp4]").
-    assert "[nvfp4] resumed from step 3" in capsys.readouterr().out
+    assert "[nvfp4] resumed from step 3" in out
 
 
 def test_steps_1_runs_to_the_end(tmp_path):
