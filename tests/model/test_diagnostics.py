@@ -232,6 +232,40 @@ def test_custom_loss_static_inputs_and_errors():
         analyze_layer(jnp.ones((4, 24)), jnp.ones((24, 16)), jnp.ones((4, 16)))
 
 
+def test_inspecting_again_reuses_the_compiled_passes(monkeypatch):
+    """A model inspected again (its graph, paths, loss and input types unchanged, as every N
+    steps of a training run) runs the compiled passes of the first call: the same report,
+    nothing traced anew. New input types trace their own passes; a static input that cannot
+    be hashed traces them at every call (and gives the same numbers)."""
+    from nvfp4_jax._src.model.diagnostics import capture  # noqa: PLC0415
+
+    made = []
+    monkeypatch.setattr(capture, "_PROGRAMS", type(capture._PROGRAMS)())
+    original = capture._programs
+    monkeypatch.setattr(capture, "_programs", lambda *a: made.append(a[1]) or original(*a))
+    model, x = Two(nnx.Rngs(0)), jax.random.normal(jax.random.key(3), (8, 32))
+
+    class Unhashable:
+        __hash__ = None
+        value = 0.5
+
+    def loss_fn(model, x, scale):
+        return jnp.sum(model.used(x) ** 2) * getattr(scale, "value", scale)
+
+    rules = [Rule("", NVFP4Recipe())]
+    first = inspect_model(model, x, 0.5, loss_fn=loss_fn, rules=rules, key=1)
+    again = inspect_model(Two(nnx.Rngs(0)), x, 0.5, loss_fn=loss_fn, rules=rules, key=1)
+    assert len(made) == 1 and again == first
+    assert inspect_model(model, x[:4], 0.5, loss_fn=loss_fn, rules=rules) != first
+    assert len(made) == 2  # another input shape: its own passes
+    half = inspect_model(model, x.astype(jnp.bfloat16), 0.5, loss_fn=loss_fn, rules=rules)
+    assert half["used"].operands["x"].rel_error != first["used"].operands["x"].rel_error
+    assert len(made) == 3  # another dtype: its own passes (bf16 x, as the layer saw it)
+    unhashed = inspect_model(model, x, Unhashable(), loss_fn=loss_fn, rules=rules, key=1)
+    assert len(made) == 4 and unhashed == first  # not cached, the same numbers
+    assert len(capture._PROGRAMS) == 3
+
+
 def test_einsum_layers_a_rule_covers_are_reported_skipped_not_dropped():
     class WithEinsum(nnx.Module):
         def __init__(self, rngs):

@@ -6,6 +6,7 @@ records its input x and weight W and adds a zero probe to its output, whose grad
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Callable
 from typing import Any
@@ -164,18 +165,31 @@ def default_loss(model, *inputs) -> jax.Array:
     return jnp.mean(jnp.square(out.astype(_F32)))
 
 
-def _split_inputs(inputs: tuple) -> tuple[list, Callable[[list], tuple]]:
-    """(the array leaves of `inputs`, a function rebuilding `inputs` from them)."""
+def _split_inputs(inputs: tuple) -> tuple[list, _Inputs]:
+    """The array leaves of `inputs`, and the rest of them.
+
+    The rest is an `_Inputs`: hashable when the non-array leaves are, and holding no array.
+    """
     leaves, treedef = jax.tree.flatten(inputs)
     is_array = [isinstance(leaf, (jax.Array, np.ndarray)) for leaf in leaves]
+    pairs = zip(is_array, leaves, strict=True)
+    statics = tuple((True, None) if a else (False, leaf) for a, leaf in pairs)
+    arrays = [leaf for a, leaf in zip(is_array, leaves, strict=True) if a]
+    return arrays, _Inputs(treedef, statics)
 
-    def rebuild(arrays: list) -> tuple:
+
+@dataclasses.dataclass(frozen=True)
+class _Inputs:
+    """The structure and the non-array leaves of `inspect_model`'s inputs."""
+
+    treedef: Any
+    statics: tuple
+
+    def rebuild(self, arrays: list) -> tuple:
+        """The inputs, with `arrays` in the array leaves' places."""
         arrays = iter(arrays)
-        return treedef.unflatten(
-            [next(arrays) if a else leaf for a, leaf in zip(is_array, leaves, strict=True)]
-        )
-
-    return [leaf for a, leaf in zip(is_array, leaves, strict=True) if a], rebuild
+        leaves = [next(arrays) if is_array else leaf for is_array, leaf in self.statics]
+        return self.treedef.unflatten(leaves)
 
 
 def _tapped(graphdef, state, paths, dtypes: _Dtypes, rows: dict | None):
@@ -199,32 +213,30 @@ def _taps(model) -> dict[str, _Tap]:
     return {node.path: node for _, node in nnx.iter_graph(model) if isinstance(node, _Tap)}
 
 
-def capture(model, paths, loss_fn, inputs):
-    """(loss, {path: [(slice index, flat index, x (M, K), w (K, N), dy (M, N)), ...]}).
+@dataclasses.dataclass(frozen=True)
+class _Programs:
+    """The two compiled passes of `capture` for one model graph, paths, loss and input types."""
 
-    Two passes over a copy: the first counts the rows each tap sees (per slice of a stacked
-    layer), the second records x and W into buffers of that size and takes the gradient of
-    the loss with respect to the probes. A plain layer has one entry, with slice index None.
-    """
-    graphdef, state = nnx.split(model)
-    arrays, rebuild = _split_inputs(inputs)
+    count: Callable
+    loss_and_grads: Callable
+    dtypes: _Dtypes
+
+
+def _programs(graphdef, paths: tuple[str, ...], loss_fn, inputs: _Inputs) -> _Programs:
     dtypes = _Dtypes()
 
     def count(state, arrays):
-        tapped = _tapped(graphdef, state, paths, dtypes, None)
-        loss_fn(tapped, *rebuild(arrays))
+        tapped = _tapped(graphdef, state, list(paths), dtypes, None)
+        loss_fn(tapped, *inputs.rebuild(arrays))
         return {path: tap.rows[...] for path, tap in _taps(tapped).items()}
 
-    counts = jax.device_get(jax.jit(count)(state, arrays)) if paths else {}
-    sizes = {path: int(np.max(rows, initial=0)) for path, rows in counts.items()}
-
-    def loss_and_grads(state, arrays):
-        tapped = _tapped(graphdef, state, paths, dtypes, sizes)
+    def loss_and_grads(state, arrays, sizes: tuple):
+        tapped = _tapped(graphdef, state, list(paths), dtypes, dict(sizes))
         probe_graphdef, probes, rest = nnx.split(tapped, _Probe, ...)
 
         def run(probes):
             model = nnx.merge(probe_graphdef, probes, rest, copy=True)
-            loss = loss_fn(model, *rebuild(arrays))
+            loss = loss_fn(model, *inputs.rebuild(arrays))
             seen = {path: (t.rows[...], t.x[...], t.w[...]) for path, t in _taps(model).items()}
             return jnp.asarray(loss, _F32), seen
 
@@ -234,7 +246,63 @@ def capture(model, paths, loss_fn, inputs):
         }
         return loss, seen, dys
 
-    loss, seen, dys = jax.jit(loss_and_grads)(state, arrays)
+    return _Programs(jax.jit(count), jax.jit(loss_and_grads, static_argnums=2), dtypes)
+
+
+# The programs of the latest calls (least recently used first): a model inspected again (the
+# same graph, paths, loss function and input types, e.g. every N steps of a training run)
+# reuses its compiled passes instead of tracing and compiling them anew. Each entry holds a
+# graph definition and two compiled programs, no array.
+_PROGRAMS: collections.OrderedDict = collections.OrderedDict()
+_MAX_PROGRAMS = 8
+
+
+def _avals(tree) -> tuple:
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef, tuple(
+        (np.shape(a), str(getattr(a, "dtype", type(a))), bool(getattr(a, "weak_type", False)))
+        for a in leaves
+    )
+
+
+def _cached_programs(graphdef, paths, loss_fn, inputs: _Inputs, state, arrays) -> _Programs:
+    """`_programs` for these arguments, from `_PROGRAMS` when an earlier call made them.
+
+    The key holds the types of the state and the input arrays: the taps note their layers'
+    dtypes while traced, so one entry serves exactly one trace. Arguments that cannot be
+    hashed (a non-array input leaf such as a list) are compiled anew each time.
+    """
+    key = (graphdef, tuple(paths), loss_fn, inputs, _avals(state), _avals(arrays))
+    try:
+        hash(key)
+    except TypeError:
+        return _programs(graphdef, tuple(paths), loss_fn, inputs)
+    if key in _PROGRAMS:
+        _PROGRAMS.move_to_end(key)
+        return _PROGRAMS[key]
+    programs = _programs(graphdef, tuple(paths), loss_fn, inputs)
+    _PROGRAMS[key] = programs
+    while len(_PROGRAMS) > _MAX_PROGRAMS:
+        _PROGRAMS.popitem(last=False)
+    return programs
+
+
+def capture(model, paths, loss_fn, inputs):
+    """(loss, {path: [(slice index, flat index, x (M, K), w (K, N), dy (M, N)), ...]}).
+
+    Two passes over a copy: the first counts the rows each tap sees (per slice of a stacked
+    layer), the second records x and W into buffers of that size and takes the gradient of
+    the loss with respect to the probes. A plain layer has one entry, with slice index None.
+    Both passes are compiled once per model graph, paths, loss function and input types
+    (`_cached_programs`).
+    """
+    graphdef, state = nnx.split(model)
+    arrays, structure = _split_inputs(inputs)
+    programs = _cached_programs(graphdef, paths, loss_fn, structure, state, arrays)
+    counts = jax.device_get(programs.count(state, arrays)) if paths else {}
+    sizes = {path: int(np.max(rows, initial=0)) for path, rows in counts.items()}
+    loss, seen, dys = programs.loss_and_grads(state, arrays, tuple(sorted(sizes.items())))
+    dtypes = programs.dtypes
     operands = {}
     for path in paths:
         rows, xs, ws = (np.asarray(a) for a in seen[path])

@@ -46,6 +46,9 @@ def inspect_model(
     rules that reach it, `rules.frozen_problem`; high precision without); the pass
     differentiates through it as through any other.
     Memory: the pass keeps x, W and dy of every analyzed layer at once (one batch).
+    Speed: the pass is compiled once per model structure, analyzed paths, `loss_fn` and input
+    types; inspecting again (the same model after some steps, or another instance of the same
+    architecture) reuses it (a tiny example model's warm call: 1.15 s -> 0.28 s).
 
     Args:
       model: the nnx model.
