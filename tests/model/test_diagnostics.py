@@ -264,6 +264,10 @@ def test_inspecting_again_reuses_the_compiled_passes(monkeypatch):
     unhashed = inspect_model(model, x, Unhashable(), loss_fn=loss_fn, rules=rules, key=1)
     assert len(made) == 4 and unhashed == first  # not cached, the same numbers
     assert len(capture._PROGRAMS) == 3
+    # A static input equal to the first's but of another type traces its own passes.
+    inspect_model(model, x, 1, loss_fn=loss_fn, rules=rules, key=1)
+    inspect_model(model, x, 1.0, loss_fn=loss_fn, rules=rules, key=1)
+    assert len(made) == 6
 
 
 def test_einsum_layers_a_rule_covers_are_reported_skipped_not_dropped():

@@ -173,7 +173,8 @@ def _split_inputs(inputs: tuple) -> tuple[list, _Inputs]:
     leaves, treedef = jax.tree.flatten(inputs)
     is_array = [isinstance(leaf, (jax.Array, np.ndarray)) for leaf in leaves]
     pairs = zip(is_array, leaves, strict=True)
-    statics = tuple((True, None) if a else (False, leaf) for a, leaf in pairs)
+    # A static leaf's type is part of the key: 1, 1.0 and True are equal but trace apart.
+    statics = tuple((True, None, None) if a else (False, type(leaf), leaf) for a, leaf in pairs)
     arrays = [leaf for a, leaf in zip(is_array, leaves, strict=True) if a]
     return arrays, _Inputs(treedef, statics)
 
@@ -188,7 +189,7 @@ class _Inputs:
     def rebuild(self, arrays: list) -> tuple:
         """The inputs, with `arrays` in the array leaves' places."""
         arrays = iter(arrays)
-        leaves = [next(arrays) if is_array else leaf for is_array, leaf in self.statics]
+        leaves = [next(arrays) if is_array else leaf for is_array, _, leaf in self.statics]
         return self.treedef.unflatten(leaves)
 
 
