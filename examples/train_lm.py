@@ -1080,16 +1080,11 @@ def saved_config(config: dict, recipe_name: str, args, rules=None) -> dict:
     return {**config, TRAINED_RULES: [rule.to_dict() for rule in rules]}
 
 
-def checkpoint_rules(args) -> list[nvfp4_jax.Rule] | None:
-    """The rules the NVFP4 run in --out trained with (saved with its latest checkpoint), or
-    None: no NVFP4 checkpoint, or one saved before the rules were."""
-    folder = checkpoint_folder(args, "nvfp4")
-    if not folder.is_dir():
-        return None
-    checkpoints = Checkpoints(folder, create=False)
-    step = checkpoints.latest_step()
-    saved = None if step is None else (checkpoints.config(step) or {}).get(TRAINED_RULES)
-    return None if saved is None else [nvfp4_jax.Rule.from_dict(rule) for rule in saved]
+def trained_rules(saved: dict | None) -> list[nvfp4_jax.Rule] | None:
+    """The rules saved in an NVFP4 checkpoint's config (`saved_config`), or None: no such
+    checkpoint, or one saved before the rules were."""
+    rules = None if saved is None else saved.get(TRAINED_RULES)
+    return None if rules is None else [nvfp4_jax.Rule.from_dict(rule) for rule in rules]
 
 
 def run_config(args, text: np.ndarray) -> dict:
@@ -1108,8 +1103,11 @@ def _config_change(key: str, saved, now) -> str:
     return f"--{key.replace('_', '-')} {saved} (now {now})"
 
 
-def check_resume(args, names: tuple[str, ...], config: dict) -> None:
-    """--resume needs a checkpoint made with the same flags and not past --stop-after."""
+def check_resume(args, names: tuple[str, ...], config: dict) -> dict[str, dict]:
+    """--resume needs a checkpoint made with the same flags and not past --stop-after.
+
+    Returns the config saved with each recipe's latest checkpoint (recipes without one left
+    out)."""
     found = {}
     for name in names:
         if checkpoint_folder(args, name).is_dir():
@@ -1121,8 +1119,9 @@ def check_resume(args, names: tuple[str, ...], config: dict) -> None:
             f"--resume: {args.out / 'checkpoints'} holds no checkpoint of the "
             f"{' or '.join(names)} run; leave out --resume to start a new run"
         )
+    configs = {}
     for name, (checkpoints, step) in found.items():
-        saved = checkpoints.config(step)
+        saved = configs[name] = checkpoints.config(step)
         if saved is None:
             raise UsageError(
                 f"--resume: the {name} checkpoint in {checkpoints.folder} does not record the "
@@ -1142,6 +1141,7 @@ def check_resume(args, names: tuple[str, ...], config: dict) -> None:
                 f"--stop-after {args.stop_after} is before step {step}, which the {name} "
                 "checkpoint has already reached"
             )
+    return configs
 
 
 def _say(console: Console, recipe_name: str, text: str) -> None:
@@ -1442,8 +1442,7 @@ def train_and_report(args) -> dict:
     text, train, val = load_data(args)
     names = RECIPES if args.recipe == "both" else (args.recipe,)
     config = run_config(args, text)
-    if args.resume:
-        check_resume(args, names, config)
+    saved = check_resume(args, names, config) if args.resume else {}
     try:
         args.out.mkdir(parents=True, exist_ok=True)
     except OSError as error:
@@ -1467,7 +1466,7 @@ def train_and_report(args) -> dict:
     if "nvfp4" in names:
         # A resumed run trains with its checkpoint's rules; its diagnostics are the first
         # part's (the same flags, so the same model, batch and rules: the same report).
-        rules = checkpoint_rules(args) if args.resume else None
+        rules = trained_rules(saved.get("nvfp4"))
         if rules is None:
             rules = diagnose(args, train, args.out, console)
         else:
