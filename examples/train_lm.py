@@ -359,6 +359,14 @@ def build_parser() -> argparse.ArgumentParser:
         "weight-gradient angle (0 to 1)",
     )
     p.add_argument(
+        "--diagnostics",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="before the NVFP4 run, measure each linear layer's NVFP4 error on the first batch "
+        "(diagnostics.json and .png; default on); --no-diagnostics skips it, not with "
+        "--suggest-share",
+    )
+    p.add_argument(
         "--disable",
         action="append",
         default=[],
@@ -506,6 +514,11 @@ def _check_high_precision_flags(p: argparse.ArgumentParser, args: argparse.Names
         p.error("--high-precision-final-gemms needs --high-precision-final F > 0")
 
 
+def _check_diagnostics_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.suggest_share and not args.diagnostics:
+        p.error("--suggest-share needs the diagnostics: drop --no-diagnostics")
+
+
 def parse_args(argv=None, parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
     """Parses and checks the command line; bad values exit with a message naming the flag."""
     p = build_parser() if parser is None else parser
@@ -513,6 +526,7 @@ def parse_args(argv=None, parser: argparse.ArgumentParser | None = None) -> argp
     if args.width % args.heads:
         p.error(f"--heads {args.heads} must divide --width {args.width}")
     _check_moe_flags(p, args)
+    _check_diagnostics_flags(p, args)
     _check_high_precision_flags(p, args)
     if args.bf16_first is None:
         # The default keeps at least one transformer block in NVFP4 (--bf16-last counts the
@@ -909,6 +923,18 @@ def _compiled_eval_loss(graph, state, batches, finish):
     return _in_phase(finish, _evaluation, graph, state, batches)
 
 
+def _split_committed(node):
+    """`nnx.split(node)` with every array of the state committed to the device it is on.
+
+    A restored checkpoint's arrays are committed and a new model's are not, and jit compiles
+    one program per kind of placement: the same placement for both lets a resumed run (and
+    the switch of one, whose fresh SR streams meet restored arrays) reuse the step compiled
+    for a new run, in this process and in the persistent compilation cache.
+    """
+    graph, state = nnx.split(node)
+    return graph, jax.tree.map(lambda x: jax.device_put(x, x.sharding), state)
+
+
 class CompiledRun:
     """One run's train step and evaluation, split state in and out, each compiled once.
 
@@ -932,8 +958,8 @@ class CompiledRun:
 
     def __init__(self, model, optimizer, finish: bool | None = None):
         self.model, self.optimizer = model, optimizer
-        self.graph, self.state = nnx.split(model)
-        self.opt_graph, self.opt_state = nnx.split(optimizer)
+        self.graph, self.state = _split_committed(model)
+        self.opt_graph, self.opt_state = _split_committed(optimizer)
         self.finish = None if finish is None else np.bool_(finish)
 
     def _step_args(self, batch) -> tuple:
@@ -969,7 +995,7 @@ class CompiledRun:
         `finish`, the finish starts."""
         self.sync()
         change(self.model)
-        self.graph, self.state = nnx.split(self.model)
+        self.graph, self.state = _split_committed(self.model)
         if self.finish is not None:
             self.finish = np.bool_(True)
 
@@ -1467,8 +1493,10 @@ def train_and_report(args) -> dict:
         # A resumed run trains with its checkpoint's rules; its diagnostics are the first
         # part's (the same flags, so the same model, batch and rules: the same report).
         rules = trained_rules(saved.get("nvfp4"))
-        if rules is None:
+        if rules is None and args.diagnostics:
             rules = diagnose(args, train, args.out, console)
+        elif rules is None:
+            rules = model_rules(args)
         else:
             console.print(
                 f"diagnostics: those of the run's start ({args.out / 'diagnostics.json'}); "

@@ -22,6 +22,7 @@ import train_lm
 TINY = [
     *("--width", "32", "--depth", "1", "--heads", "2", "--batch", "8", "--seq-len", "32"),
     *("--bf16-last", "0", "--high-precision-final", "0"),
+    "--no-diagnostics",  # the tests of the diagnostics turn them on
 ]
 
 
@@ -59,7 +60,7 @@ def test_resume_continues_exactly(tmp_path, capsys):
     # checkpoint (it does not run the diagnostics again).
     assert train_lm.nvfp4_recipe(train_lm.parse_args(TINY)).uses_four_over_six
     flags = ["--recipe", "nvfp4", "--steps", "6", "--eval-every", "3", "--save-every", "2"]
-    flags += ["--suggest-share", "0.25"]
+    flags += ["--diagnostics", "--suggest-share", "0.25"]
     straight = _run(tmp_path / "straight", *flags)
     _run(tmp_path / "resumed", *flags, "--stop-after", "3")
     diagnostics = tmp_path / "resumed" / "diagnostics.json"
@@ -175,6 +176,10 @@ BAD_FLAGS = {
     "rules-missing": (["--rules", "{folder}/no.json"], "argument --rules: cannot read"),
     "rules-not-json": (["--rules", "{short}"], "argument --rules: {short} is not JSON"),
     "suggest-share-2": (["--suggest-share", "2"], "argument --suggest-share: must be a number"),
+    "suggest-share-without-diagnostics": (
+        ["--suggest-share", "0.1", "--no-diagnostics"],
+        "--suggest-share needs the diagnostics: drop --no-diagnostics",
+    ),
     "recipe": (["--recipe", "fp8"], "argument --recipe: invalid choice: 'fp8'"),
     "eval-every-0": (["--eval-every", "0"], "argument --eval-every: must be a positive integer"),
     "eval-every-past-steps": (
@@ -332,11 +337,18 @@ def test_rules_file_and_diagnostics_are_written(tmp_path):
     rules.write_text(json.dumps([{"pattern": "mlp", "recipe": {"stochastic_rounding": False}}]))
     out = tmp_path / "run"
     flags = ["--recipe", "nvfp4", "--steps", "2", "--rules", str(rules), "--suggest-share", "0.1"]
-    results = train_lm.main([*TINY, *flags, "--out", str(out)])
+    results = train_lm.main([*TINY, "--diagnostics", *flags, "--out", str(out)])
     report = json.loads((out / "diagnostics.json").read_text())
     assert report["layers"] and (out / "diagnostics.png").stat().st_size > 0
     patterns = [pattern for pattern, _ in results["config"]["rules"]]
     assert patterns[0].startswith("^layers/") and "mlp" in patterns and patterns[-1] == ".*"
+    # --no-diagnostics: the flags' rules, no diagnostics files.
+    out = tmp_path / "without"
+    results = train_lm.main([*TINY, *flags[:-2], "--out", str(out)])
+    assert not (out / "diagnostics.json").exists() and not (out / "diagnostics.png").exists()
+    patterns = [pattern for pattern, _ in results["config"]["rules"]]
+    flag_rules = train_lm.model_rules(train_lm.parse_args([*TINY, *flags[:-2]]))
+    assert patterns == [rule.pattern for rule in flag_rules] and "mlp" in patterns
 
 
 def test_high_precision_final_resumes_exactly_across_the_switch(tmp_path, capsys):
@@ -358,6 +370,7 @@ def test_high_precision_final_resumes_exactly_across_the_switch(tmp_path, capsys
     # step s shows from step s + 2 on).
     folder = tmp_path / "resumed"
     _run(folder, *flags, "--stop-after", "2")
+    programs = train_lm.CompiledRun.programs()
     for stop in (3, 4, 5, 6):
         resumed = _run(folder, *flags, "--resume", "--stop-after", str(stop))["histories"]
         resumed = resumed["nvfp4"]
@@ -365,6 +378,9 @@ def test_high_precision_final_resumes_exactly_across_the_switch(tmp_path, capsys
         assert resumed["train_loss"] == straight["train_loss"][:stop], f"up to step {stop}"
         assert resumed["val_loss"] == straight["val_loss"][: stop // 3], f"up to step {stop}"
         assert resumed.get("high_precision_from") == (4 if stop >= 4 else None)
+    # The resumed parts (restored arrays, and at the switch the finish's new SR streams among
+    # them) run the train step the straight run compiled.
+    assert train_lm.CompiledRun.programs() == programs
 
 
 def _state_bytes(model) -> list[bytes]:
@@ -379,14 +395,14 @@ def _state_bytes(model) -> list[bytes]:
 
 
 @pytest.mark.parametrize(
-    "flags",
-    [[], ["--experts", "2"], ["--high-precision-final-gemms", "all"]],
-    ids=["dense", "moe", "all_gemms"],
+    "flags", [["--experts", "2"], ["--high-precision-final-gemms", "all"]], ids=["moe", "all_gemms"]
 )
 def test_the_switch_at_run_time_is_the_recompiled_switch(flags):
     # What `run` does (`CompiledRun`: one compiled step, the finish a runtime flag for the
     # forward; with "all" GEMMs a switched graph and a second compile) against the switch as
     # it was: `switch_precision` and `train_step` compiled anew. Steps 1-2 NVFP4, 3-4 finish.
+    # The MoE model's attention GEMMs are dense NVFP4 GEMMs (`dot_general`), its experts'
+    # `ragged_dot`s: both kinds switch at run time.
     args = train_lm.parse_args(
         [*TINY, "--batch", "2", "--steps", "4", "--high-precision-final", "0.5", *flags]
     )

@@ -603,46 +603,47 @@ def _example_grads(batch, experts: int = 0):
 
 @pytest.mark.parametrize("experts", [0, 4], ids=["dense", "moe"])
 def test_example_step_data_parallel(experts):
-    """The example's training step with its batch sharded, under each way to use a mesh.
+    """The example's training step with its batch sharded, under `jax.set_mesh` with Auto
+    and with Explicit axes (the layers' tests above take every way to use a mesh; each way
+    compiles the example anew, so this one takes JAX's two defaults).
 
     The step equals one device's up to the f32 sums of the layers around the NVFP4 GEMMs
     (norms, attention, router), which XLA compiles differently per program; a gradient
     that moves by an ulp may flip an NVFP4 code of the next GEMM, so the gradients are
-    compared at the recipe's error (the dense step; a MoE's routing may move tokens). Under
-    `jax.set_mesh` with Auto axes, and the dense step with Explicit axes, the step gives the
-    same bits as with the shardings only on the arrays. The MoE step under Explicit axes
-    gathers the tokens for its sort (another program), where XLA may keep a bf16 product in
-    f32 (its default `xla_allow_excess_precision`) before the next quantization: the same
-    bits with that flag off (checked by hand), here the loss at the recipe's error.
+    compared at the recipe's error (the dense step; a MoE's routing may move tokens). The
+    dense step with Explicit axes gives the same bits as with Auto axes. The MoE step under
+    Explicit axes gathers the tokens for its sort (another program), where XLA may keep a
+    bf16 product in f32 (its default `xla_allow_excess_precision`) before the next
+    quantization: the same bits with that flag off (checked by hand), here the loss at the
+    recipe's error.
     """
     rng = np.random.default_rng(0)
     batch = jnp.asarray(rng.integers(0, 256, (8, 33)), jnp.int32)
     loss_1, grads_1 = _example_grads(*on_one_device(batch), experts)
     results = {}
-    for mode in MESH_MODES:
+    for mode in ("auto_set_mesh", "explicit"):
         with mesh_context(mesh(mode), mode):
             sharded = jax.device_put(batch, NamedSharding(mesh(mode), P(AXIS)))
             results[mode] = _example_grads(sharded, experts)
-    loss_8, grads_8 = results["auto"]
+    loss_8, grads_8 = results["auto_set_mesh"]
     np.testing.assert_allclose(loss_8, loss_1, rtol=F32_SUM_TOLERANCE)
     flat_1 = jax.tree_util.tree_flatten_with_path(grads_1)[0]
     if not experts:  # the MoE: see below
         for (path, a), b in zip(flat_1, jax.tree.leaves(grads_8), strict=True):
             scale = float(jnp.max(jnp.abs(a)))
             np.testing.assert_allclose(b, a, atol=3e-2 * scale, err_msg=jax.tree_util.keystr(path))
-    for mode in ("auto_set_mesh", "explicit"):
-        loss, grads = results[mode]
-        if experts and mode == "explicit":
-            # A bf16 product kept in f32 moves an NVFP4 code, which moves a router logit; with
-            # top-2 routing at initialization that moves tokens between experts: the loss
-            # stays within the recipe's error, the gradients are checked finite and shaped.
-            np.testing.assert_allclose(loss, loss_8, rtol=1e-3)
-            for (path, a), b in zip(flat_1, jax.tree.leaves(grads), strict=True):
-                assert b.shape == a.shape and bool(jnp.all(jnp.isfinite(b))), path
-            continue
-        leaves = zip(jax.tree.leaves(results["auto"]), jax.tree.leaves(results[mode]), strict=True)
-        for a, b in leaves:
-            assert_same_bits(b, a, mode)
+    loss, grads = results["explicit"]
+    if experts:
+        # A bf16 product kept in f32 moves an NVFP4 code, which moves a router logit; with
+        # top-2 routing at initialization that moves tokens between experts: the loss stays
+        # within the recipe's error, the gradients are checked finite and shaped.
+        np.testing.assert_allclose(loss, loss_8, rtol=1e-3)
+        for (path, a), b in zip(flat_1, jax.tree.leaves(grads), strict=True):
+            assert b.shape == a.shape and bool(jnp.all(jnp.isfinite(b))), path
+        return
+    leaves = zip(*(jax.tree.leaves(results[mode]) for mode in results), strict=True)
+    for a, b in leaves:
+        assert_same_bits(b, a, "explicit")
 
 
 @pytest.mark.parametrize("sr", [False, True], ids=["rn", "sr"])
