@@ -313,32 +313,25 @@ def _place(tree, sharding_of):
     )
 
 
+@nnx.jit
+def _step_with_grads(model, optimizer, batch):
+    """`train_lm.train_step` that also returns the gradients it applies."""
+    loss, aux, grads = train_lm._loss_and_grads(model, batch)
+    optimizer.update(model, grads)
+    return loss, aux, nnx.to_pure_dict(grads)
+
+
 def _train_step(args, batch, sharding_of=None):
-    """One `train_lm.train_step` of the NVFP4 model, its state and batch placed by
-    `sharding_of(path, array)` (None: left as made, on the default device, uncommitted as in
-    the training tests, which compiled the step already); returns (loss, aux, updated
-    params, the model)."""
+    """One training step of the NVFP4 model (`_step_with_grads`), its state and batch placed
+    by `sharding_of(path, array)` (None: left as made, on the default device); returns
+    (loss, aux, gradients, updated params, the model)."""
     model = train_lm.make_model(args, "nvfp4")
     optimizer = train_lm.make_optimizer(model, args)
     if sharding_of is not None:
         nnx.update((model, optimizer), _place(nnx.state((model, optimizer)), sharding_of))
         batch = _place(batch, sharding_of)
-    loss, aux = train_lm.train_step(model, optimizer, batch)
-    return loss, aux, nnx.to_pure_dict(nnx.state(model, nnx.Param)), model
-
-
-def _gradients(args, batch, sharding_of=None):
-    """The gradients of the NVFP4 model's training loss, placed as in `_train_step`."""
-    model = train_lm.make_model(args, "nvfp4")
-    if sharding_of is not None:
-        nnx.update(model, _place(nnx.state(model), sharding_of))
-        batch = _place(batch, sharding_of)
-
-    @nnx.jit
-    def grads(model, batch):
-        return nnx.grad(lambda m, b: train_lm.train_loss_fn(m, b)[0])(model, batch)
-
-    return nnx.to_pure_dict(grads(model, batch))
+    loss, aux, grads = _step_with_grads(model, optimizer, batch)
+    return loss, aux, grads, nnx.to_pure_dict(nnx.state(model, nnx.Param)), model
 
 
 @pytest.mark.skipif(jax.device_count("cpu") < 8, reason="needs 8 CPU devices")
@@ -356,9 +349,9 @@ def test_experts_sharded_over_devices_train_like_one_device():
         split = "'experts'" in path and x.ndim >= 1 and x.shape[0] == 4
         return NamedSharding(mesh, P(EP_AXIS) if split else P())
 
-    loss_1, aux_1, params_1, _ = _train_step(args, batch)
+    loss_1, aux_1, grads_1, params_1, _ = _train_step(args, batch)
     assert jax.tree.leaves(params_1)[0].devices() == {jax.devices("cpu")[0]}
-    loss_8, aux_8, params_8, model = _train_step(args, batch, expert_parallel)
+    loss_8, aux_8, grads_8, params_8, model = _train_step(args, batch, expert_parallel)
     kernel = model.layers[0].mlp.experts.gate_proj.kernel[...]
     assert kernel.sharding.spec == P(EP_AXIS) and len(kernel.sharding.device_set) == 8
     assert kernel.addressable_shards[0].data.shape == (1, 32, 48)
@@ -375,7 +368,6 @@ def test_experts_sharded_over_devices_train_like_one_device():
     for (path, a), b in zip(flat_1, jax.tree.leaves(params_8), strict=True):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-7, err_msg=jax.tree_util.keystr(path))
     # The experts' gradients themselves: bit for bit.
-    grads_1, grads_8 = _gradients(args, batch), _gradients(args, batch, expert_parallel)
     flat_1 = jax.tree_util.tree_flatten_with_path(grads_1)[0]
     experts = 0
     for (path, a), b in zip(flat_1, jax.tree.leaves(grads_8), strict=True):
