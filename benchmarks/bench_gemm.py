@@ -65,15 +65,22 @@ def medians_ms(cases, iters: int, warmup: int = 2, pause: float = 0.02) -> list[
     return [float(np.median(t)) * 1e3 for t in times]
 
 
-@contextlib.contextmanager
-def emulated_in_xla():
-    """The GEMM as before the native kernel: block values in bf16 and XLA's dot."""
+def compiled_emulated(fn, *args):
+    """`fn` compiled for `args` with the GEMMs as before the native kernel (block values in
+    bf16 and XLA's dot): a compiled program, which no later trace changes.
+
+    The library's ops are jitted functions of their own (traced once per argument types), so
+    the caches are cleared on the way in (the ops trace again, emulated) and on the way out
+    (what is traced after is native again).
+    """
     original = gemm.uses_native_gemm
     gemm.uses_native_gemm = lambda backend, implementation: False
+    jax.clear_caches()
     try:
-        yield
+        return jax.jit(fn).lower(*args).compile()
     finally:
         gemm.uses_native_gemm = original
+        jax.clear_caches()
 
 
 def host(forced: str | None = None) -> str:
@@ -110,9 +117,7 @@ def bench_gemm(size: int, iters: int):
     qa, qb = nvfp4_jax.quantize(a32), nvfp4_jax.quantize(b32)
     a16, b16 = a32.astype(jnp.bfloat16), b32.astype(jnp.bfloat16)
     native = jax.jit(lambda p, q: gemm.scaled_matmul(p, q, backend="emulated"))
-    with emulated_in_xla():
-        before = jax.jit(lambda p, q: gemm.scaled_matmul(p, q, backend="emulated"))
-        before(qa, qb)  # traced (and compiled) while the emulation is on
+    before = compiled_emulated(lambda p, q: gemm.scaled_matmul(p, q, backend="emulated"), qa, qb)
     module = kernels._library.module("cpu")
     has_amx = module is not None and module.set_gemm_amx(True)
     if module is not None:
@@ -180,9 +185,7 @@ def bench_dense(size: int, iters: int):
     recipe = NVFP4Recipe()
     nvfp4 = lambda x, w: dot_general(x, w, DENSE, recipe=recipe, key=key)  # noqa: E731
     after = step(nvfp4)
-    with emulated_in_xla():
-        before = step(nvfp4)
-        before(x, w, g)  # traced while the emulation is on
+    before = compiled_emulated(step(nvfp4), x, w, g)
     baseline = step(
         lambda x, w: jax.lax.dot_general(x, w, DENSE, preferred_element_type=jnp.float32)
     )
