@@ -4,17 +4,13 @@ the `integration` marker.
 JAX sees 8 CPU devices in every test process (the flag must be set before JAX starts), so
 the multi-device tests are ordinary tests; single-device tests run on device 0 as usual.
 
-XLA compiles the tests' programs with LLVM's optimizations off
-(`--xla_backend_optimization_level=0`): the suite's time is mostly XLA compiling small
-programs that then run for milliseconds, and this cuts a training step's compile 3x to 4x.
-What the contract fixes does not depend on it (every bit-exact test passes at both levels;
-docs/NUMERICS.md says how the code stays exact whether or not LLVM fuses a multiply and an
-add into an FMA, which it does only when optimizing), but f32 arithmetic outside the
-contract may round differently, so the JAX processes a test starts compile with the same
-flags (`helpers.xla_compile_flags`). The test command's second environment (the newest JAX,
-scripts/test.sh) runs the fast tests at XLA's default level; `NVFP4_TEST_XLA_OPTIMIZE=1`
-keeps the default here too. The run's processes share one compilation cache
-(`pytest_configure`).
+XLA compiles the tests' programs with LLVM's optimizations off and, where this XLA has
+them, with its older CPU emitters (`xla_setup.py` says why and what it changes): the suite's
+time is mostly XLA compiling small programs that then run for milliseconds. The JAX
+processes a test starts compile with the same flags (`helpers.xla_compile_flags`). The test
+command's second environment (the newest JAX, scripts/test.sh) runs the fast tests with
+XLA's defaults; `NVFP4_TEST_XLA_OPTIMIZE=1` keeps them here too. The run's processes share
+one compilation cache (`pytest_configure`).
 
 `tests/` mirrors the package: `core/`, `training/`, `flax/`, `io/`, `model/` hold the tests of
 `nvfp4_jax/_src/<package>/`, one file per module or feature. `integration/` holds the tests
@@ -42,22 +38,13 @@ only; `pytest --reference-sweep tests/integration/test_multiprocess.py` runs all
 from __future__ import annotations
 
 import os
-
-os.environ["XLA_FLAGS"] = " ".join(
-    filter(
-        None,
-        [
-            os.environ.get("XLA_FLAGS", ""),
-            "--xla_force_host_platform_device_count=8",
-            os.environ.get("NVFP4_TEST_XLA_OPTIMIZE", "0") != "1"
-            and "--xla_backend_optimization_level=0",
-        ],
-    )
-)
-
 import pathlib
 import shutil
 import tempfile
+
+import xla_setup
+
+os.environ["XLA_FLAGS"] = xla_setup.xla_flags()  # before JAX starts
 
 import jax
 import pytest
@@ -112,6 +99,10 @@ NEWEST_DISTRIBUTED = (
     "test_train_step_sharded_equals_one_device",
     "test_layer_data_parallel_equals_one_device",
 )
+# The kept reference case of the sharded train step holds two programs' f32 sums (XLA's own
+# order) to the same bits: it skips where the older CPU emitters run (xla_setup.py), so the
+# newest-JAX pass, which compiles with XLA's defaults, runs it too.
+NEWEST_REFERENCE = ("test_train_step_sharded_equals_one_device",)
 
 # The reference sweep (see the module docstring): test name -> the one reference case (its id)
 # that runs by default; the test's other reference cases run with --reference-sweep.
@@ -149,8 +140,9 @@ def _in_reference_sweep(item, on_reference: bool) -> bool:
 def pytest_collection_modifyitems(config, items):
     """Marks `integration` every test under tests/integration/, `slow` those and the rest the
     inner loop leaves out (see the module docstring), `newest` `NEWEST_DISTRIBUTED`'s native
-    Explicit-axes cases, `reference_sweep` the reference sweep (deselected without
-    --reference-sweep); then puts the `LONGEST` modules first."""
+    Explicit-axes cases and `NEWEST_REFERENCE`'s kept reference case, `reference_sweep` the
+    reference sweep (deselected without --reference-sweep); then puts the `LONGEST` modules
+    first."""
     sweep = config.getoption("--reference-sweep")
     swept = []
     for item in items:
@@ -166,6 +158,9 @@ def pytest_collection_modifyitems(config, items):
             item.originalname in NEWEST_DISTRIBUTED
             and params.get("impl") == "cpu"
             and params.get("mode") == "explicit"
+        ) or (
+            item.originalname in NEWEST_REFERENCE
+            and item.callspec.id == REFERENCE_KEPT[item.originalname]
         ):
             item.add_marker(pytest.mark.newest)
         if _in_reference_sweep(item, on_reference):

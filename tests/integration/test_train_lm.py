@@ -10,6 +10,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import skip_where_xla_sums_follow_the_program
 
 import nvfp4_jax
 
@@ -395,7 +396,14 @@ def _state_bytes(model) -> list[bytes]:
 
 
 @pytest.mark.parametrize(
-    "flags", [["--experts", "2"], ["--high-precision-final-gemms", "all"]], ids=["moe", "all_gemms"]
+    "flags",
+    [
+        pytest.param(["--experts", "2"], id="moe"),
+        # Its high-precision GEMMs sum in XLA's order, in two programs: see below.
+        pytest.param(
+            ["--high-precision-final-gemms", "all"], id="all_gemms", marks=pytest.mark.newest
+        ),
+    ],
 )
 def test_the_switch_at_run_time_is_the_recompiled_switch(flags):
     # What `run` does (`CompiledRun`: one compiled step, the finish a runtime flag for the
@@ -412,6 +420,8 @@ def test_the_switch_at_run_time_is_the_recompiled_switch(flags):
     rules = train_lm.model_rules(args)
     at_run_time = train_lm.finish_at_run_time("nvfp4", args)
     assert at_run_time == ("all" not in flags)
+    if not at_run_time:  # the high-precision GEMMs of two programs, to the same bits
+        skip_where_xla_sums_follow_the_program("the recompiled switch's high-precision GEMMs")
 
     model = train_lm.make_model(args, "nvfp4", rules)
     optimizer = train_lm.make_optimizer(model, args)

@@ -38,6 +38,7 @@ from helpers import (
     make_impl,
     make_mesh,
     mesh_context,
+    skip_where_xla_sums_follow_the_program,
 )
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -371,6 +372,8 @@ TRAIN_SPECS = {
 @pytest.mark.parametrize("layout", list(TRAIN_SPECS))
 @pytest.mark.parametrize("mode", MESH_MODES)
 def test_train_step_sharded_equals_one_device(impl, layout, mode):
+    if impl.implementation == "reference":  # its GEMMs sum in XLA's order
+        skip_where_xla_sums_follow_the_program("the reference's sharded step")
     params, x, y, key = train_setup()
     recipe = NVFP4Recipe(implementation=impl.implementation)
     step = jax.jit(jax.value_and_grad(mlp_loss), static_argnums=4)
