@@ -7,9 +7,10 @@
 # Then, where a Python >= 3.12 is present (NVFP4_NEWEST_PYTHON, python3.12, python3.13 or
 # pyenv's), the core package's tests (the numerics of every op on every implementation),
 # the public API, the precision schedule (high_precision_forward), the integrations' tests and
-# the native kernels under JAX's default mesh (marked `newest`: qwix, Explicit axes) run again in
+# the native kernels under JAX's default mesh and the tests that need XLA's own defaults (marked
+# `newest`: qwix, Explicit axes, two tests that skip under tests/xla_setup.py's flags) run again in
 # .venv-newest with the newest JAX that Python gets (jax 0.12 on 3.12 and 3.13; .venv has
-# what Python 3.11 gets, jax 0.10), at XLA's default optimization level. NVFP4_SKIP_NEWEST=1
+# what Python 3.11 gets, jax 0.10), with XLA's defaults (tests/xla_setup.py). NVFP4_SKIP_NEWEST=1
 # skips it; with pytest arguments given it is skipped too (a focused run).
 set -euo pipefail
 source "$(dirname "$0")/setup_venv.sh" "[test]"

@@ -15,7 +15,7 @@ one compilation cache (`pytest_configure`).
 `tests/` mirrors the package: `core/`, `training/`, `flax/`, `io/`, `model/` hold the tests of
 `nvfp4_jax/_src/<package>/`, one file per module or feature. `integration/` holds the tests
 that start processes, train the example or need optional engines: every test there is
-marked `integration`. The fast inner loop is `pytest -m "not slow"` (about 3 minutes on 2
+marked `integration`. The fast inner loop is `pytest -m "not slow"` (about 2 minutes on 2
 cores); `slow` marks, besides the integration tests, the sharding tests of
 `training/test_distributed.py` (marked `distributed`), the training ops' cases on the
 reference implementation (`tests/training/`, `impl` or `implementation` "reference": the
@@ -29,8 +29,8 @@ recipe's operands, the sharding rules) is the same code whatever implementation 
 and `tests/core/` shows both implementations quantize to the same bits, op by op: on the
 reference each of them runs one chosen case by default (the native cases all run), and the
 others are marked `reference_sweep` and deselected. `pytest --reference-sweep -m
-reference_sweep tests/training` runs them (a heavy optional check: 58 tests, about 2
-minutes on 2 cores; run it before a change to the training ops is merged). The two-process
+reference_sweep tests/training` runs them (a heavy optional check: 58 tests, about a
+minute on 2 cores; run it before a change to the training ops is merged). The two-process
 tests (`integration/test_multiprocess.py`) likewise run the reference's hardest cases
 only; `pytest --reference-sweep tests/integration/test_multiprocess.py` runs all of them.
 """
