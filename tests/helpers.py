@@ -272,6 +272,6 @@ def skip_where_xla_sums_follow_the_program(what: str) -> None:
 def xla_compile_flags() -> str:
     """This process's XLA flags without the device count: what a test passes to the JAX
     processes it starts (which set their own device count), so that they compile their
-    programs as this one does (conftest.py's optimization level)."""
+    programs as this one does (tests/xla_setup.py's flags)."""
     flags = os.environ.get("XLA_FLAGS", "").split()
     return " ".join(f for f in flags if not f.startswith("--xla_force_host_platform_device_count"))
