@@ -5,24 +5,26 @@
 * `--xla_backend_optimization_level=0`: LLVM's optimizations off. The suite's time is mostly
   XLA compiling small programs that then run for milliseconds; this cuts a training step's
   compile 3x to 4x.
-* `--xla_cpu_use_fusion_emitters=false` (`LEGACY_EMITTERS`), where this XLA has the flag:
+* `--xla_cpu_use_fusion_emitters=false` (`LEGACY_EMITTERS_FLAG`), where this XLA has it:
   XLA's CPU backend emits its loops with its older emitters instead of the MLIR fusion
   emitters, which compiles the tests' programs about 2x faster again (a reference MoE train
-  step 10.1 -> 5.2 s, a native one 4.3 -> 1.7 s; the main pass of the suite 14:19 -> 9:00,
-  2 AVX2 cores). jaxlib 0.10 has them, 0.12 does not, and an XLA that does not know a flag
-  in XLA_FLAGS aborts the process: the controlling process asks a child process once per run
-  and the answer goes to the workers in `NVFP4_TEST_XLA_LEGACY_EMITTERS` ("1" or "0"; set it
-  to "0" to keep the fusion emitters).
+  step 10.1 -> 5.2 s, a native one 4.3 -> 1.7 s; the main pass of the suite 14:19 -> 7:05,
+  2 AVX2 cores; docs/results/test_suite.md). jaxlib 0.10 has them, 0.12 does not, and an
+  XLA that does not know a flag in XLA_FLAGS aborts the process: the controlling process
+  asks a child process once per run and the answer goes to the workers in
+  `NVFP4_TEST_XLA_LEGACY_EMITTERS` ("1" or "0"; set it to "0" to keep the fusion emitters).
 
 What the contract fixes does not depend on either choice: every bit-exact test of an op
 passes with and without them (docs/NUMERICS.md says how the code stays exact whether or not
 LLVM fuses a multiply and an add into an FMA, which it does only when optimizing). f32
-arithmetic outside the contract may round differently: XLA's own summation order (the
-reference's GEMM sums, the high-precision GEMMs, the embedding's scatter-add) is the same
-in every program under the fusion emitters, but under the older ones it can differ by an
-ulp between two programs of the same math (a sharded and an unsharded step). The few tests
-that hold two such programs to the same bits skip under them (`LEGACY_EMITTERS`, with the
-reason) and run in the newest-JAX pass, which compiles with XLA's defaults
+arithmetic outside the contract may round differently (the embedding's scatter-add in the
+example's gradients differs by an ulp between the two kinds of emitters). XLA's own
+summation order (the reference's GEMM sums, the high-precision GEMMs) has been the same in
+the tests' programs under the fusion emitters, but under the older ones it can differ by an
+ulp between two programs of the same math (a sharded and an unsharded step; a value and its
+recomputation inside a fusion). The two tests that hold two such programs to the same bits
+skip under them (`helpers.skip_where_xla_sums_follow_the_program`, with the reason) and run
+in the newest-JAX pass, which compiles with XLA's defaults
 (`NVFP4_TEST_XLA_OPTIMIZE=1`, scripts/test.sh). The JAX processes a test starts compile with
 the same flags (`helpers.xla_compile_flags`).
 """
