@@ -30,7 +30,9 @@ and `tests/core/` shows both implementations quantize to the same bits, op by op
 reference each of them runs one chosen case by default (the native cases all run), and the
 others are marked `reference_sweep` and deselected. `pytest --reference-sweep -m
 reference_sweep tests/training` runs them (a heavy optional check: 58 tests, about a
-minute on 2 cores; run it before a change to the training ops is merged). The two-process
+minute on 2 cores; run it before a change to the training ops is merged; with
+`NVFP4_TEST_XLA_LEGACY_EMITTERS=0` for the sharded train step's reference cases, which skip
+under the older emitters, see xla_setup.py). The two-process
 tests (`integration/test_multiprocess.py`) likewise run the reference's hardest cases
 only; `pytest --reference-sweep tests/integration/test_multiprocess.py` runs all of them.
 """

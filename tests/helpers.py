@@ -261,11 +261,13 @@ def skip_where_xla_sums_follow_the_program(what: str) -> None:
     """Skips a test that holds two programs' f32 sums in XLA's own order (the reference's
     GEMMs, the high-precision ones) to the same bits, where XLA's older CPU emitters run:
     under them that order can differ between two programs of the same math
-    (tests/xla_setup.py). The newest-JAX pass, with XLA's defaults, runs such a test."""
+    (tests/xla_setup.py). `NVFP4_TEST_XLA_LEGACY_EMITTERS=0` runs it here; the newest-JAX
+    pass, with XLA's defaults, runs the cases marked `newest` (conftest.py)."""
     if xla_setup.legacy_emitters():
         pytest.skip(
             f"{what}: under XLA's older CPU emitters (tests/xla_setup.py) XLA's f32 sums may "
-            "round differently in each program; the newest-JAX pass runs this test"
+            "round differently in each program; NVFP4_TEST_XLA_LEGACY_EMITTERS=0 runs it (the "
+            "newest-JAX pass runs the cases marked newest)"
         )
 
 

@@ -23,8 +23,9 @@ summation order (the reference's GEMM sums, the high-precision GEMMs) has been t
 the tests' programs under the fusion emitters, but under the older ones it can differ by an
 ulp between two programs of the same math (a sharded and an unsharded step; a value and its
 recomputation inside a fusion). The two tests that hold two such programs to the same bits
-skip under them (`helpers.skip_where_xla_sums_follow_the_program`, with the reason) and run
-in the newest-JAX pass, which compiles with XLA's defaults
+skip under them (`helpers.skip_where_xla_sums_follow_the_program`, with the reason;
+`NVFP4_TEST_XLA_LEGACY_EMITTERS=0` runs them) and their default cases run in the newest-JAX
+pass, which compiles with XLA's defaults
 (`NVFP4_TEST_XLA_OPTIMIZE=1`, scripts/test.sh). The JAX processes a test starts compile with
 the same flags (`helpers.xla_compile_flags`).
 """
