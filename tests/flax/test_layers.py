@@ -330,6 +330,29 @@ def test_nnx_linear_from_quantized_rejects_what_it_cannot_serve():
         nvfp4_jax.nnx.Linear.from_quantized(quantized_kernel(), activations="fp8")
 
 
+@pytest.mark.parametrize(
+    ("bias", "error", "message"),
+    [
+        (jnp.ones(()), ValueError, r"bias must be \(32,\), got \(\)"),  # would broadcast
+        (jnp.ones((1, 32)), ValueError, r"bias must be \(32,\), got \(1, 32\)"),
+        (jnp.ones((64,)), ValueError, r"bias must be \(32,\), got \(64,\)"),  # (in,)
+        (jnp.ones((32,), jnp.int32), TypeError, "bias must be a float array, got int32"),
+    ],
+    ids=["scalar", "row", "in-features", "int"],
+)
+def test_nnx_linear_from_quantized_checks_its_bias(bias, error, message):
+    # A bias the layer cannot add as (out,) is the caller's mistake: named where it is given,
+    # not broadcast silently (a scalar) or found at the first call as a shape error.
+    with pytest.raises(error, match=f"Linear.from_quantized: {message}"):
+        nvfp4_jax.nnx.Linear.from_quantized(quantized_kernel(), bias=bias)
+    layer = nvfp4_jax.nnx.Linear.from_quantized(
+        quantized_kernel(), bias=jnp.arange(32.0), dtype=jnp.float32
+    )
+    x = inputs((4, 64))
+    want = x @ nvfp4_jax.dequantize(quantized_kernel()) + jnp.arange(32.0)
+    assert_same_bits(layer(x), want)
+
+
 def test_nnx_calibration_records_the_largest_input():
     model = NnxMLP(nnx.Rngs(0, quantize=1))
     assert nvfp4_jax.nnx.calibrate(model) == 2

@@ -14,6 +14,7 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from nvfp4_jax._src.core import ops
 from nvfp4_jax._src.core.array import NVFP4Array, validate_nvfp4_array
@@ -41,6 +42,21 @@ def check_linear(kernel: NVFP4Array, activations: str, input_scale, op: str) -> 
         )
     if activations == "nvfp4" and input_scale is None:
         raise ValueError(f"{op}: activations='nvfp4' (W4A4) needs input_scale")
+
+
+def check_bias(bias, out_features: int, op: str) -> None:
+    """Checks a frozen linear's optional bias: a float (out,) array, added along the last axis.
+
+    Any other shape would broadcast (a scalar, (1, out)) or fail at the first call.
+    """
+    if bias is None:
+        return
+    shape = tuple(np.shape(bias))
+    if shape != (out_features,):
+        raise ValueError(f"{op}: bias must be ({out_features},), got {shape}")
+    dtype = jnp.result_type(bias)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"{op}: bias must be a float array, got {dtype}")
 
 
 def input_scale_of(input_scale, op: str) -> jax.Array:

@@ -125,7 +125,8 @@ class Linear(nnx.Linear):
         Args:
           kernel: the weight, an `NVFP4Array` of logical shape (in, out) quantized along axis
             0 (what `load_hf_checkpoint` gives for a linear: the HF (out, in) bytes).
-          bias: an optional (out,) bias (a trainable `nnx.Param`).
+          bias: an optional (out,) float bias (a trainable `nnx.Param`); another shape is a
+            `ValueError`, another dtype a `TypeError`.
           input_scale: the static activation scale of W4A4 (`input_amax * RCP2688`, the
             checkpoint's `.input_scale`); required with `activations="nvfp4"`. A concrete
             NaN, inf or negative one is a `ValueError`; once stored in the layer it is data
@@ -212,6 +213,7 @@ class FrozenLinear(Linear):
     ):
         frozen.check_linear(kernel, activations, input_scale, _FROZEN_LINEAR)
         in_features, out_features = kernel.shape
+        frozen.check_bias(bias, out_features, _FROZEN_LINEAR)
         dtype = checks.check_dtype(dtype, _FROZEN_LINEAR)
         scale = frozen.input_scale_of(input_scale, _FROZEN_LINEAR)
         super().__init__(
