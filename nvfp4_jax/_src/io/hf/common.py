@@ -44,6 +44,9 @@ LEGACY_PRODUCER = {
 QUANT_SUFFIXES = ("weight", "weight_scale", "weight_scale_2", "input_scale")
 KV_SUFFIXES = ("k_scale", "v_scale")
 MAX_HEADER = 100 * 2**20
+# E4M3 block scale bytes from 0x7F up are NaN (0x7F, 0xFF) or carry the sign bit: ModelOpt's
+# block scales are amaxes (>= +0), so the import refuses them and the export never writes them.
+FIRST_BAD_SCALE_BYTE = 0x7F
 
 
 # --- strict JSON ------------------------------------------------------------------------------
@@ -58,7 +61,7 @@ def short(value, limit: int = 80) -> str:
 # A JSON string (escapes included), and every byte but brackets: to measure nesting.
 _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
-_MAX_JSON_DEPTH = 64
+MAX_JSON_DEPTH = 64
 
 
 class _DuplicateKey(ValueError):
@@ -91,7 +94,7 @@ def loads(path: str, blob: bytes, what: str):
     # Removing the innermost bracket pairs once per level: what is left after the limit
     # nests deeper than it, or its brackets do not match.
     brackets = _JSON_STRING.sub(b"", blob).translate(None, _NOT_BRACKETS)
-    for _ in range(_MAX_JSON_DEPTH):
+    for _ in range(MAX_JSON_DEPTH):
         shorter = brackets.replace(b"[]", b"").replace(b"{}", b"")
         if shorter == brackets:
             break
@@ -99,7 +102,7 @@ def loads(path: str, blob: bytes, what: str):
     if brackets:
         raise ValueError(
             f"{path}: {what} is not valid JSON: its brackets nest deeper than "
-            f"{_MAX_JSON_DEPTH} levels or do not match"
+            f"{MAX_JSON_DEPTH} levels or do not match"
         )
     try:
         return json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
@@ -121,9 +124,14 @@ def read_json(path: str) -> dict:
     return value
 
 
+def json_text(value) -> str:
+    """`value` as the JSON text `write_json` writes (ValueError for NaN or infinity)."""
+    return json.dumps(value, indent=2, allow_nan=False) + "\n"
+
+
 def write_json(path: str, value) -> None:
+    text = json_text(value)
     with open(path, "w", encoding="utf-8") as file:
-        json.dump(value, file, indent=2)
-        file.write("\n")
+        file.write(text)
         file.flush()
         fsync_fd(file.fileno())

@@ -174,10 +174,18 @@ def export_hf_checkpoint(
         W4A4 (all named in one message) or ones that are NaN, infinite or negative, a fused
         group or MoE block half excluded by `exclude=`, a kernel that cannot be quantized and
         is not excluded, an experts kernel that is not (E, in, out), a router in NVFP4, a
-        model config lacking what engines need (MoE keys included) or disagreeing with the
-        kernels, a `QuantizeReport` without a decision for a linear, an nnx state holding
-        `Experts` layers without the model or `rules=`.
-      TypeError: `rules` is neither a QuantizeReport nor a sequence of Rules.
+        model config lacking what engines need (MoE keys included), disagreeing with the
+        kernels or not strict JSON (a NaN or infinite number, a key twice once keys are
+        strings, nesting deeper than 64 levels), a `QuantizeReport` without a decision for a
+        linear, an nnx state holding `Experts` layers without the model or `rules=`; and
+        whatever `load_hf_checkpoint` would refuse to read back: a float kernel holding NaN
+        or inf, an `NVFP4Array` kernel (or an expert of a stack) whose decode scale is NaN,
+        infinite or negative or whose block scales hold E4M3 NaN or negative values, named
+        by module and tensor. Every check runs before anything is written.
+      TypeError: `rules` is neither a QuantizeReport nor a sequence of Rules; an
+        `NVFP4Array` kernel whose parts have the wrong dtypes; a tensor kept in high
+        precision that is no float, unless its name map kind is "plain"; a config value
+        JSON cannot hold.
       FileExistsError: `directory` holds weights and `force` is False.
     """
     options = ExportOptions.from_keywords(

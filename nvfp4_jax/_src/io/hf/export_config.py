@@ -2,11 +2,15 @@
 
 The model config is checked against the weights: engines read what the weights cannot tell
 (heads, layers, the MoE routing) from it, so it must hold those keys, and its sizes must
-agree with the embedding, the experts kernels and the routers.
+agree with the embedding, the experts kernels and the routers. It must also be what strict
+JSON readers (`load_hf_checkpoint`, engines) read back: no NaN or infinity, no key twice
+once keys are strings, bounded nesting.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -17,8 +21,11 @@ from nvfp4_jax._src.core import formats
 from nvfp4_jax._src.io.hf.common import (
     CONFIG_NAME,
     LEGACY_PRODUCER,
+    MAX_HEADER,
+    MAX_JSON_DEPTH,
     PRODUCER,
     REQUIRED_CONFIG_KEYS,
+    json_text,
     read_json,
 )
 
@@ -70,7 +77,76 @@ def read_model_config(config, directory: str) -> dict:
         )
     if not isinstance(config["architectures"], list) or not config["architectures"]:
         raise ValueError("export_hf_checkpoint: config['architectures'] must be a non-empty list")
-    return {k: v for k, v in config.items() if k != "quantization_config"}
+    config = {k: v for k, v in config.items() if k != "quantization_config"}
+    _check_strict_json(config)
+    return config
+
+
+def _check_strict_json(config: dict) -> None:
+    """Raises for a config that `config.json` cannot hold as strict JSON, naming the field."""
+    fault = _json_fault(config, "config", 1)
+    if fault is not None:
+        raise fault
+    size = len(json_text(config).encode())
+    if size > MAX_HEADER:
+        raise ValueError(
+            f"export_hf_checkpoint: config is {size} bytes as JSON; a config.json holds at "
+            f"most {MAX_HEADER}"
+        )
+
+
+# What JSON holds besides dicts and lists (a float subclass too: json writes it as a float).
+_JSON_SCALARS = (str, int, float, bool, type(None))
+
+
+def _json_fault(value, where: str, depth: int) -> Exception | None:
+    """The first field of `value` strict JSON cannot hold, as the error to raise, or None."""
+    prefix = "export_hf_checkpoint:"
+    if depth > MAX_JSON_DEPTH:
+        return ValueError(
+            f"{prefix} {where} nests deeper than {MAX_JSON_DEPTH} levels, more than a strict "
+            "JSON reader takes"
+        )
+    if isinstance(value, float) and not math.isfinite(value):
+        return ValueError(f"{prefix} {where} is {value}, which strict JSON cannot hold")
+    if isinstance(value, _JSON_SCALARS):
+        return None
+    if isinstance(value, (list, tuple)):
+        children = [(f"{where}[{i}]", item) for i, item in enumerate(value)]
+    elif isinstance(value, dict):
+        children, fault = _json_members(value, where)
+        if fault is not None:
+            return fault
+    else:
+        return TypeError(
+            f"{prefix} {where} is a {type(value).__name__}, which JSON cannot hold (use "
+            "Python's str, int, float, bool, None, list and dict)"
+        )
+    for name, child in children:
+        fault = _json_fault(child, name, depth + 1)
+        if fault is not None:
+            return fault
+    return None
+
+
+def _json_members(value: dict, where: str) -> tuple[list, Exception | None]:
+    """((path, member) of every member, the error of a key JSON cannot hold or holds twice)."""
+    seen: set[str] = set()
+    for key in value:
+        bad_float = isinstance(key, float) and not math.isfinite(key)
+        if not isinstance(key, _JSON_SCALARS) or bad_float:
+            return [], TypeError(
+                f"export_hf_checkpoint: {where} has the key {key!r}, a "
+                f"{type(key).__name__}; JSON keys are strings"
+            )
+        text = next(iter(json.loads(json_text({key: 0}))))  # the key as json writes it
+        if text in seen:
+            return [], ValueError(
+                f"export_hf_checkpoint: {where} holds the key {text!r} twice once written "
+                "(JSON keys are strings: 1 and '1' are one key)"
+            )
+        seen.add(text)
+    return [(f"{where}[{key!r}]", member) for key, member in value.items()], None
 
 
 def check_config_against(config: dict, tensors, dtype) -> dict:

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from nvfp4_jax._src.core import formats
-from nvfp4_jax._src.core.array import is_nvfp4_array
+from nvfp4_jax._src.core.array import is_nvfp4_array, validate_nvfp4_array
 from nvfp4_jax._src.io.hf.export_tensors import Tensor
 from nvfp4_jax._src.io.hf.names import engine_ignores, group_of
 
@@ -143,6 +143,7 @@ def _check_quantizable(t: Tensor, block_2d: bool) -> None:
     value = t.value
     stacked = t.expert is not None
     if is_nvfp4_array(value):
+        validate_nvfp4_array(value, f"export_hf_checkpoint: the kernel of {t.module} ({t.where})")
         rank = 3 if stacked else 2
         amax_ok = tuple(value.amax.shape) == (tuple(value.shape[:1]) if stacked else ())
         if len(value.shape) != rank or value.axis != -2 or value.rht or not amax_ok:

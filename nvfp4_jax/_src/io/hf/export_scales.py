@@ -3,18 +3,22 @@
 `input_scales` (W4A4) gives every quantized linear its `input_scale` from the recorded input
 amaxes or scales (or `input_amax=`), the maximum over its set: a fused group, or one
 projection kind of an MoE block over all its experts (M4). `weight_amaxes` gives every float
-kernel the amax it is quantized with, its fused group's maximum; NVFP4 kernels keep theirs.
+kernel the amax it is quantized with, its fused group's maximum; NVFP4 kernels keep theirs,
+once their scales are checked to be ones `load_hf_checkpoint` reads back.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from nvfp4_jax._src.core import formats
 from nvfp4_jax._src.core.array import is_nvfp4_array
 from nvfp4_jax._src.core.ops import tensor_amax
+from nvfp4_jax._src.io.hf.common import FIRST_BAD_SCALE_BYTE
 from nvfp4_jax._src.io.hf.export_plan import (
     compact,
     quantized_sets,
@@ -160,6 +164,7 @@ def _scale_sets(tensors) -> list[list[Tensor]]:
 
 def weight_amaxes(tensors, implementation) -> dict[str, np.float32 | None]:
     """The amax each float kernel is quantized with: its group's max (None: already NVFP4)."""
+    check_nvfp4_scales([t for t in tensors if t.quantized and is_nvfp4_array(t.value)])
     out = {}
     for members in quantized_sets(tensors):
         kinds = {is_nvfp4_array(t.value) for t in members}
@@ -175,6 +180,61 @@ def weight_amaxes(tensors, implementation) -> dict[str, np.float32 | None]:
         amax = max(_kernel_amax(t, implementation) for t in members)
         out.update({t.module: amax for t in members})
     return out
+
+
+def check_nvfp4_scales(tensors: list[Tensor]) -> None:
+    """One error naming every NVFP4 kernel whose scales the importer (and engines) refuse.
+
+    An `NVFP4Array` is written as it is: its decode scale as `weight_scale_2`, which must be
+    finite and >= 0, and its block scales as `weight_scale`, which must hold no E4M3 NaN and
+    no sign bit. A NaN amax (and NaN scales) is what quantizing a tensor holding NaN or inf
+    gives; a negative or infinite one can only have been made by hand.
+    """
+    faults = {}  # (a stack is read once for all its experts)
+    bad_decode, bad_blocks = [], []
+    for t in tensors:
+        if t.path not in faults:
+            faults[t.path] = _scale_faults(t.value)
+        decode, blocks = (part if t.expert is None else part[t.expert] for part in faults[t.path])
+        if not (np.isfinite(decode) and decode >= 0):
+            bad_decode.append((t, float(decode)))
+        if blocks:
+            bad_blocks.append(t)
+    if not bad_decode and not bad_blocks:
+        return
+    problems = []
+    if bad_decode:
+        values = ", ".join(list(dict.fromkeys(str(value) for _, value in bad_decode))[:3])
+        problems.append(
+            f"{_modules_at(t for t, _ in bad_decode)} would be written with weight_scale_2 "
+            f"(the decode scale) {values}, which must be finite and >= 0"
+        )
+    if bad_blocks:
+        problems.append(
+            f"{_modules_at(bad_blocks)} would be written with weight_scale (the block scales) "
+            "holding E4M3 NaN or negative values"
+        )
+    raise ValueError(
+        f"export_hf_checkpoint: the NVFP4Array kernel of {'; and '.join(problems)}. "
+        "load_hf_checkpoint and engines refuse such a checkpoint. NaN scales come from "
+        "quantizing a kernel that held NaN or inf: quantize finite weights, or pass the float "
+        "kernel"
+    )
+
+
+def _scale_faults(q) -> tuple[np.ndarray, np.ndarray]:
+    """(decode scales, whether each tensor's block scales hold a bad byte): () or (E,) each."""
+    decode = np.asarray(to_host(q.global_scale), np.float32)
+    bits = jax.lax.bitcast_convert_type(q.scales, jnp.uint8)
+    axes = tuple(range(q.amax.ndim, bits.ndim))
+    blocks = jnp.any(bits >= FIRST_BAD_SCALE_BYTE, axis=axes)
+    return decode, np.asarray(to_host(blocks))
+
+
+def _modules_at(tensors) -> str:
+    """`compact` module names, with the Flax leaf of the first (e.g. `['layers'][0]...`)."""
+    tensors = list(tensors)
+    return f"{', '.join(compact([t.module for t in tensors]))} ({tensors[0].where})"
 
 
 def _kernel_amax(t: Tensor, implementation) -> np.float32:

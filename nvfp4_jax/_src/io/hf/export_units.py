@@ -49,6 +49,12 @@ def _dense_unit(t: Tensor, dtype) -> Unit:
             raise ValueError(f"export_hf_checkpoint: the kernel at {t.where} is not 2-D: {shape}")
         shape = shape[::-1]
     source = np.dtype(t.value.dtype)
+    if not is_float(source) and t.kind != "plain":
+        raise TypeError(
+            f"export_hf_checkpoint: {t.where} (Flax path {t.path!r}, HF {t.hf}, a {t.kind}) "
+            f"has dtype {source}; load_hf_checkpoint and engines read a {t.kind} as floats "
+            "only (a tensor of another dtype needs a name map rule of kind 'plain')"
+        )
     target = np.dtype(dtype) if dtype is not None and is_float(source) else source
     if target not in ST_NAMES:
         raise TypeError(

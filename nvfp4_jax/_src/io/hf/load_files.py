@@ -18,6 +18,7 @@ import numpy as np
 
 from nvfp4_jax._src.core import formats
 from nvfp4_jax._src.io.hf.common import (
+    FIRST_BAD_SCALE_BYTE,
     INDEX_NAME,
     KV_SUFFIXES,
     QUANT_SUFFIXES,
@@ -169,7 +170,7 @@ def check_block_scales(name: str, path: str) -> Callable[[np.ndarray], None]:
     """
 
     def check(array: np.ndarray) -> None:
-        if array.size and np.ascontiguousarray(array).view(np.uint8).max() >= 0x7F:
+        if array.size and np.ascontiguousarray(array).view(np.uint8).max() >= FIRST_BAD_SCALE_BYTE:
             raise BadTensor(
                 f"load_hf_checkpoint: {name} ({path}) holds NaN or negative block scales "
                 "(E4M3 bytes 0x7F and above); ModelOpt writes none"
