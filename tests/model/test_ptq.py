@@ -361,6 +361,81 @@ def test_bad_arguments_are_errors_naming_the_argument(kwargs, error, words):
     assert words in str(info.value)
 
 
+def _with(batches, index, value, batch=2):
+    """`batches` with `value` at `index` of batch `batch`."""
+    return [b.at[index].set(value) if i == batch else b for i, b in enumerate(batches)]
+
+
+CALIBRATIONS = [
+    ("max", "high_precision"),
+    ("mse", "high_precision"),
+    ("four_over_six", "high_precision"),
+    ("gptq", "high_precision"),
+    ("max", "nvfp4"),
+    ("gptq", "nvfp4"),
+]
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize(("method", "activations"), CALIBRATIONS)
+def test_non_finite_calibration_inputs_are_refused_naming_layers_and_batch(
+    method, activations, value
+):
+    """Batch 2 holds one bad value in a column `odd` does not read: gate and up see it,
+    down sees what they made of it; each is named with the batch, whatever the method."""
+    model, batches = mixed()
+    bad = _with(batches, (5, 30), value)
+    with pytest.raises(ValueError, match="^quantize_for_export: ") as info:
+        ptq.quantize_for_export(model, bad, method=method, activations=activations)
+    message = str(info.value)
+    for path in ("gate_proj", "up_proj", "down_proj"):
+        assert f"'{path}' (batch 2)" in message, message
+    assert "odd" not in message and "gptq_damp" not in message, message
+    assert "NaN or inf" in message, message
+
+
+@pytest.mark.parametrize("method", ["max", "gptq"])
+def test_calibration_inputs_too_large_for_f32_statistics_are_refused(method):
+    """Finite inputs whose X^T X overflows f32: no Hessian, no output error, no damping."""
+    model, batches = mixed()
+    bad = _with(batches, (5, 30), 1e20)
+    with pytest.raises(ValueError, match="^quantize_for_export: ") as info:
+        ptq.quantize_for_export(model, bad, method=method)
+    message = str(info.value)
+    assert "overflow" in message and "'gate_proj'" in message, message
+    assert "gptq_damp" not in message, message
+
+
+@pytest.mark.parametrize("method", ["max", "gptq"])
+@pytest.mark.parametrize(
+    ("layer", "param", "index"), [("up_proj", "kernel", (3, 7)), ("gate_proj", "bias", (4,))]
+)
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+def test_non_finite_weights_are_refused_naming_the_layer(method, layer, param, index, value):
+    """Named as the weights' fault, before calibration blames the inputs they spoil."""
+    model, batches = mixed()
+    model = nnx.clone(model)
+    variable = getattr(getattr(model, layer), param)
+    variable[...] = variable[...].at[index].set(value)
+    with pytest.raises(ValueError, match=rf"^quantize_for_export: the {param} of '{layer}'"):
+        ptq.quantize_for_export(model, batches, method=method)
+
+
+def test_gptq_says_raise_gptq_damp_only_for_an_ill_conditioned_hessian():
+    indefinite = np.array([[1.0, 1e4], [1e4, 1.0]])  # (f32 rounding makes X^T X so, mildly)
+    hessian = np.kron(indefinite, np.eye(8))
+    with pytest.raises(ValueError, match="'layers/3/up' is not positive definite.*gptq_damp"):
+        ptq.methods.inverse_hessian_factor(hessian, 0.01, "layers/3/up")
+    upper, relative = ptq.methods.inverse_hessian_factor(np.eye(16) * 2.0, 0.01, "x")
+    assert relative == 0.01 and np.allclose(upper.T @ upper, np.eye(16) / 2.02)
+    for value in (np.nan, np.inf):
+        hessian = np.eye(16)
+        hessian[2, 3] = value
+        with pytest.raises(ValueError, match="'layers/3/up' is not finite") as info:
+            ptq.methods.inverse_hessian_factor(hessian, 0.01, "layers/3/up")
+        assert "gptq_damp" not in str(info.value)
+
+
 def test_a_model_whose_only_linear_cannot_be_quantized_says_why():
     with pytest.raises(ValueError, match="must be multiples of 16"):
         ptq.quantize_for_export(nnx.Linear(24, 16, rngs=nnx.Rngs(0)), [jnp.ones((2, 24))])

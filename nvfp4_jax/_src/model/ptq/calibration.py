@@ -26,16 +26,20 @@ class _Recorder(nnx.Module):
 
     x is the input as the layer multiplies it (promoted to its `dtype`), flattened to
     (rows, in). The statistics are nnx Variables, so they flow out of `nnx.jit` (and of the
-    other nnx transforms) as state updates. Other attributes are the layer's (model code
-    reading `kernel` or `in_features` of a layer keeps working).
+    other nnx transforms) as state updates; `batch`, shared by every recorder, is the index
+    of the batch running, kept in `first_bad` the first time x holds NaN or inf. Other
+    attributes are the layer's (model code reading `kernel` or `in_features` of a layer
+    keeps working).
     """
 
-    def __init__(self, layer: nnx.Linear):
+    def __init__(self, layer: nnx.Linear, batch: _Stat):
         k = layer.in_features
         self.layer = layer
+        self.batch = batch
         self.gram = _Stat(jnp.zeros((k, k), _F32))
         self.amax = _Stat(jnp.zeros((), _F32))
         self.rows = _Stat(jnp.zeros((), jnp.int32))
+        self.first_bad = _Stat(jnp.full((), -1, jnp.int32))
 
     def __call__(self, inputs, *args, **kwargs):
         layer = self.layer
@@ -45,6 +49,9 @@ class _Recorder(nnx.Module):
         self.gram[...] = self.gram[...] + gram
         self.amax[...] = jnp.maximum(self.amax[...], jnp.max(jnp.abs(x), initial=_F32(0)))
         self.rows[...] = self.rows[...] + x.shape[0]
+        first = self.first_bad[...]
+        bad = (first < 0) & ~jnp.all(jnp.isfinite(x))
+        self.first_bad[...] = jnp.where(bad, self.batch[...], first)
         return layer(inputs, *args, **kwargs)
 
     def __getattr__(self, name: str):
@@ -55,20 +62,32 @@ class _Recorder(nnx.Module):
 
 @dataclasses.dataclass
 class Calibration:
-    """What one layer saw in calibration: `X^T X`, max |x| and the rows."""
+    """What one layer saw in calibration: `X^T X`, max |x| and the rows.
+
+    `first_bad`: the index of the first batch whose inputs to the layer held NaN or inf, -1
+    if none did.
+    """
 
     gram: np.ndarray  # (in, in) f64, X^T X
     amax: np.float32
     rows: int
+    first_bad: int = -1
 
 
 def calibrate(
     model: nnx.Module, paths: Sequence[str], batches: list, forward: Callable, jit: bool
 ) -> dict[str, Calibration]:
-    """Runs the batches through a copy of `model` whose layers at `paths` record their inputs."""
+    """Runs the batches through a copy of `model` whose layers at `paths` record their inputs.
+
+    Raises:
+      ValueError: a layer's inputs held NaN or inf (named with the first such batch), or
+        overflowed f32 in `X^T X`: statistics that neither GPTQ's Hessian, W4A4's input
+        scale nor the report's output error can use.
+    """
     copy = nnx.clone(model)
     layers = named_layers(copy)
-    recorders = {path: _Recorder(layers[path]) for path in paths}
+    batch = _Stat(jnp.zeros((), jnp.int32))
+    recorders = {path: _Recorder(layers[path], batch) for path in paths}
     reasons = replace_layers(copy, [(layers[p], recorders[p]) for p in paths])
     for path, reason in zip(paths, reasons, strict=True):
         if reason:  # (checked on the output copy before; the two copies are alike)
@@ -78,13 +97,38 @@ def calibrate(
         forward(model, batch)
 
     step = nnx.jit(run) if jit else run
-    for batch in batches:
-        step(copy, batch)
-    return {
+    for index, value in enumerate(batches):
+        batch[...] = jnp.int32(index)
+        step(copy, value)
+    stats = {
         path: Calibration(
             gram=np.asarray(to_host(r.gram[...]), np.float64),
             amax=np.float32(to_host(r.amax[...])),
             rows=int(to_host(r.rows[...])),
+            first_bad=int(to_host(r.first_bad[...])),
         )
         for path, r in recorders.items()
     }
+    _check_finite(stats)
+    return stats
+
+
+def _check_finite(stats: dict[str, Calibration]) -> None:
+    """One error naming every layer whose inputs held NaN or inf, or overflowed `X^T X`."""
+    bad = [f"{p!r} (batch {s.first_bad})" for p, s in stats.items() if s.first_bad >= 0]
+    overflow = [p for p, s in stats.items() if s.first_bad < 0 and not np.all(np.isfinite(s.gram))]
+    problems = []
+    if bad:
+        problems.append(
+            f"the calibration inputs of {', '.join(bad)} hold NaN or inf as the layers "
+            "multiply them (in their dtype): pass finite batches, or look for the layer "
+            "before them whose output is not finite"
+        )
+    if overflow:
+        largest = max(float(stats[p].amax) for p in overflow)
+        problems.append(
+            f"the calibration inputs of {', '.join(map(repr, overflow))} overflow float32 in "
+            f"X^T X (max |x| = {largest:g}): pass inputs of the model's usual range"
+        )
+    if problems:
+        raise ValueError(f"{OP}: {'; and '.join(problems)}")

@@ -84,7 +84,13 @@ def _quantize_set(kernels, members, stats, settings: Settings):
         arrays, dampings = [], []
         for k, path in zip(kernels, members, strict=True):
             q, damping = quantize_gptq(
-                k, stats[path].gram, amax, settings.block_2d, settings.damp, settings.act_order
+                k,
+                stats[path].gram,
+                amax,
+                settings.block_2d,
+                settings.damp,
+                settings.act_order,
+                path,
             )
             arrays.append(q)
             dampings.append(damping)
@@ -102,6 +108,24 @@ def _input_scale(members, stats, settings: Settings) -> tuple[np.float32, np.flo
             "a positive, finite one (calibration inputs that are not all zero)"
         )
     return input_amax, np.float32(input_amax * formats.RCP2688)
+
+
+def _check_weights(found, selected: list[str]) -> None:
+    """One error naming every selected layer whose kernel or bias holds NaN or inf.
+
+    Checked before calibration, which would otherwise blame the inputs such a layer spoils.
+    """
+    bad = []
+    for path in selected:
+        layer = found[path][0]
+        for name in ("kernel", "bias"):
+            variable = getattr(layer, name, None)
+            if variable is not None and not bool(jnp.all(jnp.isfinite(variable[...]))):
+                bad.append(f"the {name} of {path!r}")
+    if bad:
+        raise ValueError(
+            f"{OP}: {', '.join(bad)} holds NaN or inf; quantize a model with finite weights"
+        )
 
 
 def _entry(path, layer, kernel, q, q_max, stat: Calibration, **fields) -> PTQLayer:
@@ -274,8 +298,12 @@ def quantize_for_export(
         wrong type.
       ValueError: a bad `method`, `activations` or method option, empty `batches`, no linear
         to quantize (the message lists what became of each layer), two paths of one layer
-        matching disagreeing rules, a kernel holding NaN or inf, a layer that saw no input
-        (GPTQ or W4A4) or whose W4A4 input amax is 0 or not finite.
+        matching disagreeing rules, a selected layer's kernel or bias holding NaN or inf
+        (checked before calibration), calibration inputs holding NaN or inf as a layer
+        multiplies them (every such layer named, with the first such batch) or so large
+        that `X^T X` overflows float32, whatever the method; a layer that saw no input
+        (GPTQ or W4A4) or whose W4A4 input amax is 0; a GPTQ Hessian not positive definite
+        even with damping (raise `gptq_damp`).
     """
     if not isinstance(model, nnx.Module):
         raise TypeError(f"{OP}: model must be a flax.nnx.Module, got {type(model).__name__}")
@@ -293,6 +321,7 @@ def quantize_for_export(
     found = layer_paths(frozen)
     decided = decide(frozen, found, settings)
     selected = [p for p, (action, _) in decided.items() if action == "nvfp4"]
+    _check_weights(found, selected)
     stats = calibrate(model, selected, batches, settings.forward, settings.jit)
     unseen = [p for p in selected if stats[p].rows == 0]
     if unseen and (settings.method == "gptq" or settings.activations == "nvfp4"):

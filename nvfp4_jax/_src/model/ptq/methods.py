@@ -135,13 +135,20 @@ def gptq_codes(w: jax.Array, u: jax.Array, amax: jax.Array, *, block_2d: bool):
     return codes, scales
 
 
-def _inverse_hessian_factor(gram: np.ndarray, damp: float) -> tuple[np.ndarray, float]:
+def inverse_hessian_factor(gram: np.ndarray, damp: float, path: str) -> tuple[np.ndarray, float]:
     """(the upper Cholesky factor of (H + lambda I)^-1 in f64, lambda / mean(diag H)).
 
     Dead inputs (diag 0: the channel was always 0) get diag 1, so they round to nearest and
     neither give nor take error. lambda = damp * mean(diag H), multiplied by 10 while the
-    factorization fails.
+    factorization fails. A Hessian holding NaN or inf is an error of its own: no damping
+    makes it positive definite (calibration refuses such inputs before).
     """
+    if not np.all(np.isfinite(gram)):
+        raise ValueError(
+            f"{OP}: the calibration Hessian of {path!r} is not finite: its inputs held NaN "
+            "or inf, or overflowed float32 in X^T X; pass finite inputs of the model's "
+            "usual range"
+        )
     h = np.array(gram, np.float64)
     k = h.shape[0]
     diag = np.diagonal(h).copy()
@@ -161,8 +168,8 @@ def _inverse_hessian_factor(gram: np.ndarray, damp: float) -> tuple[np.ndarray, 
         except np.linalg.LinAlgError:
             relative *= 10
     raise ValueError(
-        f"{OP}: the calibration Hessian is not positive definite even with damping "
-        f"{relative / 10:g} x mean(diag H); raise gptq_damp"
+        f"{OP}: the calibration Hessian of {path!r} is not positive definite even with "
+        f"damping {relative / 10:g} x mean(diag H); raise gptq_damp"
     )
 
 
@@ -186,11 +193,15 @@ def quantize_gptq(
     block_2d: bool,
     damp: float,
     act_order: bool,
+    path: str,
 ) -> tuple[NVFP4Array, float]:
-    """(the GPTQ-quantized kernel, the relative damping used); see `gptq_codes`."""
+    """(the GPTQ-quantized kernel of the layer `path`, the relative damping used).
+
+    See `gptq_codes`.
+    """
     w = np.asarray(to_host(kernel), np.float32).T  # the stored (out, in) layout
     perm = _act_order(gram) if act_order else np.arange(w.shape[1])
-    upper, relative = _inverse_hessian_factor(gram[np.ix_(perm, perm)], damp)
+    upper, relative = inverse_hessian_factor(gram[np.ix_(perm, perm)], damp, path)
     codes, scales = gptq_codes(
         jnp.asarray(w[:, perm]),
         jnp.asarray(upper, _F32),
