@@ -119,7 +119,10 @@ def train(name: str, extra: list[str], work: pathlib.Path, dump: pathlib.Path) -
             "custom_calls": compiled_train_steps(dump, before),
         }
         if precision == "nvfp4":
-            result[precision]["report"] = json.loads(report.read_text())
+            written = json.loads(report.read_text())
+            if written["status"] != "completed":
+                raise RuntimeError(f"the launcher's report: {written}")
+            result[precision]["report"] = written["providers"]
     return result
 
 

@@ -41,7 +41,6 @@ import pytest
 import nvfp4_jax.maxtext as nvfp4_maxtext
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.maxtext
 
 MAXTEXT_PYTHON = pathlib.Path(
     os.environ.get("NVFP4_MAXTEXT_PYTHON", ROOT / ".maxtext-venv/bin/python")
@@ -121,11 +120,104 @@ def nvfp4_maxtext_rule(pattern, recipe):
     return Rule(pattern, recipe)
 
 
-def test_the_launcher_owns_the_quantization_setting(capsys):
-    with pytest.raises(SystemExit, match="quantization=int8 was given"):
-        nvfp4_maxtext.main(["nvfp4_jax.maxtext", "base.yml", "quantization=int8"])
-    with pytest.raises(SystemExit, match="use_qwix_quantization"):
-        nvfp4_maxtext.main(["nvfp4_jax.maxtext", "base.yml", "use_qwix_quantization=false"])
+# --- the launcher, on a stand-in for MaxText's trainer ------------------------------------------
+#
+# The launcher's checks and its report need no MaxText: `fake_maxtext` puts a stand-in package
+# `maxtext` on the path whose `train.main` records its call, asks the hook for the provider as
+# MaxText does, traces a decoder layer's two MLP projections through qwix with it, then
+# returns or raises (`fail=1` among its arguments).
+
+FAKE_TRAIN = """
+import json, os
+from types import SimpleNamespace
+
+CALLS = []
+
+
+def main(argv):
+    import jax.numpy as jnp, qwix
+    from flax import nnx
+    from maxtext.layers import quantizations
+
+    CALLS.append(list(argv))
+    if os.environ.get("FAKE_MAXTEXT_CALLS"):
+        with open(os.environ["FAKE_MAXTEXT_CALLS"], "a") as calls:
+            calls.write(json.dumps(argv) + "\\n")
+    args = dict(a.split("=", 1) for a in argv[1:] if "=" in a)
+    config = SimpleNamespace(quantization=args["quantization"], quantize_mtp=False)
+    provider = quantizations.get_qt_provider(config)
+
+    class Mlp(nnx.Module):
+        def __init__(self):
+            self.wi_0 = nnx.Linear(32, 32, rngs=nnx.Rngs(0))
+            self.wo = nnx.Linear(32, 32, rngs=nnx.Rngs(1))
+
+        def __call__(self, x):
+            return self.wo(self.wi_0(x))
+
+    class Node(nnx.Module):
+        def __init__(self, name, child):
+            self.name = name
+            setattr(self, name, child)
+
+        def __call__(self, x):
+            return getattr(self, self.name)(x)
+
+    model = Node("decoder", Node("layers", Node("mlp", Mlp())))
+    qwix.quantize_model(model, provider, jnp.ones((4, 32), jnp.bfloat16))
+    if "clobber" in args:  # a file appears at the report's path while MaxText runs
+        with open(args["clobber"], "w") as other:
+            other.write("not the launcher's")
+    if args.get("fail") == "1":
+        raise RuntimeError("the stand-in trainer failed at step 1")
+"""
+FAKE_QUANTIZATIONS = "def get_qt_provider(config):\n    return None\n"
+
+
+@pytest.fixture
+def fake_maxtext(tmp_path, monkeypatch):
+    """A stand-in `maxtext` package on sys.path; yields its folder (PYTHONPATH for a child)."""
+    root = tmp_path / "fake_maxtext"
+    files = {
+        "maxtext/__init__.py": "",
+        "maxtext/layers/__init__.py": "",
+        "maxtext/layers/quantizations.py": FAKE_QUANTIZATIONS,
+        "maxtext/trainers/__init__.py": "",
+        "maxtext/trainers/pre_train/__init__.py": "",
+        "maxtext/trainers/pre_train/train.py": FAKE_TRAIN,
+    }
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    monkeypatch.syspath_prepend(str(root))
+    yield root
+    for name in [m for m in sys.modules if m == "maxtext" or m.startswith("maxtext.")]:
+        del sys.modules[name]
+
+
+def fake_calls() -> list:
+    """The stand-in trainer's calls so far (none if it was never imported)."""
+    module = sys.modules.get("maxtext.trainers.pre_train.train")
+    return [] if module is None else module.CALLS
+
+
+def launch(*args: str) -> None:
+    nvfp4_maxtext.main(["nvfp4_jax.maxtext", "base.yml", "steps=1", *args])
+
+
+def rules_file(tmp_path, *rules) -> str:
+    path = tmp_path / "rules.json"
+    path.write_text(json.dumps(list(rules)))
+    return str(path)
+
+
+def exits_2_before_maxtext(capsys, *args: str) -> str:
+    """Launches with `args`; asserts status 2 and that MaxText was not imported. Its stderr."""
+    with pytest.raises(SystemExit) as exit_info:
+        launch(*args)
+    assert exit_info.value.code == 2
+    assert "maxtext" not in sys.modules and not fake_calls()
+    return capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -135,23 +227,155 @@ def test_the_launcher_owns_the_quantization_setting(capsys):
         (["--nvfp4-recipe", "[]"], "expected a JSON object of NVFP4Recipe fields"),
         (["--nvfp4-recipe", '{"fprop": 2}'], "--nvfp4-recipe .*fprop"),
         (["--nvfp4-recipe", '{"colour": 1}'], "--nvfp4-recipe .*colour"),
+        (["--nvfp4-recipe", "{}", "--nvfp4-recipe", "{}"], "--nvfp4-recipe was given twice"),
         (["--nvfp4-rules", "/no/such/rules.json"], "--nvfp4-rules /no/such/rules.json: "),
+        (["--nvfp4-reprot", "r.json"], "unrecognized launcher flag --nvfp4-reprot"),
+        (["--nvfp4-report"], "--nvfp4-report: expected one argument"),
+        (["quantization=int8"], "quantization=int8 was given"),
+        (["use_qwix_quantization=false"], "leave use_qwix_quantization out"),
     ],
 )
-def test_bad_launcher_flags_exit_with_a_message(flags, message, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        nvfp4_maxtext.main(["nvfp4_jax.maxtext", "base.yml", *flags])
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err
+def test_bad_launcher_flags_exit_2_before_maxtext_starts(flags, message, fake_maxtext, capsys):
+    err = exits_2_before_maxtext(capsys, *flags)
     assert re.search(message, err), err
 
 
-def test_a_rules_file_that_is_not_a_list_exits_with_a_message(tmp_path, capsys):
-    rules = tmp_path / "rules.json"
-    rules.write_text('{"pattern": "x"}')
-    with pytest.raises(SystemExit):
-        nvfp4_maxtext.main(["nvfp4_jax.maxtext", "base.yml", "--nvfp4-rules", str(rules)])
-    assert "expected a JSON list of rules" in capsys.readouterr().err
+@pytest.mark.parametrize(
+    "rules, message",
+    [
+        ('{"pattern": "x"}', "expected a JSON list of rules"),
+        ('[{"pattern": "x"}]', r"rule \[0\] is .*expected"),
+        ('[{"pattern": "x", "recipe": null}, "mlp"]', r"rule \[1\] is 'mlp'"),
+        ('[{"pattern": "(", "recipe": null}]', "not a valid regular expression"),
+        ('[{"pattern": "x", "recipe": {"fprop": 2}}]', "fprop"),
+        ("[{", "Expecting"),
+    ],
+)
+def test_a_bad_rules_file_exits_2_before_maxtext_starts(
+    rules, message, tmp_path, fake_maxtext, capsys
+):
+    path = tmp_path / "rules.json"
+    path.write_text(rules)
+    err = exits_2_before_maxtext(capsys, "--nvfp4-rules", str(path))
+    assert f"--nvfp4-rules {path}" in err and re.search(message, err), err
+
+
+def refused_by_the_provider(pattern: str) -> str:
+    """The provider's error for a rule of `pattern` ("" if it takes it)."""
+    from nvfp4_jax.qwix import NVFP4Provider  # noqa: PLC0415
+    from nvfp4_jax.rules import Rule  # noqa: PLC0415
+
+    try:
+        NVFP4Provider([Rule(pattern, None)])
+    except ValueError as error:
+        return str(error)
+    return ""
+
+
+@pytest.mark.parametrize(
+    "pattern", ["(?i)MLP/WO$", "(?x) mlp/wo$  # the down projection", "mlp/wo$", "(?s:mlp)/wo$"]
+)
+def test_rules_are_compiled_as_the_provider_compiles_them(pattern, tmp_path, fake_maxtext, capsys):
+    """A rule the provider refuses fails before MaxText starts; one it takes trains."""
+    rules = rules_file(tmp_path, {"pattern": pattern, "recipe": None})
+    report = tmp_path / "report.json"
+    if refused := refused_by_the_provider(pattern):
+        err = exits_2_before_maxtext(capsys, "--nvfp4-rules", rules)
+        assert f"--nvfp4-rules {rules}: rule [0] (pattern {pattern!r})" in err, (err, refused)
+        return
+    launch("--nvfp4-rules", rules, "--nvfp4-report", str(report))
+    actions = json.loads(report.read_text())["providers"][0]
+    assert actions["decoder/layers/mlp/wo:dot_general0"]["action"] == "high_precision"
+    assert actions["decoder/layers/mlp/wi_0:dot_general0"]["action"] == "nvfp4"
+
+
+def test_a_rule_only_the_provider_refuses_fails_before_maxtext_starts(
+    tmp_path, fake_maxtext, capsys, monkeypatch
+):
+    """The launcher converts the rules with the provider's own conversion, not a copy of it."""
+    from nvfp4_jax._src.integrations import qwix as integration  # noqa: PLC0415
+
+    monkeypatch.setattr(integration, "search_pattern", lambda pattern: f"({pattern}")
+    rules = rules_file(tmp_path, {"pattern": "mlp/wo$", "recipe": None})
+    err = exits_2_before_maxtext(capsys, "--nvfp4-rules", rules)
+    assert f"--nvfp4-rules {rules}: rule [0] (pattern 'mlp/wo$')" in err, err
+
+
+def test_a_report_path_that_cannot_be_written_exits_2_before_maxtext_starts(
+    tmp_path, fake_maxtext, capsys
+):
+    existing = tmp_path / "report.json"
+    existing.write_text("an earlier run's")
+    err = exits_2_before_maxtext(capsys, "--nvfp4-report", str(existing))
+    assert f"--nvfp4-report {existing}: exists; a report is never overwritten" in err, err
+    assert existing.read_text() == "an earlier run's"
+    err = exits_2_before_maxtext(capsys, "--nvfp4-report", str(tmp_path))
+    assert f"--nvfp4-report {tmp_path}: is a folder" in err, err
+    under_a_file = existing / "runs" / "report.json"
+    err = exits_2_before_maxtext(capsys, "--nvfp4-report", str(under_a_file))
+    assert f"--nvfp4-report {under_a_file}: cannot write in" in err, err
+    if pathlib.Path("/proc/self").is_dir():  # a folder no one writes in, root included
+        err = exits_2_before_maxtext(capsys, "--nvfp4-report", "/proc/nvfp4_report.json")
+        assert "--nvfp4-report /proc/nvfp4_report.json: cannot write in /proc" in err, err
+
+
+def test_the_report_folder_is_made_and_the_report_written(tmp_path, fake_maxtext):
+    report = tmp_path / "runs" / "exp1" / "report.json"
+    launch("--nvfp4-report", str(report))
+    assert fake_calls() == [
+        [
+            "nvfp4_jax.maxtext",
+            "base.yml",
+            "steps=1",
+            "quantization=fp4",
+            "use_qwix_quantization=True",
+        ]
+    ]
+    written = json.loads(report.read_text())
+    assert written["status"] == "completed" and written["error"] is None, written
+    (actions,) = written["providers"]
+    assert {key: d["action"] for key, d in actions.items()} == {
+        "decoder/layers/mlp/wi_0:dot_general0": "nvfp4",
+        "decoder/layers/mlp/wo:dot_general0": "nvfp4",
+    }
+    assert os.listdir(report.parent) == ["report.json"]  # no temporary file left
+
+
+def test_the_report_is_written_when_training_fails(tmp_path, fake_maxtext):
+    report = tmp_path / "report.json"
+    with pytest.raises(RuntimeError, match="failed at step 1"):
+        launch("fail=1", "--nvfp4-report", str(report))
+    written = json.loads(report.read_text())
+    assert written["status"] == "failed", written
+    assert written["error"] == "RuntimeError: the stand-in trainer failed at step 1", written
+    (actions,) = written["providers"]  # what the provider did before the failure
+    assert actions["decoder/layers/mlp/wi_0:dot_general0"]["action"] == "nvfp4", actions
+
+
+def test_a_report_that_appeared_during_the_run_is_not_overwritten(tmp_path, fake_maxtext):
+    report = tmp_path / "report.json"
+    with pytest.raises(FileExistsError, match="appeared there while MaxText ran") as error:
+        launch(f"clobber={report}", "--nvfp4-report", str(report))
+    assert report.read_text() == "not the launcher's"
+    kept = pathlib.Path(str(error.value).rsplit(" ", 1)[-1])  # this run's report, kept aside
+    assert kept.parent == tmp_path and json.loads(kept.read_text())["status"] == "completed"
+
+
+def test_a_failed_run_exits_1_with_its_report(tmp_path, fake_maxtext):
+    """`python -m nvfp4_jax.maxtext`: the failure's traceback, status 1 and the report."""
+    report = tmp_path / "exp" / "report.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "nvfp4_jax.maxtext", "base.yml", "fail=1"]
+        + ["--nvfp4-report", str(report)],
+        env={**os.environ, "PYTHONPATH": str(fake_maxtext), "JAX_PLATFORMS": "cpu"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert run.returncode == 1, run.stderr[-3000:]
+    assert "RuntimeError: the stand-in trainer failed at step 1" in run.stderr
+    assert json.loads(report.read_text())["status"] == "failed"
 
 
 # --- MaxText, in its own environment ------------------------------------------------------------
@@ -196,6 +420,7 @@ def part(child: dict, *keys):
     return value
 
 
+@pytest.mark.maxtext
 def test_maxtexts_projection_is_the_drop_in_bit_for_bit(child):
     dense = part(child, "layers", "dense")
     assert [d["action"] for d in dense["report"].values()] == ["nvfp4"], dense["report"]
@@ -204,18 +429,21 @@ def test_maxtexts_projection_is_the_drop_in_bit_for_bit(child):
     assert dense["differs_from_bf16"] and 0.02 < dense["rel_err_vs_bf16"] < 0.3, dense
 
 
+@pytest.mark.maxtext
 def test_maxtexts_router_stays_bf16(child):
     router = part(child, "layers", "router")
     assert [d["action"] for d in router["report"].values()] == ["high_precision"]
     assert router["y"], router
 
 
+@pytest.mark.maxtext
 def test_maxtexts_expert_gemm_is_ragged_dot_bit_for_bit(child):
     experts = part(child, "layers", "experts")
     assert [d["action"] for d in experts["report"].values()] == ["nvfp4"], experts["report"]
     assert experts["y"] and experts["dx"] and experts["dw"], experts
 
 
+@pytest.mark.maxtext
 @pytest.mark.parametrize("model", ["dense", "moe"])
 def test_a_tiny_maxtext_decoder_trains_in_nvfp4(child, model):
     run = "dense" if model == "dense" else "moe_run"
@@ -253,6 +481,7 @@ def test_a_tiny_maxtext_decoder_trains_in_nvfp4(child, model):
         assert gates and all(actions[p] == "high_precision" for p in gates), actions
 
 
+@pytest.mark.maxtext
 def test_the_launcher_refuses_megablox(child, tmp_path):
     """`python -m nvfp4_jax.maxtext` on an MoE with MaxText's default megablox=True."""
     moe = [a for a in part(child, "moe") if not a.startswith("megablox=")]

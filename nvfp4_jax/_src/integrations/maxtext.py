@@ -23,11 +23,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
+import os
 import pathlib
 import sys
-from collections.abc import Iterator, Sequence
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
+from types import SimpleNamespace
 from typing import Any
+
+import jax
 
 from nvfp4_jax._src.model.rules import Rule, check_rules
 from nvfp4_jax._src.training.recipe import NVFP4Recipe
@@ -220,19 +226,22 @@ def install(recipe: NVFP4Recipe | None = None, *, rules: Sequence[Rule] = ()) ->
         quantizations.get_qt_provider = original
 
 
-def _maxtext_args(args: Sequence[str]) -> list[str]:
-    """MaxText's arguments with `quantization=fp4 use_qwix_quantization=True` set."""
+def _maxtext_args(parser: argparse.ArgumentParser, args: Sequence[str]) -> list[str]:
+    """MaxText's arguments with `quantization=fp4 use_qwix_quantization=True` set.
+
+    Another `quantization=` or `use_qwix_quantization=False` exits with status 2 naming it.
+    """
     args = list(args)
     given = {a.split("=", 1)[0]: a.split("=", 1)[1] for a in args if "=" in a}
     if given.get("quantization", QUANTIZATION) != QUANTIZATION:
-        raise SystemExit(
-            f"python -m nvfp4_jax.maxtext: quantization={given['quantization']} was given; the "
-            f"launcher trains in NVFP4 under quantization={QUANTIZATION} (leave it out)"
+        parser.error(
+            f"quantization={given['quantization']} was given; the launcher trains in NVFP4 "
+            f"under quantization={QUANTIZATION} (leave it out)"
         )
     if given.get("use_qwix_quantization", "true").lower() not in ("true", "1"):
-        raise SystemExit(
-            "python -m nvfp4_jax.maxtext: NVFP4 goes through MaxText's qwix path; leave "
-            "use_qwix_quantization out (the launcher sets it to True)"
+        parser.error(
+            "NVFP4 goes through MaxText's qwix path; leave use_qwix_quantization out (the "
+            "launcher sets it to True)"
         )
     if "quantization" not in given:
         args.append(f"quantization={QUANTIZATION}")
@@ -241,19 +250,32 @@ def _maxtext_args(args: Sequence[str]) -> list[str]:
     return args
 
 
+class _Once(argparse.Action):
+    """Stores a flag's value; the flag given twice exits with status 2 (which one would win?)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        given = vars(namespace).setdefault("given_flags", set())
+        if self.dest in given:
+            parser.error(f"{option_string} was given twice")
+        given.add(self.dest)
+        setattr(namespace, self.dest, values)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m nvfp4_jax.maxtext",
         description=(
             "Runs MaxText's train.main with its decoder layers' GEMMs in NVFP4 (nvfp4_jax's "
             "qwix provider). Every argument not listed here goes to MaxText: its config file, "
-            "then key=value overrides."
+            "then key=value overrides. The flags and their files are checked before MaxText "
+            "starts."
         ),
         allow_abbrev=False,
     )
     parser.add_argument(
         "--nvfp4-rules",
         type=pathlib.Path,
+        action=_Once,
         metavar="FILE",
         help='a JSON list of nvfp4_jax rules, e.g. [{"pattern": "mlp/wo$", "recipe": null}] '
         "(a recipe is NVFP4Recipe fields or null: high precision), put before MaxText's; "
@@ -261,6 +283,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--nvfp4-recipe",
+        action=_Once,
         metavar="JSON",
         default="{}",
         help="NVFP4Recipe fields as a JSON object, e.g. '{\"stochastic_rounding\": false}'",
@@ -268,23 +291,59 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--nvfp4-report",
         type=pathlib.Path,
+        action=_Once,
         metavar="FILE",
-        help="write what became of every intercepted op (the providers' reports) as JSON",
+        help="write what became of every intercepted op (the providers' reports) and how the "
+        "run ended as JSON, also when it fails; FILE must not exist (its folder is made)",
     )
     return parser
 
 
-def _load_rules(parser: argparse.ArgumentParser, path: pathlib.Path | None) -> list[Rule]:
+def _load_rules(parser: argparse.ArgumentParser, path: pathlib.Path | None) -> tuple[Rule, ...]:
     """The rules of --nvfp4-rules FILE; a bad file exits with status 2 naming it."""
     if path is None:
-        return []
+        return ()
     try:
         entries = json.loads(path.read_text())
         if not isinstance(entries, list):
             raise ValueError("expected a JSON list of rules")
-        return check_rules([Rule.from_dict(entry) for entry in entries])
+        rules = []
+        for index, entry in enumerate(entries):
+            if not isinstance(entry, dict) or "pattern" not in entry or "recipe" not in entry:
+                raise ValueError(
+                    f'rule [{index}] is {entry!r}; expected {{"pattern": ..., "recipe": ...}}'
+                )
+            rules.append(Rule.from_dict(entry))
+        return check_rules(rules)
     except (OSError, ValueError, TypeError, KeyError) as error:
         parser.error(f"--nvfp4-rules {path}: {error}")
+
+
+def _compile_rules(
+    parser: argparse.ArgumentParser,
+    path: pathlib.Path | None,
+    recipe: NVFP4Recipe,
+    rules: Sequence[Rule],
+) -> None:
+    """Builds the provider the hook builds, so that a rule it refuses exits now (status 2).
+
+    A `Rule` compiles its pattern for `re.search`; qwix matches with `re.fullmatch`, so the
+    provider rewrites each pattern (`NVFP4Rule.from_rule`), and a pattern valid one way may
+    not be the other. Without this check the refusal would come once MaxText has started.
+    """
+    integration = _qwix_integration()
+    flag = f"--nvfp4-rules {path}"
+    for index, rule in enumerate(rules):
+        try:
+            integration.NVFP4Rule.from_rule(rule)
+        except (ValueError, TypeError) as error:
+            parser.error(f"{flag}: rule [{index}] (pattern {rule.pattern!r}): {error}")
+    try:
+        for mtp in (False, True):  # MaxText's rules with and without the MTP block
+            config = SimpleNamespace(quantize_mtp=mtp)
+            integration.NVFP4Provider(rules_from_config(config, recipe, rules=rules))
+    except (ValueError, TypeError) as error:
+        parser.error(f"{flag if path else '--nvfp4-recipe'}: the provider refuses it: {error}")
 
 
 def _load_recipe(parser: argparse.ArgumentParser, text: str) -> NVFP4Recipe:
@@ -298,39 +357,150 @@ def _load_recipe(parser: argparse.ArgumentParser, text: str) -> NVFP4Recipe:
         parser.error(f"--nvfp4-recipe {text}: {error}")
 
 
-def _write_report(path: pathlib.Path, providers: list) -> None:
-    """Writes the providers' reports as JSON, atomically (a temporary file, then a rename)."""
-    report = [provider.report.to_dict() for provider in providers]
-    partial = path.with_name(f".{path.name}.partial")
-    partial.write_text(json.dumps(report, indent=1))
-    partial.replace(path)
+def _check_report(
+    parser: argparse.ArgumentParser, path: pathlib.Path | None
+) -> pathlib.Path | None:
+    """The absolute path of --nvfp4-report FILE, its folder made and written to once.
+
+    A report is never overwritten, so an existing FILE exits with status 2, as does a folder
+    that cannot be made or written; all before MaxText starts, not after it has trained.
+    """
+    if path is None:
+        return None
+    flag = f"--nvfp4-report {path}"
+    if path.is_dir():
+        parser.error(f"{flag}: is a folder; give the report's file name")
+    if os.path.lexists(path):
+        parser.error(f"{flag}: exists; a report is never overwritten (move it or give another)")
+    path = path.absolute()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle, probe = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        os.close(handle)
+        os.unlink(probe)
+    except OSError as error:
+        parser.error(f"{flag}: cannot write in {path.parent}: {error.strerror or error}")
+    return path
+
+
+@dataclasses.dataclass(frozen=True)
+class _Launch:
+    """The launcher's checked flags and MaxText's arguments."""
+
+    recipe: NVFP4Recipe
+    rules: tuple[Rule, ...]
+    report: pathlib.Path | None
+    maxtext_argv: list[str]
+
+
+def _check_launch(argv: Sequence[str]) -> _Launch:
+    """Every launcher flag and file, checked; a bad one exits with status 2 naming it."""
+    parser = _parser()
+    options, rest = parser.parse_known_args(argv[1:])
+    # A misspelt launcher flag would otherwise reach MaxText as one of its arguments.
+    unknown = [arg for arg in rest if arg.startswith("--nvfp4")]
+    if unknown:
+        parser.error(
+            f"unrecognized launcher flag {unknown[0]} (the launcher's are --nvfp4-rules, "
+            "--nvfp4-recipe and --nvfp4-report)"
+        )
+    maxtext_argv = [argv[0], *_maxtext_args(parser, rest)]
+    recipe = _load_recipe(parser, options.nvfp4_recipe)
+    rules = _load_rules(parser, options.nvfp4_rules)
+    _compile_rules(parser, options.nvfp4_rules, recipe, rules)
+    report = _check_report(parser, options.nvfp4_report)
+    return _Launch(recipe, rules, report, maxtext_argv)
+
+
+def _report(providers: list, error: BaseException | None) -> dict:
+    """The JSON of --nvfp4-report: how the run ended and the providers' reports."""
+    return {
+        "status": "completed" if error is None else "failed",
+        "error": None if error is None else f"{type(error).__name__}: {error}",
+        "providers": [provider.report.to_dict() for provider in providers],
+    }
+
+
+def _primary() -> bool:
+    """Whether this process writes the report: in a multi-process run each runs the launcher."""
+    try:
+        return jax.process_index() == 0
+    except Exception:  # noqa: BLE001  (no JAX backend: the run failed before it started one)
+        return True
+
+
+def _write_report(path: pathlib.Path, report: dict) -> None:
+    """Writes `report` as JSON at `path` atomically, never over an existing file.
+
+    A temporary file in the same folder, then a hard link to `path`, which fails where a file
+    is already there (a rename would replace it).
+    """
+    if not _primary():
+        return
+    handle, partial = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with os.fdopen(handle, "w") as file:
+        json.dump(report, file, indent=1)
+        file.flush()
+        os.fsync(file.fileno())
+    try:
+        os.link(partial, path)
+    except FileExistsError:
+        raise FileExistsError(
+            f"--nvfp4-report {path}: a file appeared there while MaxText ran and is kept; this "
+            f"run's report is {partial}"
+        ) from None
+    except OSError:  # a filesystem without hard links: claim the name, then rename onto it
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL))
+        os.replace(partial, path)
+        return
+    os.unlink(partial)
+
+
+def _report_failure(path: pathlib.Path | None, providers: list, error: BaseException) -> None:
+    """Writes the report of a run that raised `error`, which stays the error raised.
+
+    A failure to write is printed, not raised, so that it does not hide the run's own.
+    """
+    if path is None:
+        return
+    clean_exit = isinstance(error, SystemExit) and error.code in (0, None)
+    try:
+        _write_report(path, _report(providers, None if clean_exit else error))
+    except Exception as write_error:  # noqa: BLE001  (printed; the run's error is raised)
+        print(f"python -m nvfp4_jax.maxtext: no report: {write_error}", file=sys.stderr)
+
+
+def _run(launch: _Launch, train_main: Callable[[list[str]], Any]) -> None:
+    """Runs MaxText's `train_main` under the hook; the report is written however it ends."""
+    with install(launch.recipe, rules=launch.rules) as providers:
+        try:
+            train_main(launch.maxtext_argv)
+        except BaseException as error:
+            _report_failure(launch.report, providers, error)
+            raise
+        if launch.report is not None:
+            _write_report(launch.report, _report(providers, None))
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     """The launcher: `python -m nvfp4_jax.maxtext <MaxText train arguments> [--nvfp4-...]`.
 
-    Parses its own `--nvfp4-*` flags (a bad one exits with status 2 naming it), sets
-    `quantization=fp4 use_qwix_quantization=True` in MaxText's arguments, installs the hook
-    and runs MaxText's `train.main`.
+    Checks its own `--nvfp4-*` flags and their files before MaxText is imported (a bad one,
+    a rule the provider would refuse, an existing or unwritable report file, or
+    `quantization=` given, exits with status 2 naming it), sets `quantization=fp4
+    use_qwix_quantization=True` in MaxText's arguments, installs the hook and runs MaxText's
+    `train.main`. `--nvfp4-report` is written however the run ends, with `"status":
+    "failed"` and the error when it raised, and the error is raised on.
 
     Args:
       argv: the command line, program name first (default `sys.argv`).
     """
     argv = sys.argv if argv is None else list(argv)
-    parser = _parser()
-    options, rest = parser.parse_known_args(argv[1:])
-    recipe = _load_recipe(parser, options.nvfp4_recipe)
-    rules = _load_rules(parser, options.nvfp4_rules)
-    maxtext_argv = [argv[0], *_maxtext_args(rest)]
+    launch = _check_launch(argv)
     _quantizations()
     from maxtext.trainers.pre_train import train  # noqa: PLC0415  (optional, Python >= 3.12)
 
-    with install(recipe, rules=rules) as providers:
-        try:
-            train.main(maxtext_argv)
-        finally:
-            if options.nvfp4_report is not None:
-                _write_report(options.nvfp4_report, providers)
+    _run(launch, train.main)
 
 
 __all__ = [
