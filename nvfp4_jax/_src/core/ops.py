@@ -31,6 +31,7 @@ from jax import lax
 from nvfp4_jax._src.core import backends, checks, formats, reference
 from nvfp4_jax._src.core.array import NVFP4Array, bind_dequantize
 from nvfp4_jax._src.core.backends import Backend, Implementation
+from nvfp4_jax._src.core.interception import opaque
 from nvfp4_jax._src.core.reference import hadamard
 from nvfp4_jax._src.core.reference.quantize import (
     check_dequantize_call,
@@ -64,6 +65,7 @@ def _on_backend_jit(backend: Backend, method: str, options: tuple, *arrays):
 # --- apply_rht ------------------------------------------------------------------------------
 
 
+@opaque
 def apply_rht(
     x: jax.Array, inverse: bool = False, *, implementation: Implementation | None = None
 ) -> jax.Array:
@@ -96,6 +98,7 @@ def _rht(x, inverse: bool, backend: Backend):
 
 
 @_rht.defjvp
+@opaque
 def _rht_jvp(inverse, backend, primals, tangents):
     (x,), (dx,) = primals, tangents
     return _rht(x, inverse, backend), reference.apply_rht(dx, inverse=inverse)
@@ -104,6 +107,7 @@ def _rht_jvp(inverse, backend, primals, tangents):
 # --- tensor_amax ----------------------------------------------------------------------------
 
 
+@opaque
 def tensor_amax(
     x: jax.Array,
     *,
@@ -138,6 +142,7 @@ def _max_abs(x, rht: bool):
 
 
 @_amax.defjvp
+@opaque
 def _amax_jvp(rht, backend, primals, tangents):
     (x,), (dx,) = primals, tangents
     _, d_amax = jax.jvp(functools.partial(_max_abs, rht=rht), (x,), (dx,))
@@ -147,6 +152,7 @@ def _amax_jvp(rht, backend, primals, tangents):
 # --- quantize -------------------------------------------------------------------------------
 
 
+@opaque
 def quantize(
     x: jax.Array,
     *,
@@ -212,6 +218,7 @@ def quantize(
     return quantize_with_spec(x, spec, key=key, amax=amax, implementation=implementation)
 
 
+@opaque
 def quantize_with_spec(
     x: jax.Array,
     spec: QuantSpec,
@@ -243,6 +250,7 @@ def quantize_with_spec(
 _QUANTIZE = QuantSpec(op="quantize")
 
 
+@opaque
 def quantize_with_data_amax(
     x: jax.Array,
     amax: jax.Array,
@@ -265,6 +273,7 @@ def quantize_with_data_amax(
 # --- fake_quantize --------------------------------------------------------------------------
 
 
+@opaque
 def fake_quantize(
     x: jax.Array,
     *,
@@ -326,6 +335,7 @@ def fake_quantize(
     return fake_quantize_with_spec(x, spec, key=key, amax=amax, implementation=implementation)
 
 
+@opaque
 def fake_quantize_with_spec(
     x: jax.Array,
     spec: QuantSpec,
@@ -349,6 +359,7 @@ def fake_quantize_with_spec(
 _FAKE_QUANTIZE = QuantSpec(op="fake_quantize")
 
 
+@opaque
 def fake_quantize_with_data_amax(
     x: jax.Array,
     amax: jax.Array,
@@ -377,6 +388,7 @@ def _fake_quantize(x, amax, seed, spec: QuantSpec, backend: Backend):
 
 
 @_fake_quantize.defjvp
+@opaque
 def _fake_quantize_jvp(spec: QuantSpec, backend: Backend, primals, tangents):
     x, amax, seed = primals
     dx = tangents[0]
@@ -395,6 +407,7 @@ def _fake_quantize_jvp(spec: QuantSpec, backend: Backend, primals, tangents):
 # --- dequantize -----------------------------------------------------------------------------
 
 
+@opaque
 def dequantize(
     q: NVFP4Array, dtype=jnp.float32, *, implementation: Implementation | None = None
 ) -> jax.Array:
@@ -435,6 +448,7 @@ def _dequantize(codes, scales, decode_scale, backend: Backend, rht: bool, dtype)
 
 
 @_dequantize.defjvp
+@opaque
 def _dequantize_jvp(backend, rht, dtype, primals, tangents):
     codes, scales, decode_scale = primals
     _, d_scales, d_decode = tangents
@@ -447,6 +461,7 @@ def _dequantize_jvp(backend, rht, dtype, primals, tangents):
     return _dequantize(codes, scales, decode_scale, backend, rht, dtype), d_out
 
 
+@opaque
 def block_values(
     q: NVFP4Array, dtype=jnp.bfloat16, *, implementation: Implementation | None = None
 ) -> jax.Array:

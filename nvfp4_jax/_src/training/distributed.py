@@ -30,6 +30,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from nvfp4_jax._src.core import checks, formats, kernels
 from nvfp4_jax._src.core.array import NVFP4Array
 from nvfp4_jax._src.core.backends import Implementation
+from nvfp4_jax._src.core.interception import opaque
 from nvfp4_jax._src.core.ops import fake_quantize, quantize, tensor_amax
 from nvfp4_jax._src.core.seed import SRSeed, as_seed
 
@@ -110,6 +111,7 @@ def _shard_call(fn, x, axis_names, row_axis_names, amax, sr, key, kwargs):
     return fn(x, amax=amax, stochastic_rounding=sr, key=seed, **kwargs)
 
 
+@opaque
 def quantize_shard(
     x_local: jax.Array,
     *,
@@ -142,6 +144,7 @@ def quantize_shard(
     )
 
 
+@opaque
 def fake_quantize_shard(
     x_local: jax.Array,
     *,
@@ -161,6 +164,7 @@ def fake_quantize_shard(
 # --- master weights ---------------------------------------------------------------------------
 
 
+@opaque
 def quantize_master_weights(
     weights: jax.Array,
     *,

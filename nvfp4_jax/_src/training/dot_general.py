@@ -33,6 +33,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from nvfp4_jax._src.core import checks, formats, types
+from nvfp4_jax._src.core.interception import opaque
 from nvfp4_jax._src.core.keys import element_keys, gradient_key, sr_seeds
 from nvfp4_jax._src.core.ops import quantize_with_spec
 from nvfp4_jax._src.core.spec import QuantSpec
@@ -200,7 +201,8 @@ def _nvfp4_matmul_bwd(recipe, out_dtype, residuals, dy):
     return dx, dw, None, None
 
 
-_nvfp4_matmul.defvjp(_nvfp4_matmul_fwd, _nvfp4_matmul_bwd)
+# The backward is traced when JAX differentiates, maybe inside another library's interceptor.
+_nvfp4_matmul.defvjp(_nvfp4_matmul_fwd, opaque(_nvfp4_matmul_bwd))
 # Called as one program: eagerly, the forward and the backward each compile once instead of
 # operation by operation (under `jit` it inlines, as any nested `jit` does).
 _matmul = jax.jit(_nvfp4_matmul, static_argnums=(4, 5))
@@ -281,6 +283,7 @@ def _check_operands(lhs, rhs, k, n):
             )
 
 
+@opaque
 def dot_general(
     lhs: jax.Array,
     rhs: jax.Array,
@@ -360,6 +363,7 @@ def dot_general(
     return y.reshape(batch_shape + out_shape)
 
 
+@opaque
 def batched_matmul(x, w, key, recipe: NVFP4Recipe, out_dtype) -> jax.Array:
     """`x (B, M, K) @ w (B, K, N)`: B independent NVFP4 matmuls (differentiable), `(B, M, N)`.
 

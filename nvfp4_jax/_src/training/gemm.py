@@ -43,6 +43,7 @@ from nvfp4_jax._src.core.backends import (  # the registry's constant, here for 
     SCALED_MATMUL_MIN_CAPABILITY as SCALED_MATMUL_MIN_CAPABILITY,
 )
 from nvfp4_jax._src.core.backends import Implementation
+from nvfp4_jax._src.core.interception import opaque
 from nvfp4_jax._src.core.seed import SRSeed
 from nvfp4_jax._src.core.spec import QuantSpec
 from nvfp4_jax._src.training.recipe import GEMM_BACKENDS, GemmBackend
@@ -308,6 +309,7 @@ def _check_operand(q, name: str) -> tuple[int, ...]:
     return q.stored_shape
 
 
+@opaque
 def scaled_matmul(
     lhs: NVFP4Array,
     rhs: NVFP4Array,

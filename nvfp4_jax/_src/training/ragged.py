@@ -49,6 +49,7 @@ import jax
 import jax.numpy as jnp
 
 from nvfp4_jax._src.core import checks, formats, keys, types
+from nvfp4_jax._src.core.interception import opaque
 from nvfp4_jax._src.core.reference import decode_scale
 from nvfp4_jax._src.core.types import PrimalTypes
 from nvfp4_jax._src.training import gemm
@@ -194,7 +195,8 @@ def _wgrad(qx_tokens, d_x_tokens, dy, groups: Groups, g, recipe: NVFP4Recipe, wo
     return product * group_alpha(d_x_tokens, decode_scale(amax_dy_tokens))[:, None, None]
 
 
-_ragged_matmul.defvjp(_ragged_matmul_fwd, _ragged_matmul_bwd)
+# The backward is traced when JAX differentiates, maybe inside another library's interceptor.
+_ragged_matmul.defvjp(_ragged_matmul_fwd, opaque(_ragged_matmul_bwd))
 # One program per call, as `dot_general`'s matmul: eagerly it compiles once, not op by op.
 _ragged = jax.jit(_ragged_matmul, static_argnums=(6, 7))
 
@@ -255,6 +257,7 @@ def _check_recipe(recipe) -> NVFP4Recipe:
     return dataclasses.replace(recipe, gemm_backend=backend)
 
 
+@opaque
 def ragged_dot(
     lhs: jax.Array,
     rhs: jax.Array,

@@ -24,6 +24,7 @@ from nvfp4_jax._src.core.backends import (  # the registry's constant, here for 
     WEIGHT_ONLY_MAX_ROWS as WEIGHT_ONLY_MAX_ROWS,
 )
 from nvfp4_jax._src.core.backends import Implementation
+from nvfp4_jax._src.core.interception import opaque
 
 
 def uses_native_weight_only(
@@ -41,6 +42,7 @@ def uses_native_weight_only(
     )
 
 
+@opaque
 def weight_only_matmul(
     x: jax.Array,
     q: NVFP4Array,
@@ -85,6 +87,7 @@ def expert_weight(q: NVFP4Array, g: int) -> NVFP4Array:
     )
 
 
+@opaque
 def weight_only_ragged_dot(
     x: jax.Array,
     q: NVFP4Array,
@@ -182,6 +185,7 @@ def _native_product(x, q, group_sizes, preferred_element_type, implementation):
 
 
 @_native_product.defjvp
+@opaque
 def _native_product_jvp(preferred_element_type, implementation, primals, tangents):
     x, q, group_sizes = primals
     y = _native_product(x, q, group_sizes, preferred_element_type, implementation)
