@@ -173,6 +173,14 @@ def test_rules_convert_search_to_fullmatch():
         ("", "anything"),
         ("a|b", "xbx"),
         (r"layers[/_](\d+)/", "layers/12/attn"),
+        # Global inline flags, which must open the expression.
+        ("(?i)LM_HEAD", "model/lm_head"),
+        ("(?i)LM_HEAD", "model/mlp"),
+        ("(?i)(?s)^Model", "model/lm_head"),
+        ("(?i)(?s)^Model", "x/model"),
+        ("(?x) lm_head  # the output head", "model/lm_head"),
+        ("(?x) lm_head  # the output head", "model/lmhead"),
+        ("(?ix) LM _ HEAD $", "model/lm_head"),
     ]:
         expected = re.search(pattern, path) is not None
         assert (re.fullmatch(search_pattern(pattern), path) is not None) == expected, pattern
@@ -181,6 +189,17 @@ def test_rules_convert_search_to_fullmatch():
     assert [rule.recipe is None for rule in converted] == [
         rule.recipe is None for rule in default_rules(4)
     ]
+
+
+def test_rules_with_inline_flags_match_as_rule_does():
+    flagged = [Rule("(?i)GATE", None), Rule("(?i)LM_HEAD", None), Rule("", NO_SR)]
+    provider = NVFP4Provider(flagged)
+    qwix.quantize_model(LM(), provider, TOKENS[:, :-1])
+    assert provider.report["lm_head:dot_general0"].action == "high_precision"
+    assert provider.report["block/gate:dot_general0"].action == "high_precision"
+    assert provider.report["block/q_proj:dot_general0"].action == "nvfp4"
+    with pytest.raises(ValueError, match="search_pattern: '\\(' is not a regular expression"):
+        search_pattern("(")
 
 
 def test_plain_qwix_rules_keep_qwix_behaviour():
@@ -251,6 +270,148 @@ def test_linen_rng_stream():
 
     assert_same_bits(grad(3), grad(3), "same key")
     assert not np.array_equal(grad(3), grad(4))
+
+
+# --- what qwix intercepts ----------------------------------------------------------------------
+
+
+HIGH_PRECISION_FORWARD = NVFP4Recipe(fprop=False, stochastic_rounding=False)
+
+
+class HighPrecisionForward(nnx.Module):
+    """An nvfp4_jax layer whose own recipe computes the forward in high precision."""
+
+    def __init__(self, k, n, recipe=HIGH_PRECISION_FORWARD):
+        self.lin = nvfp4_jax.nnx.Linear(k, n, recipe=recipe, use_bias=False, rngs=nnx.Rngs(0))
+
+    def __call__(self, x):
+        return self.lin(x)
+
+
+def high_precision_product(x, w):
+    return jax.lax.dot_general(x, w, DIMS, preferred_element_type=jnp.float32)
+
+
+DIMS = (((1,), (0,)), ((), ()))
+NVFP4_EVERYWHERE = [NVFP4Rule(recipe=NO_SR)]
+
+
+def test_a_trace_made_inside_qwix_is_not_reused_outside():
+    """qwix's patched `jax.lax.dot_general` must not leak into nvfp4_jax's cached traces.
+
+    The shapes are this test's own, so the first trace of the layer's GEMM is made while
+    qwix intercepts (inside `quantize_model`'s first call).
+    """
+    x = jax.random.normal(jax.random.key(3), (24, 80))
+    model = HighPrecisionForward(80, 48)
+    qmodel = qwix.quantize_model(model, NVFP4Provider(NVFP4_EVERYWHERE), x)
+    w = model.lin.kernel[...]
+    expected = high_precision_product(x, w)
+    # The layer's recipe decides inside qwix too: its forward is high precision.
+    np.testing.assert_allclose(qmodel(x), expected, rtol=1e-6, atol=1e-6)
+    # And outside: the model, and the drop-in with the same recipe and shapes.
+    np.testing.assert_allclose(model(x), expected, rtol=1e-6, atol=1e-6)
+    y = nvfp4_jax.dot_general(x, w, DIMS, recipe=model.lin.recipe)
+    np.testing.assert_allclose(y, expected, rtol=1e-6, atol=1e-6)
+    step = nnx.jit(lambda m, x: m(x))
+    np.testing.assert_allclose(step(model, x), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_a_trace_made_outside_is_not_reused_inside():
+    """Traced outside first, then inside at the same and at new shapes: one result."""
+    model = HighPrecisionForward(96, 32)
+    w = model.lin.kernel[...]
+    x = jax.random.normal(jax.random.key(4), (40, 96))
+    np.testing.assert_allclose(model(x), high_precision_product(x, w), rtol=1e-6, atol=1e-6)
+    qmodel = qwix.quantize_model(model, NVFP4Provider(NVFP4_EVERYWHERE), x)
+    for batch in (40, 56):  # the traced shape, and one traced first inside qwix
+        x = jax.random.normal(jax.random.key(batch), (batch, 96))
+        expected = high_precision_product(x, w)
+        np.testing.assert_allclose(qmodel(x), expected, rtol=1e-6, atol=1e-6)
+        jitted = nnx.jit(lambda m, x: m(x))(qmodel, x)
+        np.testing.assert_allclose(jitted, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_qwix_quantizes_nothing_inside_an_nvfp4_op():
+    """qwix's own int8 provider on a model of nvfp4_jax layers: they compute as their recipe.
+
+    An interceptor reaching inside would quantize the high-precision forward of `fprop=False`
+    (and the emulated NVFP4 GEMM's dequantized operands) to int8.
+    """
+    int8 = qwix.QtRule(module_path=".*", weight_qtype="int8", act_qtype="int8")
+    x = jax.random.normal(jax.random.key(5), (16, 112))
+    model = HighPrecisionForward(112, 64)
+    qmodel = qwix.quantize_model(model, qwix.QtProvider([int8]), x)
+    expected = high_precision_product(x, model.lin.kernel[...])
+    np.testing.assert_allclose(qmodel(x), expected, rtol=1e-6, atol=1e-6)
+    model = HighPrecisionForward(112, 48, NVFP4Recipe(stochastic_rounding=False))
+    qmodel = qwix.quantize_model(model, qwix.QtProvider([int8]), x)
+    assert_same_bits(qmodel(x), model(x), "an NVFP4 layer under qwix int8")
+    loss = lambda m: jnp.sum(jnp.sin(m(x)))  # noqa: E731
+    got, expected = nnx.grad(loss)(qmodel), nnx.grad(loss)(model)
+    assert_same_bits(got.lin.kernel[...], expected.lin.kernel[...], "wgrad")
+
+
+class Square(nnx.Module):
+    """Square layers, to be called on a square batch: activations of the kernels' shape."""
+
+    def __init__(self, n, dtype, param_dtype):
+        kw = {"dtype": dtype, "param_dtype": param_dtype}
+        self.a = nnx.Linear(n, n, rngs=nnx.Rngs(0), **kw)
+        self.b = nnx.Linear(n, n, rngs=nnx.Rngs(1), **kw)
+
+    def __call__(self, x):
+        return self.b(self.a(x))
+
+
+@pytest.mark.parametrize(
+    "dtype, param_dtype",
+    [(None, jnp.float32), (jnp.bfloat16, jnp.float32), (jnp.float32, jnp.bfloat16)],
+    ids=["f32", "bf16_on_f32_params", "f32_on_bf16_params"],
+)
+def test_the_weight_is_told_by_identity_not_shape(dtype, param_dtype):
+    n = 64
+    x = jax.random.normal(jax.random.key(6), (n, n))
+    provider = NVFP4Provider(NVFP4_EVERYWHERE)
+    qmodel = qwix.quantize_model(Square(n, dtype, param_dtype), provider, x)
+    assert set(provider.report.paths("nvfp4")) == {"a:dot_general0", "b:dot_general0"}
+    reference = Square(n, dtype, param_dtype)
+    nvfp4_jax.quantize_model(reference, [Rule("", NO_SR)])
+    expected = reference(x)
+    assert_same_bits(qmodel(x), expected, "eager")
+    assert_same_bits(nnx.jit(lambda m, x: m(x))(qmodel, x), expected, "nnx.jit")
+    assert_same_bits(jax.jit(lambda x: qmodel(x))(x), expected, "params closed over")
+
+
+def test_linen_square_layer_on_a_square_batch():
+    x = jax.random.normal(jax.random.key(7), (64, 64))
+    model = nn.Dense(64)
+    variables = model.init(jax.random.key(8), x)
+    provider = NVFP4Provider([Rule("", NO_SR)])
+    got = qwix.quantize_model(model, provider).apply(variables, x)
+    assert provider.report[":dot_general0"].action == "nvfp4"
+    with quantize_linen([Rule("", NO_SR)]):
+        expected = model.apply(variables, x)
+    assert_same_bits(got, expected, "linen square")
+
+
+class ShapeAlike(nnx.Module):
+    """Multiplies by a value computed from its kernel and the input: of the kernel's shape."""
+
+    def __init__(self, n):
+        self.kernel = nnx.Param(jnp.eye(n))
+
+    def __call__(self, x):
+        return jax.lax.dot_general(x, self.kernel[...] + x, DIMS)
+
+
+def test_an_operand_of_a_parameters_shape_that_is_not_it_is_refused():
+    x = jnp.ones((32, 32))
+    with pytest.raises(ValueError, match="has the shape of parameter 'kernel' but is not"):
+        qwix.quantize_model(ShapeAlike(32), NVFP4Provider(NVFP4_EVERYWHERE), x)
+    # Kept in high precision by a rule, it runs.
+    qmodel = qwix.quantize_model(ShapeAlike(32), NVFP4Provider([NVFP4Rule(recipe=None)]), x)
+    np.testing.assert_array_equal(qmodel(x), ShapeAlike(32)(x))
 
 
 # --- errors ------------------------------------------------------------------------------------

@@ -25,6 +25,8 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from flax import linen, nnx
 
 try:
     import qwix
@@ -43,6 +45,10 @@ from nvfp4_jax._src.training.ragged import ragged_dot
 from nvfp4_jax._src.training.recipe import NVFP4Recipe
 
 _BLOCK = formats.BLOCK_SIZE
+# The global inline flags a Python regular expression may open with, e.g. `(?i)` or `(?im)`.
+_GLOBAL_FLAGS = re.compile(r"(?:\(\?[aiLmsux]+\))*")
+# The value a transformation's tracer carries: grad's (JVP, linearize) `primal`, vmap's `val`.
+_CARRIED = ("primal", "val")
 
 
 def search_pattern(pattern: str) -> str:
@@ -56,8 +62,20 @@ def search_pattern(pattern: str) -> str:
       True
       >>> bool(re.fullmatch(search_pattern("^lm_head$"), "layers/3/lm_head"))
       False
+      >>> bool(re.fullmatch(search_pattern("(?i)LM_HEAD"), "model/lm_head"))
+      True
     """
-    return f"(?s:.*?)(?:{pattern})(?s:.*)"
+    try:
+        verbose = re.compile(pattern).flags & re.VERBOSE
+    except (re.error, TypeError) as error:
+        raise ValueError(
+            f"search_pattern: {pattern!r} is not a regular expression: {error}"
+        ) from None
+    # Global inline flags (`(?i)`) must open the whole expression: they move to its start.
+    flags = _GLOBAL_FLAGS.match(pattern).group()
+    body = pattern[len(flags) :]
+    # In verbose mode a `#` comment runs to the end of the line: end the body's line.
+    return f"{flags}(?s:.*?)(?:{body}{chr(10) if verbose else ''})(?s:.*)"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -127,6 +145,67 @@ def _not_one_weight(both: bool) -> str:
     """Why an op of two weights (`both`) or of two activations stays in high precision."""
     which = "two weights" if both else "no weight operand (activations only)"
     return f"{which}: computed in high precision"
+
+
+def _module_params(module) -> dict:
+    """The arrays of a module's own parameters (nnx `Param`s, linen's `params`), by name."""
+    if isinstance(module, nnx.Module):
+        params = {
+            name: node.get_raw_value()
+            for name, node in vars(module).items()
+            if isinstance(node, nnx.Param)
+        }
+    else:
+        scope = module.scope
+        params = {
+            name: _unboxed(value)
+            for name, value in (scope._collection("params") if scope is not None else {}).items()
+        }
+    return {name: value for name, value in params.items() if isinstance(value, jax.Array)}
+
+
+def _unboxed(value):
+    """A linen parameter's array as the module sees it, without a sharding constraint."""
+    if isinstance(value, linen.Partitioned):
+        return value.unbox(apply_constraint=False)
+    return value.unbox() if isinstance(value, linen.meta.AxisMetadata) else value
+
+
+def _is_param(x, param) -> bool:
+    """Whether `x` is `param`, or follows from it by unary ops (a cast, a reshape, ...).
+
+    Told by identity: in a jaxpr trace through the chain of one-operand equations; under a
+    transformation (grad, vmap) through the values its tracers carry; outside a trace, `x`
+    holds exactly `param`'s values after a cast to `x`'s dtype.
+    """
+    if _traces_back(x, param):
+        return True
+    x_traced, param_traced = isinstance(x, jax.core.Tracer), isinstance(param, jax.core.Tracer)
+    if x_traced and param_traced and type(x) is type(param):
+        for attr in _CARRIED:
+            carried = getattr(x, attr, None), getattr(param, attr, None)
+            if all(isinstance(value, jax.Array) for value in carried):
+                return _is_param(*carried)
+    if x_traced or param_traced or tuple(jnp.shape(x)) != tuple(param.shape):
+        return False
+    return bool(np.array_equal(np.asarray(x), np.asarray(jnp.asarray(param).astype(x.dtype))))
+
+
+def _traces_back(x, param) -> bool:
+    """Whether a chain of one-operand equations of the jaxpr being traced leads `param` to `x`."""
+    while True:
+        if x is param:
+            return True
+        if not isinstance(x, jax.core.Tracer):
+            return False
+        # A parameter closed over by a traced function enters the trace as a constant.
+        get_const = getattr(x, "get_const", None)
+        if get_const is not None and get_const() is param:
+            return True
+        in_tracers = getattr(getattr(x, "parent", None), "in_tracers", ())
+        if len(in_tracers) != 1:
+            return False
+        x = in_tracers[0]
 
 
 def _sizes_problem(k: int, n: int) -> str:
@@ -210,9 +289,32 @@ class NVFP4Provider(qwix.QtProvider):
             return None
         return flax_util.make_rng(rule.rng_stream)
 
-    @staticmethod
-    def _is_weight(x) -> bool:
-        return flax_util.find_param(x) is not None
+    def _weights(self, op: str, *operands) -> list[bool]:
+        """Which operands are parameters of the module issuing the op, told by identity.
+
+        qwix's own lookup (`flax_util.find_param`) falls back to matching shapes, which takes
+        an activation of the weight's shape (a square layer on a square batch) for a weight.
+        Here an operand is a weight only if it is one of the module's parameters, or
+        follows from one by unary ops (a cast, a reshape, a sharding constraint) in the trace,
+        or (outside a trace) holds exactly its values after a cast. An operand that is none of
+        these but has a parameter's shape cannot be told apart: a `ValueError`, not a guess.
+        """
+        params = _module_params(flax_util.get_current_module())
+        weights = [any(_is_param(x, p) for p in params.values()) for x in operands]
+        if not any(weights):
+            for x in operands:
+                same = [n for n, p in params.items() if tuple(p.shape) == tuple(jnp.shape(x))]
+                if same:
+                    raise ValueError(
+                        f"NVFP4Provider: {op} in module "
+                        f"{'/'.join(map(str, flax_util.get_current_module_path()))!r}: an "
+                        f"operand of shape {tuple(jnp.shape(x))} has the shape of parameter "
+                        f"{same[0]!r} but is not that parameter nor a cast or reshape of it, "
+                        "so it cannot be told from an activation; pass the parameter to the "
+                        "op as it is (or through unary ops), or keep the module in high "
+                        "precision with a rule whose recipe is None"
+                    )
+        return weights
 
     # --- the ops ---------------------------------------------------------------------------
 
@@ -252,7 +354,7 @@ class NVFP4Provider(qwix.QtProvider):
 
         if rule.recipe is None:
             return high_precision("high_precision")
-        lhs_weight, rhs_weight = self._is_weight(lhs), self._is_weight(rhs)
+        lhs_weight, rhs_weight = self._weights("dot_general", lhs, rhs)
         if lhs_weight == rhs_weight:
             return high_precision("skipped", _not_one_weight(lhs_weight))
         (lc, rc), (lb, rb) = dimension_numbers
@@ -324,7 +426,7 @@ class NVFP4Provider(qwix.QtProvider):
             return high_precision("high_precision")
         if len(operands) != 2 or not isinstance(einsum_str, str):
             return high_precision("skipped", "not an einsum of two operands")
-        weights = [self._is_weight(a) for a in operands]
+        weights = self._weights("einsum", *operands)
         if weights[0] == weights[1]:
             return high_precision("skipped", _not_one_weight(weights[0]))
         spec, (x, w) = einsum_str.replace(" ", ""), operands
