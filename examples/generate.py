@@ -6,8 +6,12 @@
     python examples/generate.py --width 1024 --depth 8 --heads 8 # a larger random model
 
 The model is `lm_model.TransformerLM` (a `train_lm.py` run folder or one of its checkpoint
-folders, a Hugging Face / ModelOpt NVFP4 checkpoint read by `nvfp4_jax.load_hf_checkpoint`, or
-random weights of the example's default size). Decoding is greedy (or sampled with
+folders, a Hugging Face / ModelOpt checkpoint read by `nvfp4_jax.load_hf_checkpoint`, or
+random weights of the example's default size). Of a Hugging Face folder it computes what its
+`config.json` says, Llama's attention and MLP biases and tied embeddings included; a setting
+the model does not compute (rope scaling, a sliding window, qk-norm, another architecture:
+`lm_model.LMConfig.from_hf_config`), or weights that config's model does not hold or lacks,
+exit with status 2 naming the key or the weight. Decoding is greedy (or sampled with
 `--temperature`): the prompt is prefilled in one call, then one token per step with a jitted
 step over (weights, cache, token, position) and a bf16 KV cache preallocated to the prompt's
 length plus `--tokens`, updated in place (`jax.lax.dynamic_update_slice`). The math is
@@ -16,15 +20,17 @@ lm_model's (its own modules compute every layer; only attention reads the cache)
 Two precisions of the same weights:
 
 * bf16: every linear kernel cast to bf16 (embeddings and norms stay f32, as in training).
-* nvfp4: the linears frozen as NVFP4 weight-only (W4A16, `nvfp4_jax.nnx.Linear.
-  from_quantized`, whose CPU path is the native `nvfp4_w4a16` kernel up to 32 rows): each
-  kernel quantized along its input axis with the tensor amax of its fused group (q/k/v,
-  gate/up), as `export_hf_checkpoint` does; an MoE's experts frozen alike
-  (`nvfp4_jax.nnx.Experts.from_quantized`: each expert with its own tensor amax, gate and up
-  sharing theirs); the output head, embeddings, norms and an MoE's router stay as in bf16.
-  A train_lm NVFP4 run's layers trained in bf16 (and their groups) stay bf16. With `--hf`,
-  the checkpoint's NVFP4 weights are used as they are (a Mixtral's experts too), and bf16
-  runs their dequantized values.
+* nvfp4: the weights `nvfp4_jax.export_hf_checkpoint(..., quant_algo="W4A16_NVFP4")`
+  writes, read back (`export_nvfp4`), so the text is the one an engine serving that export
+  decodes: each linear quantized along its input axis in 16x16 blocks with the tensor amax of
+  its fused group (q/k/v, gate/up), an MoE's experts each with their own tensor amax (gate
+  and up sharing theirs), a train_lm NVFP4 run's linears as its rules trained them (in NVFP4
+  or bf16, with the run's weight Four Over Six); the output head, embeddings, norms and an
+  MoE's router stay as in bf16. They run frozen, weight-only (W4A16:
+  `nvfp4_jax.nnx.Linear.from_quantized`, whose CPU path is the native `nvfp4_w4a16` kernel
+  up to 32 rows; `nvfp4_jax.nnx.Experts.from_quantized`). With `--hf`, the weights are used
+  as loaded: NVFP4 ones as they are (a Mixtral's experts too), and bf16 runs their
+  dequantized values; a folder without NVFP4 weights is exported as above.
 
 Prints, per precision, the prefill time, the decode tokens/s (median step after the first,
 which compiles; times `--batch`) and the text, then how often NVFP4's tokens equal bf16's.
@@ -34,12 +40,12 @@ Every flag is checked before anything runs: a bad value exits with status 2.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import pathlib
 import platform
 import sys
+import tempfile
 import time
 
 import jax
@@ -55,8 +61,6 @@ from nvfp4_jax import gemm, kernels
 
 PRECISIONS = ("bf16", "nvfp4")
 DEFAULT_PROMPT = "The "
-# Fused groups: engines load them all quantized or all not, with one tensor amax.
-GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 MAX_TOKENS = 1 << 16
 
 
@@ -191,25 +195,17 @@ def _plain(tree):
 PARAM_NAMES = ("kernel", "scale", "embedding", "bias")
 
 
-def _params_only(tree):
-    """The parameters of a model state (kernels, norm scales, embeddings), without the
-    NVFP4 layers' calibration amaxes and random streams; marks NVFP4-trained linears."""
-    out, trained = {}, set()
-
-    def walk(node, path, dst):
-        for key, value in node.items():
-            if isinstance(value, dict):
-                if "input_amax" in value and "kernel" in value:
-                    trained.add((*path, key))
-                dst[key] = {}
-                walk(value, (*path, key), dst[key])
-                if not dst[key]:
-                    del dst[key]
-            elif key in PARAM_NAMES:
-                dst[key] = np.asarray(value)
-
-    walk(tree, (), out)
-    return out, trained
+def _params_only(tree: dict) -> dict:
+    """The parameters of a model state (kernels, biases, norm scales, embeddings), without
+    the NVFP4 layers' calibration amaxes and random streams."""
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            if inner := _params_only(value):
+                out[key] = inner
+        elif key in PARAM_NAMES:
+            out[key] = np.asarray(value)
+    return out
 
 
 def _checkpoint_folder(folder: pathlib.Path, run: str | None) -> pathlib.Path:
@@ -227,8 +223,9 @@ def _checkpoint_folder(folder: pathlib.Path, run: str | None) -> pathlib.Path:
     return folder
 
 
-def load_train_lm(folder: pathlib.Path, run: str | None) -> tuple[LMConfig, dict, set]:
-    """(shape, parameters as nested dicts, NVFP4-trained linears) of a train_lm checkpoint."""
+def load_train_lm(folder: pathlib.Path, run: str | None) -> tuple[LMConfig, dict, list | None]:
+    """(shape, parameters as nested dicts, the rules of an NVFP4 run or None) of a train_lm
+    checkpoint."""
     import orbax.checkpoint as ocp  # noqa: PLC0415
 
     folder = _checkpoint_folder(folder, run)
@@ -252,73 +249,54 @@ def load_train_lm(folder: pathlib.Path, run: str | None) -> tuple[LMConfig, dict
         top_k=flags.get("top_k", 2),
         expert_intermediate=flags.get("expert_intermediate"),
     )
-    params, trained = _params_only(_plain(restored["state"]["model"]))
+    state = _plain(restored["state"]["model"])
     print(f"checkpoint: {folder} step {step}", flush=True)
-    return cfg, params, trained
+    return cfg, _params_only(state), _run_rules(flags, state)
 
 
-def _linears(params: dict):
-    """(path, its dict) of every 2-D linear of the model (not the experts, not the router)."""
-    for i in sorted(k for k in params.get("layers", {})):
-        layer = params["layers"][i]
-        for block, names in (
-            ("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
-            ("mlp", ("gate_proj", "up_proj", "down_proj")),
-        ):
-            for name in names:
-                node = layer.get(block, {}).get(name)
-                if isinstance(node, dict) and np.ndim(node.get("kernel")) == 2:
-                    yield ("layers", i, block, name), node
+def _has_nvfp4_layers(tree: dict) -> bool:
+    """Whether a model state holds NVFP4 layers (their calibration amax marks them)."""
+    return "input_amax" in tree or any(
+        _has_nvfp4_layers(v) for v in tree.values() if isinstance(v, dict)
+    )
 
 
-def quantize_params(params: dict, trained: set | None = None) -> dict:
-    """The parameters with every layer's linears frozen as NVFP4 `(in, out)` kernels quantized
-    along `in`, each fused group (q/k/v, gate/up) with its group's tensor amax (as
-    `export_hf_checkpoint` writes them). `trained`: when given (a train_lm NVFP4 run), only
-    those linears, and only groups wholly in it. The output head is not quantized."""
-    out = jax.tree.map(lambda x: x, params)
-    linears = dict(_linears(out))
-    for path in list(linears):
-        if trained is not None and path not in trained:
-            del linears[path]
-    amaxes = {}
-    for path in linears:
-        group = next((g for g in GROUPS if path[-1] in g), (path[-1],))
-        members = [(*path[:-1], name) for name in group]
-        if all(m in linears for m in members):
-            amaxes[path] = max(float(np.max(np.abs(linears[m]["kernel"]))) for m in members)
-    for path, amax in amaxes.items():
-        node = linears[path]
-        node["kernel"] = nvfp4_jax.quantize(
-            jnp.asarray(node["kernel"], jnp.float32), axis=0, amax=jnp.float32(amax)
+def _run_rules(flags: dict, state: dict) -> list | None:
+    """The rules a train_lm NVFP4 run trained with (which linears in NVFP4, with which weight
+    Four Over Six): the ones its checkpoint saved, or for a checkpoint saved before train_lm
+    saved them, the ones its flags make. None for a bf16 run (no NVFP4 layer)."""
+    import train_lm  # noqa: PLC0415  (its imports are heavy; only --checkpoint needs it)
+
+    saved = train_lm.trained_rules(flags)
+    if saved is not None or not _has_nvfp4_layers(state):
+        return saved
+    return train_lm.model_rules(argparse.Namespace(**(train_lm.RESUME_DEFAULTS | flags)))
+
+
+def export_nvfp4(cfg: LMConfig, params: dict, *, config: dict | None = None, rules=None):
+    """The weights `export_hf_checkpoint` writes for `params`, read back by `load_hf_checkpoint`.
+
+    Weight-only (`quant_algo="W4A16_NVFP4"`), with the exporter's every other default: each
+    linear quantized along `in` in 16x16 blocks with its fused group's tensor amax (q/k/v,
+    gate/up), an MoE's experts each with their own (gate and up sharing theirs); the head,
+    embeddings, norms and routers in high precision; `rules` (a train_lm NVFP4 run's) decide
+    which linears were trained in NVFP4 and with which weight Four Over Six. `dtype=None`:
+    the high-precision tensors keep their dtype, so that they are bf16's own.
+    """
+    name_map = nvfp4_jax.hf.mixtral_name_map() if cfg.experts else None
+    with tempfile.TemporaryDirectory(prefix="generate-") as folder:
+        target = pathlib.Path(folder) / "export"
+        nvfp4_jax.export_hf_checkpoint(
+            target,
+            params,
+            name_map=name_map,
+            quant_algo="W4A16_NVFP4",
+            config=cfg.hf_config() if config is None else config,
+            rules=rules,
+            dtype=None,
         )
-    _quantize_experts(out, trained)
-    return out
-
-
-def _quantize_experts(params: dict, trained: set | None) -> None:
-    """Each MoE layer's stacked (E, in, out) experts frozen as NVFP4, in place: every expert
-    quantized along `in` with its own tensor amax, gate and up sharing theirs (as
-    `export_hf_checkpoint` writes an MoE layer's experts)."""
-    for i in sorted(k for k in params.get("layers", {})):
-        experts = params["layers"][i].get("mlp", {}).get("experts", {})
-        stacks = {
-            name: node
-            for name, node in experts.items()
-            if isinstance(node, dict) and np.ndim(node.get("kernel")) == 3
-            if trained is None or ("layers", i, "mlp", "experts", name) in trained
-        }
-        for group in (("gate_proj", "up_proj"), ("down_proj",)):
-            if not all(name in stacks for name in group):
-                continue  # a group wholly NVFP4 or not at all
-            kernels = [np.asarray(stacks[name]["kernel"], np.float32) for name in group]
-            amax = np.max([np.max(np.abs(k), axis=(1, 2)) for k in kernels], axis=0)
-            for name, kernel in zip(group, kernels, strict=True):
-                per_expert = [
-                    nvfp4_jax.quantize(jnp.asarray(w), axis=0, amax=jnp.float32(a))
-                    for w, a in zip(kernel, amax, strict=True)
-                ]
-                stacks[name]["kernel"] = jax.tree.map(lambda *x: jnp.stack(x), *per_expert)
+        # The arrays are read into device memory: they outlive the folder.
+        return nvfp4_jax.load_hf_checkpoint(target, name_map=name_map)
 
 
 def dequantize_params(params: dict) -> dict:
@@ -351,32 +329,37 @@ def load_weights(args) -> tuple[LMConfig, dict[str, dict], str]:
     if args.hf is not None:
         if not (args.hf / "config.json").is_file():
             raise UsageError(f"--hf {args.hf}: no config.json, not a Hugging Face checkpoint")
-        config = json.loads((args.hf / "config.json").read_text())
-        try:
-            cfg = LMConfig.from_hf_config(config)
-            # A Mixtral's experts load stacked (E, in, out), as the example's MoE holds them.
-            name_map = nvfp4_jax.hf.mixtral_name_map() if cfg.experts else None
-            tree = nvfp4_jax.load_hf_checkpoint(args.hf, name_map=name_map)
-        except (KeyError, ValueError, OSError) as error:
-            raise UsageError(f"--hf {args.hf}: cannot load it ({error})") from None
-        quantized = any(
-            nvfp4_jax.is_nvfp4_array(x)
-            for x in jax.tree.leaves(tree, is_leaf=nvfp4_jax.is_nvfp4_array)
-        )
-        nvfp4 = tree if quantized else quantize_params(tree)
-        return cfg, {"bf16": dequantize_params(tree), "nvfp4": nvfp4}, f"--hf {args.hf}"
+        return load_hf(args.hf)
     if args.checkpoint is not None:
         try:
-            cfg, params, trained = load_train_lm(args.checkpoint, args.run)
-        except (FileNotFoundError, KeyError, ValueError) as error:
+            cfg, params, rules = load_train_lm(args.checkpoint, args.run)
+            nvfp4 = export_nvfp4(cfg, params, rules=rules)
+        except (FileNotFoundError, KeyError, TypeError, ValueError) as error:
             raise UsageError(f"--checkpoint {args.checkpoint}: cannot load it ({error})") from None
-        nvfp4 = quantize_params(params, trained if trained else None)
         return cfg, {"bf16": params, "nvfp4": nvfp4}, f"--checkpoint {args.checkpoint}"
     cfg = random_config(args)
     model = TransformerLM(cfg, nnx.Rngs(params=args.seed))
-    params, _ = _params_only(_plain(nnx.to_pure_dict(nnx.state(model))))
+    params = _params_only(_plain(nnx.to_pure_dict(nnx.state(model))))
     what = f"random weights (seed {args.seed})"
-    return cfg, {"bf16": params, "nvfp4": quantize_params(params)}, what
+    return cfg, {"bf16": params, "nvfp4": export_nvfp4(cfg, params)}, what
+
+
+def load_hf(folder: pathlib.Path) -> tuple[LMConfig, dict[str, dict], str]:
+    """`load_weights` of a Hugging Face folder: its weights as loaded (NVFP4 ones as they are;
+    bf16 runs their dequantized values); a folder without NVFP4 weights exported as NVFP4."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+        # Refuses a config.json setting the example's model does not compute, naming it.
+        cfg = LMConfig.from_hf_config(config)
+        # A Mixtral's experts load stacked (E, in, out), as the example's MoE holds them.
+        name_map = nvfp4_jax.hf.mixtral_name_map() if cfg.experts else None
+        tree = nvfp4_jax.load_hf_checkpoint(folder, name_map=name_map)
+        leaves = jax.tree.leaves(tree, is_leaf=nvfp4_jax.is_nvfp4_array)
+        quantized = any(nvfp4_jax.is_nvfp4_array(x) for x in leaves)
+        nvfp4 = tree if quantized else export_nvfp4(cfg, tree, config=config)
+    except (KeyError, TypeError, ValueError, OSError) as error:
+        raise UsageError(f"--hf {folder}: cannot load it ({error})") from None
+    return cfg, {"bf16": dequantize_params(tree), "nvfp4": nvfp4}, f"--hf {folder}"
 
 
 # --- decoding ----------------------------------------------------------------------------------
@@ -429,7 +412,7 @@ def forward_cached(model: TransformerLM, cache: dict, tokens: jax.Array, pos: ja
         y = layer.mlp(layer.post_attention_layernorm(x))
         y = y[0] if isinstance(layer.mlp, MoE) else y
         x = x + y.astype(x.dtype)
-    logits = model.lm_head(model.norm(x)).astype(jnp.float32)
+    logits = model.head(model.norm(x))
     return logits, {"k": jnp.stack(keys), "v": jnp.stack(values)}
 
 
@@ -505,21 +488,18 @@ def generate(decoder: Decoder, prompt: np.ndarray, new_tokens: int, seed: int = 
 
 
 def host_line() -> str:
-    """The machine: CPU, the native kernels' ISA variant, cores, load, jax."""
-    isa = "n/a (no native library)"
-    with contextlib.suppress(Exception):
-        module = kernels._library.module("cpu")
-        if module is not None:
-            for name in ("x86-64-v4", "x86-64-v3", "baseline"):
-                if module.set_isa(name):
-                    isa = name
-                    break
-            module.set_isa("")
-    model, vnni = "unknown CPU", ""
-    with contextlib.suppress(OSError, StopIteration):
-        flags = open("/proc/cpuinfo").read()
+    """The machine: CPU, the native CPU kernels' ISA variant, cores, load, jax."""
+    isa = kernels.cpu_isa()
+    if isa is None:
+        isa = f"none (no native CPU kernels: {kernels.unavailable_reason('cpu')})"
+    # /proc/cpuinfo is Linux's; elsewhere the CPU's name is platform's.
+    cpuinfo = pathlib.Path("/proc/cpuinfo")
+    flags = cpuinfo.read_text() if cpuinfo.is_file() else ""
+    names = [x.split(":", 1)[1] for x in flags.splitlines() if x.startswith("model name")]
+    model = names[0] if names else platform.processor() or "unknown CPU"
+    vnni = ""
+    if flags:
         vnni = " avx512_vnni" if "avx512_vnni" in flags else " (no avx512_vnni)"
-        model = next(x for x in flags.splitlines() if x.startswith("model name")).split(":", 1)[1]
     load = os.getloadavg()
     return (
         f"host: {model.strip()} ({platform.machine()}), kernel ISA {isa}{vnni}, "
@@ -573,7 +553,10 @@ def run(args) -> dict:
     names = PRECISIONS if args.precision == "both" else (args.precision,)
     results = {}
     for name in names:
-        model = build_model(cfg, trees[name])
+        try:
+            model = build_model(cfg, trees[name])
+        except ValueError as error:  # weights its config's model does not hold, or lacks
+            raise UsageError(f"{source}: {error}") from None
         decoder = Decoder(model, args.temperature)
         if name == "nvfp4":
             print(f"[nvfp4] {_native_line(decoder.state, args.batch)}", flush=True)

@@ -1,9 +1,13 @@
 """A small Llama in Flax nnx whose linear layers can be NVFP4, dense or mixture-of-experts.
 
 The architecture and the module names are Hugging Face's `LlamaForCausalLM` (RMSNorm, rotary
-position embeddings, SwiGLU MLP, grouped-query attention, untied head), so a trained model
-exports with `nvfp4_jax.export_hf_checkpoint` and `nvfp4_jax.hf.llama_name_map()` as a
-checkpoint vLLM serves, and a Hugging Face / ModelOpt Llama checkpoint loads into it.
+position embeddings, SwiGLU MLP, grouped-query attention; Llama's optional attention and MLP
+biases and tied embeddings), so a trained model exports with `nvfp4_jax.export_hf_checkpoint`
+and `nvfp4_jax.hf.llama_name_map()` as a checkpoint vLLM serves, and a Hugging Face / ModelOpt
+Llama checkpoint loads into it. `LMConfig.from_hf_config` reads a Llama or Mixtral
+`config.json` and refuses (ValueError naming the key) any setting the model does not compute
+(rope scaling, sliding windows, another activation, another architecture's keys): a model
+that computes something else than its checkpoint's would decode wrong without a sign.
 
 With `experts > 0` every MLP is a Mixtral-style dropless mixture of experts (`MoE`): a
 high-precision router `mlp/gate` (D, X) picks the top-k of X SwiGLU experts per token, whose
@@ -65,6 +69,11 @@ class LMConfig:
     expert_intermediate: int | None = None
     # The weight of the load-balancing loss (Switch Transformer's, 0.01 there) in training.
     router_aux_loss_coef: float = 0.01
+    # Hugging Face Llama's biases: on q/k/v/o_proj, and on gate/up/down_proj (dense MLPs).
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    # The output head is the embedding table, transposed (no lm_head of its own).
+    tie_word_embeddings: bool = False
 
     def __post_init__(self):
         for name in ("depth", "heads", "max_len", "vocab"):
@@ -105,6 +114,8 @@ class LMConfig:
             )
         if not self.router_aux_loss_coef >= 0:
             raise ValueError(f"router_aux_loss_coef must be >= 0, got {self.router_aux_loss_coef}")
+        if self.experts and self.mlp_bias:
+            raise ValueError("mlp_bias is for dense MLPs: the experts have no biases")
 
     @property
     def head_dim(self) -> int:
@@ -129,9 +140,9 @@ class LMConfig:
             "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta,
             "rope_parameters": {"rope_theta": self.rope_theta, "rope_type": "default"},
-            "attention_bias": False,
-            "mlp_bias": False,
-            "tie_word_embeddings": False,
+            "attention_bias": self.attention_bias,
+            "mlp_bias": self.mlp_bias,
+            "tie_word_embeddings": self.tie_word_embeddings,
             "dtype": "bfloat16",
             "torch_dtype": "bfloat16",
         }
@@ -152,37 +163,157 @@ class LMConfig:
 
     @classmethod
     def from_hf_config(cls, config: dict, **overrides) -> LMConfig:
-        """The shape of a Hugging Face Llama or Mixtral config (`config.json` as a dict)."""
-        rope = config.get("rope_parameters") or {}
+        """The model of a Hugging Face Llama or Mixtral config (`config.json` as a dict).
+
+        Every key is either read (`HF_READ_KEYS`, each value one the model computes) or
+        without effect on the logits (`HF_INERT_KEYS`); any other key, or a value the model
+        does not compute (rope scaling, a sliding window, another activation, a head size
+        other than hidden_size / num_attention_heads), is a ValueError naming it.
+        """
+        check_hf_config(config)
+        fields = {}
         if config.get("num_local_experts"):
-            overrides = {
+            fields = {
                 "experts": config["num_local_experts"],
                 "top_k": config["num_experts_per_tok"],
                 "expert_intermediate": config["intermediate_size"],
                 "router_aux_loss_coef": config.get("router_aux_loss_coef", 0.01),
-                **overrides,
             }
-        return cls(
-            vocab=config["vocab_size"],
-            width=config["hidden_size"],
-            depth=config["num_hidden_layers"],
-            heads=config["num_attention_heads"],
-            kv_heads=config.get("num_key_value_heads", config["num_attention_heads"]),
-            intermediate=config["intermediate_size"],
-            max_len=config.get("max_position_embeddings", 256),
-            rope_theta=rope.get("rope_theta", config.get("rope_theta", 10000.0)),
-            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
-            **overrides,
+        kv_heads = config.get("num_key_value_heads")
+        fields |= {
+            "vocab": config["vocab_size"],
+            "width": config["hidden_size"],
+            "depth": config["num_hidden_layers"],
+            "heads": config["num_attention_heads"],
+            "kv_heads": config["num_attention_heads"] if kv_heads is None else kv_heads,
+            "intermediate": config["intermediate_size"],
+            "max_len": config.get("max_position_embeddings", 256),
+            "rope_theta": _hf_rope_theta(config),
+            "rms_norm_eps": config.get("rms_norm_eps", 1e-6),
+            "attention_bias": config.get("attention_bias", False),
+            "mlp_bias": config.get("mlp_bias", False),
+            "tie_word_embeddings": config.get("tie_word_embeddings", False),
+        }
+        return cls(**(fields | overrides))
+
+
+# What `LMConfig.from_hf_config` reads of a config.json (each value checked by check_hf_config).
+HF_READ_KEYS = frozenset(
+    {
+        "model_type",
+        "architectures",
+        "vocab_size",
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "intermediate_size",
+        "hidden_act",
+        "max_position_embeddings",
+        "rms_norm_eps",
+        "rope_theta",
+        "rope_parameters",
+        "rope_scaling",
+        "attention_bias",
+        "mlp_bias",
+        "tie_word_embeddings",
+        "sliding_window",
+        "num_local_experts",
+        "num_experts_per_tok",
+        "router_aux_loss_coef",
+    }
+)
+# Keys that do not change the logits: metadata, token ids, the storage dtype, the quantization
+# (read by load_hf_checkpoint), and training-only settings (dropout, router jitter and logits;
+# pretraining_tp splits a GEMM into slices whose sum is the same product).
+HF_INERT_KEYS = frozenset(
+    {
+        "_name_or_path",
+        "transformers_version",
+        "dtype",
+        "torch_dtype",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+        "use_cache",
+        "initializer_range",
+        "quantization_config",
+        "attention_dropout",
+        "pretraining_tp",
+        "router_jitter_noise",
+        "output_router_logits",
+    }
+)
+# The architectures the model is, by model_type.
+HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}
+
+
+def _hf_rope_theta(config: dict) -> float:
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    return rope.get("rope_theta", config.get("rope_theta", 10000.0))
+
+
+def check_hf_config(config: dict) -> None:
+    """Raises a ValueError naming the first key of `config` the model does not compute."""
+    model_type = config.get("model_type")
+    if model_type not in HF_ARCHITECTURES:
+        raise ValueError(
+            f"config.json key 'model_type' (= {model_type!r}): the example's model is a Llama "
+            f"or a Mixtral ({' or '.join(map(repr, HF_ARCHITECTURES))})"
+        )
+    unknown = sorted(set(config) - HF_READ_KEYS - HF_INERT_KEYS)
+    if unknown:
+        raise ValueError(
+            f"config.json key {unknown[0]!r} (= {config[unknown[0]]!r}): the example's model "
+            "does not know it, so it cannot honour it"
+        )
+    for key, problem in _hf_values(config, model_type):
+        raise ValueError(f"config.json key {key!r} (= {config.get(key)!r}): {problem}")
+
+
+def _hf_rope(config: dict):
+    """(key, why) of a rotary embedding other than the default (scaled, partial, ...)."""
+    for key in ("rope_parameters", "rope_scaling"):
+        rope = config.get(key) or {}
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind != "default" or set(rope) - {"rope_type", "type", "rope_theta"}:
+            yield key, "the model computes the default rotary embedding only"
+
+
+def _hf_values(config: dict, model_type: str):
+    """(key, what the model computes instead) of each key whose value it does not compute."""
+    architecture = HF_ARCHITECTURES[model_type]
+    if config.get("architectures", [architecture]) != [architecture]:
+        yield "architectures", f"model_type {model_type!r} is [{architecture!r}]"
+    if config.get("hidden_act", "silu") != "silu":
+        yield "hidden_act", "the MLPs compute SwiGLU ('silu')"
+    head_dim, heads = config.get("head_dim"), config.get("num_attention_heads")
+    if head_dim is not None and head_dim * (heads or 0) != config.get("hidden_size"):
+        yield "head_dim", "the head size is hidden_size / num_attention_heads"
+    yield from _hf_rope(config)
+    if config.get("sliding_window") is not None:
+        yield "sliding_window", "every layer attends to the whole sequence"
+    for key in ("attention_bias", "mlp_bias", "tie_word_embeddings"):
+        if not isinstance(config.get(key, False), bool):
+            yield key, "must be true or false"
+    if model_type == "mixtral" and config.get("attention_bias"):
+        yield "attention_bias", "MixtralForCausalLM has no attention biases"
+    if bool(config.get("num_local_experts")) != (model_type == "mixtral"):
+        yield (
+            "num_local_experts",
+            f"model_type {model_type!r} "
+            + ("has experts" if model_type == "mixtral" else "has none"),
         )
 
 
-def linear(cfg: LMConfig, d_in: int, d_out: int, rngs: nnx.Rngs) -> nnx.Module:
-    """A bf16-compute linear layer without bias: NVFP4 when `cfg.recipe` is set."""
+def linear(cfg: LMConfig, d_in: int, d_out: int, rngs: nnx.Rngs, bias: bool = False):
+    """A bf16-compute linear layer (with a bias if `bias`): NVFP4 when `cfg.recipe` is set."""
     if cfg.recipe is not None:
         return nvfp4_jax.nnx.Linear(
-            d_in, d_out, recipe=cfg.recipe, dtype=jnp.bfloat16, use_bias=False, rngs=rngs
+            d_in, d_out, recipe=cfg.recipe, dtype=jnp.bfloat16, use_bias=bias, rngs=rngs
         )
-    return nnx.Linear(d_in, d_out, dtype=jnp.bfloat16, use_bias=False, rngs=rngs)
+    return nnx.Linear(d_in, d_out, dtype=jnp.bfloat16, use_bias=bias, rngs=rngs)
 
 
 def rotary(x: jax.Array, theta: float) -> jax.Array:
@@ -202,10 +333,11 @@ class Attention(nnx.Module):
     def __init__(self, cfg: LMConfig, rngs: nnx.Rngs):
         d, e = cfg.width, cfg.head_dim
         self.cfg = cfg
-        self.q_proj = linear(cfg, d, cfg.heads * e, rngs)
-        self.k_proj = linear(cfg, d, cfg.kv_heads * e, rngs)
-        self.v_proj = linear(cfg, d, cfg.kv_heads * e, rngs)
-        self.o_proj = linear(cfg, cfg.heads * e, d, rngs)
+        bias = cfg.attention_bias
+        self.q_proj = linear(cfg, d, cfg.heads * e, rngs, bias)
+        self.k_proj = linear(cfg, d, cfg.kv_heads * e, rngs, bias)
+        self.v_proj = linear(cfg, d, cfg.kv_heads * e, rngs, bias)
+        self.o_proj = linear(cfg, cfg.heads * e, d, rngs, bias)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         b, t, _ = x.shape
@@ -222,9 +354,10 @@ class MLP(nnx.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
     def __init__(self, cfg: LMConfig, rngs: nnx.Rngs):
-        self.gate_proj = linear(cfg, cfg.width, cfg.intermediate, rngs)
-        self.up_proj = linear(cfg, cfg.width, cfg.intermediate, rngs)
-        self.down_proj = linear(cfg, cfg.intermediate, cfg.width, rngs)
+        bias = cfg.mlp_bias
+        self.gate_proj = linear(cfg, cfg.width, cfg.intermediate, rngs, bias)
+        self.up_proj = linear(cfg, cfg.width, cfg.intermediate, rngs, bias)
+        self.down_proj = linear(cfg, cfg.intermediate, cfg.width, rngs, bias)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -379,7 +512,15 @@ class TransformerLM(nnx.Module):
         self.embed_tokens = nnx.Embed(cfg.vocab, cfg.width, rngs=rngs)
         self.layers = nnx.List([DecoderLayer(cfg, rngs) for _ in range(cfg.depth)])
         self.norm = nnx.RMSNorm(cfg.width, epsilon=cfg.rms_norm_eps, rngs=rngs)
-        self.lm_head = linear(cfg, cfg.width, cfg.vocab, rngs)
+        # Tied embeddings: no head of its own (`head` multiplies by the embedding table).
+        self.lm_head = None if cfg.tie_word_embeddings else linear(cfg, cfg.width, cfg.vocab, rngs)
+
+    def head(self, x: jax.Array) -> jax.Array:
+        """f32 logits (B, T, V) of the normalized hidden states x (B, T, D): `lm_head(x)`, or
+        `x @ embed_tokens.embedding.T` with tied embeddings."""
+        if self.lm_head is None:
+            return self.embed_tokens.attend(x).astype(jnp.float32)
+        return self.lm_head(x).astype(jnp.float32)
 
     def forward(self, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
         """(f32 logits for every position, the mean load-balancing loss of the MoE layers)."""
@@ -388,7 +529,7 @@ class TransformerLM(nnx.Module):
         for layer in self.layers:
             x, layer_aux = layer(x)
             aux = aux + layer_aux
-        return self.lm_head(self.norm(x)).astype(jnp.float32), aux / len(self.layers)
+        return self.head(self.norm(x)), aux / len(self.layers)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """Returns f32 logits for every position."""
@@ -420,10 +561,106 @@ def train_loss_fn(model: TransformerLM, batch: jax.Array) -> tuple[jax.Array, tu
     return loss + model.cfg.router_aux_loss_coef * aux, (loss, aux)
 
 
-def _module_at(model: nnx.Module, path: tuple) -> nnx.Module:
-    for key in path:
-        model = model[key] if isinstance(key, int) else getattr(model, key)
+def _module_at(model: nnx.Module, path: tuple, where: str) -> nnx.Module:
+    """The module at `path`; a ValueError naming the leaf `where` when the model has none."""
+    try:
+        for key in path:
+            model = model[key] if isinstance(key, int) else getattr(model, key)
+    except (AttributeError, IndexError, KeyError, TypeError):
+        model = None
+    if not isinstance(model, nnx.Module):
+        raise ValueError(f"from_params: {where}: the model has no module {_name(path)}")
     return model
+
+
+# The message of parameters the tree lacks: its config (e.g. attention_bias) makes them.
+MISSING = "the tree lacks parameters the config's model has:"
+
+
+def _name(path: tuple) -> str:
+    return "/".join(map(str, path))
+
+
+def _variable(module: nnx.Module, path: tuple, leaf) -> nnx.Variable:
+    """`module`'s variable `path[-1]`, checked to exist and to have `leaf`'s shape."""
+    variable = getattr(module, path[-1], None)
+    if not isinstance(variable, nnx.Variable):
+        raise ValueError(
+            f"from_params: {_name(path)}: the model has no such parameter (its config: no "
+            "bias, tied embeddings, another architecture?)"
+        )
+    if tuple(variable.shape) != tuple(leaf.shape):
+        raise ValueError(
+            f"from_params: {_name(path)} is {tuple(leaf.shape)}, the model's is "
+            f"{tuple(variable.shape)}"
+        )
+    return variable
+
+
+def _flat_params(params: dict) -> dict[tuple, object]:
+    """`{path: leaf}` of the tree, NVFP4Arrays whole, digit keys as ints (layer indices)."""
+    flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=nvfp4_jax.is_nvfp4_array)[0]
+    out = {}
+    for key_path, leaf in flat:
+        path = tuple(getattr(k, "key", getattr(k, "idx", None)) for k in key_path)
+        out[tuple(int(p) if isinstance(p, str) and p.isdigit() else p for p in path)] = leaf
+    return out
+
+
+def _set_module(model: nnx.Module, path: tuple, layer: nnx.Module) -> None:
+    owner = _module_at(model, path[:-1], _name(path))
+    if isinstance(path[-1], int):
+        owner[path[-1]] = layer
+    else:
+        setattr(owner, path[-1], layer)
+
+
+def _freeze(model, leaves: dict, path: tuple, activations: str, dtype) -> set[tuple]:
+    """Replaces the layer of the NVFP4 kernel at `path` by its frozen form; returns the leaf
+    paths it took (the kernel, and a linear's bias and input_scale)."""
+    parent, q = path[:-1], leaves[path]
+    plain = _module_at(model, parent, _name(path))
+    _variable(plain, path, q)
+    if len(q.shape) == 3:  # an MoE layer's stacked experts: frozen weight-only (W4A16)
+        if activations != "high_precision":
+            raise ValueError(
+                f"from_params: {_name(path)} is a quantized experts kernel; experts load "
+                f"weight-only, activations={activations!r} is for linears"
+            )
+        _set_module(model, parent, nvfp4_jax.nnx.Experts.from_quantized(q, dtype=dtype))
+        return {path}
+    if len(q.shape) != 2:
+        raise ValueError(
+            f"from_params: {_name(path)} is a quantized {q.shape} kernel; only (in, out) "
+            "linears and (E, in, out) experts load frozen"
+        )
+    bias_path, scale_path = (*parent, "bias"), (*parent, "input_scale")
+    bias = leaves.get(bias_path)
+    if getattr(plain, "use_bias", False) and bias is None:
+        raise ValueError(f"from_params: {MISSING} {_name(bias_path)}")
+    if bias is not None:
+        _variable(plain, bias_path, bias)
+    layer = nvfp4_jax.nnx.Linear.from_quantized(
+        q, bias=bias, input_scale=leaves.get(scale_path), activations=activations, dtype=dtype
+    )
+    _set_module(model, parent, layer)
+    return {path, bias_path, scale_path}
+
+
+def _check_complete(model: nnx.Module) -> None:
+    """Raises naming every parameter no leaf set; other variables (the experts' calibration
+    amax) start at zeros, as the layers' own initializers make them."""
+    missing = []
+    for path, variable in nnx.iter_graph(model):
+        if isinstance(variable, nnx.Variable) and isinstance(
+            variable.get_value(), jax.ShapeDtypeStruct
+        ):
+            if isinstance(variable, nnx.Param):
+                missing.append(_name(path))
+            else:
+                variable.set_value(jnp.zeros(variable.shape, variable.dtype))
+    if missing:
+        raise ValueError(f"from_params: {MISSING} {', '.join(missing)}")
 
 
 def from_params(
@@ -436,53 +673,29 @@ def from_params(
     """A model holding `params`: the nested Flax tree `nvfp4_jax.load_hf_checkpoint` returns.
 
     A linear whose `kernel` is an `NVFP4Array` becomes `nvfp4_jax.nnx.Linear.from_quantized`
-    (weight-only, or W4A4 with `activations="nvfp4"` and the `input_scale` beside it), an MoE
-    layer's stacked (E, in, out) `NVFP4Array` experts `nvfp4_jax.nnx.Experts.from_quantized`
-    (weight-only); every other leaf is set as the parameter of the same path. Computes in
-    `dtype`.
+    (with its `bias`; weight-only, or W4A4 with `activations="nvfp4"` and the `input_scale`
+    beside it), an MoE layer's stacked (E, in, out) `NVFP4Array` experts
+    `nvfp4_jax.nnx.Experts.from_quantized` (weight-only); every other leaf is set as the
+    parameter of the same path. Computes in `dtype`. The tree must be the model `cfg` makes:
+    a leaf the model has no parameter for (a bias, an `lm_head` with tied embeddings), one of
+    another shape, or a parameter without a leaf is a ValueError naming it.
     """
     # Built abstract with plain layers: every variable is replaced below.
     plain = dataclasses.replace(cfg, recipe=None)
     model = nnx.eval_shape(lambda: TransformerLM(plain, nnx.Rngs(0)))
-    flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=nvfp4_jax.is_nvfp4_array)[0]
-    for key_path, leaf in flat:
-        path = tuple(getattr(k, "key", getattr(k, "idx", None)) for k in key_path)
-        path = tuple(int(p) if isinstance(p, str) and p.isdigit() else p for p in path)
-        *parent, name = path
-        if name == "input_scale":
-            continue
-        if nvfp4_jax.is_nvfp4_array(leaf) and len(leaf.shape) == 3:
-            # An MoE layer's stacked experts: frozen weight-only (W4A16) experts.
-            if activations != "high_precision":
-                raise ValueError(
-                    f"from_params: {'/'.join(map(str, path))} is a quantized experts kernel; "
-                    f"experts load weight-only, activations={activations!r} is for linears"
-                )
-            owner = _module_at(model, tuple(parent[:-1]))
-            setattr(owner, parent[-1], nvfp4_jax.nnx.Experts.from_quantized(leaf, dtype=dtype))
-            continue
-        if nvfp4_jax.is_nvfp4_array(leaf) and len(leaf.shape) != 2:
-            raise ValueError(
-                f"from_params: {'/'.join(map(str, path))} is a quantized {leaf.shape} kernel; "
-                "only (in, out) linears and (E, in, out) experts load frozen"
-            )
+    leaves = _flat_params(params)
+    taken = set()
+    for path, leaf in leaves.items():
         if nvfp4_jax.is_nvfp4_array(leaf):
-            owner = _module_at(model, tuple(parent[:-1]))
-            sibling = params
-            for part in parent:
-                sibling = sibling[str(part)] if str(part) in sibling else sibling[part]
-            layer = nvfp4_jax.nnx.Linear.from_quantized(
-                leaf, input_scale=sibling.get("input_scale"), activations=activations, dtype=dtype
-            )
-            last = parent[-1]
-            if isinstance(last, int):
-                owner[last] = layer
-            else:
-                setattr(owner, last, layer)
+            taken |= _freeze(model, leaves, path, activations, dtype)
+    for path, leaf in leaves.items():
+        # An input_scale beside a float kernel is unused (weight-only; a high-precision layer).
+        if path in taken or path[-1] == "input_scale":
             continue
-        module = _module_at(model, tuple(parent))
-        value = jnp.asarray(leaf)
-        if name == "kernel" and not isinstance(module, Router):  # the router stays f32
+        module = _module_at(model, path[:-1], _name(path))
+        _variable(module, path, leaf)
+        if path[-1] == "kernel" and not isinstance(module, Router):  # the router stays f32
             module.dtype = dtype
-        setattr(module, name, nnx.Param(value.astype(jnp.float32)))
+        setattr(module, path[-1], nnx.Param(jnp.asarray(leaf).astype(jnp.float32)))
+    _check_complete(model)
     return model

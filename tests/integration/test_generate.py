@@ -1,8 +1,18 @@
-"""examples/generate.py: the cached decode equals lm_model's forward, flags, end to end."""
+"""examples/generate.py: the cached decode equals lm_model's forward, flags, end to end.
+
+* the NVFP4 weights are what `export_hf_checkpoint` writes, bit for bit (16x16 blocks, the
+  fused groups' amaxes, a train_lm NVFP4 run's rules and weight Four Over Six);
+* `--hf` folders the library writes: Llama's attention and MLP biases and tied embeddings
+  decode with them; a config.json setting the model does not compute (rope scaling, a
+  sliding window, qk-norm, ...) or weights its config's model lacks exit 2 naming it;
+* the host line's kernel ISA is `nvfp4_jax.kernels.cpu_isa()`'s.
+"""
 
 from __future__ import annotations
 
+import json
 import pathlib
+import shutil
 import sys
 
 import jax
@@ -13,6 +23,7 @@ from flax import nnx
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "examples"))
 import generate
+import lm_model
 from lm_model import LMConfig, TransformerLM
 
 import nvfp4_jax
@@ -20,12 +31,48 @@ import nvfp4_jax
 TINY = ["--width", "32", "--depth", "2", "--heads", "2"]
 
 
+def _params(model) -> dict:
+    """A model's parameters as nested dicts of arrays (what generate decodes)."""
+    return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+
+def _nvfp4_leaves(tree) -> dict:
+    """`{path: NVFP4Array}` of a tree."""
+    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=nvfp4_jax.is_nvfp4_array)[0]
+    return {
+        jax.tree_util.keystr(path): leaf for path, leaf in flat if nvfp4_jax.is_nvfp4_array(leaf)
+    }
+
+
+def _assert_same_nvfp4(got: dict, want: dict) -> None:
+    """The same NVFP4 kernels at the same paths: codes, block scales and decode scales."""
+    got, want = _nvfp4_leaves(got), _nvfp4_leaves(want)
+    assert sorted(got) == sorted(want)
+    for path, q in want.items():
+        for field in ("codes", "scales", "global_scale"):
+            a, b = np.asarray(getattr(got[path], field)), np.asarray(getattr(q, field))
+            assert a.shape == b.shape and a.tobytes() == b.tobytes(), f"{path} {field}"
+
+
+def _exported(folder, model_or_params, cfg: LMConfig, **options) -> dict:
+    """What `export_hf_checkpoint` writes (weight-only), as `load_hf_checkpoint` reads it."""
+    name_map = nvfp4_jax.hf.mixtral_name_map() if cfg.experts else None
+    nvfp4_jax.export_hf_checkpoint(
+        folder,
+        model_or_params,
+        name_map=name_map,
+        quant_algo="W4A16_NVFP4",
+        config=cfg.hf_config(),
+        **options,
+    )
+    return nvfp4_jax.load_hf_checkpoint(folder, name_map=name_map)
+
+
 @pytest.fixture(scope="module")
 def tiny():
     cfg = LMConfig(width=32, depth=2, heads=2)
     model = TransformerLM(cfg, nnx.Rngs(params=3))
-    params, _ = generate._params_only(generate._plain(nnx.to_pure_dict(nnx.state(model))))
-    return cfg, params
+    return cfg, _params(model)
 
 
 def _teacher_forced(model, tokens, prompt_len):
@@ -45,7 +92,7 @@ def _teacher_forced(model, tokens, prompt_len):
 @pytest.mark.parametrize("precision", ["bf16", "nvfp4"])
 def test_cached_decode_equals_full_forward(tiny, precision):
     cfg, params = tiny
-    tree = params if precision == "bf16" else generate.quantize_params(params)
+    tree = params if precision == "bf16" else generate.export_nvfp4(cfg, params)
     model = generate.build_model(cfg, tree)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 12)), jnp.int32)
     full = np.asarray(model(tokens))
@@ -58,7 +105,7 @@ def test_cached_decode_equals_full_forward(tiny, precision):
 
 def test_nvfp4_tree_is_frozen_weight_only(tiny):
     cfg, params = tiny
-    model = generate.build_model(cfg, generate.quantize_params(params))
+    model = generate.build_model(cfg, generate.export_nvfp4(cfg, params))
     attn = model.layers[0].self_attn
     assert isinstance(attn.q_proj, nvfp4_jax.nnx.Linear)
     assert attn.q_proj.activations == "high_precision"
@@ -68,6 +115,17 @@ def test_nvfp4_tree_is_frozen_weight_only(tiny):
         float(getattr(attn, n).kernel.get_value().amax) for n in ("q_proj", "k_proj", "v_proj")
     }
     assert len(amaxes) == 1
+
+
+def test_nvfp4_weights_are_what_the_exporter_writes(tmp_path):
+    # The random model's NVFP4 weights: bit for bit export_hf_checkpoint's defaults (16x16
+    # blocks, the fused groups' amaxes), not a quantization of the example's own.
+    args = generate.parse_args([*TINY, "--seed", "4"])
+    cfg, trees, _ = generate.load_weights(args)
+    model = TransformerLM(cfg, nnx.Rngs(params=4))
+    _assert_same_nvfp4(trees["nvfp4"], _exported(tmp_path / "export", model, cfg))
+    # The high-precision tensors are the bf16 run's own (the head, embeddings, norms).
+    np.testing.assert_array_equal(trees["nvfp4"]["norm"]["scale"], trees["bf16"]["norm"]["scale"])
 
 
 @pytest.mark.parametrize(
@@ -143,11 +201,22 @@ def test_main_from_a_train_lm_nvfp4_checkpoint(tmp_path, capsys):
     optimizer = train_lm.make_optimizer(model, args)
     text = train_lm.load_text(None)
     checkpoints = train_lm.Checkpoints(train_lm.checkpoint_folder(args, "nvfp4"))
-    checkpoints.save(1, model, optimizer, {}, train_lm.run_config(args, text))
+    config = train_lm.saved_config(train_lm.run_config(args, text), "nvfp4", args)
+    checkpoints.save(1, model, optimizer, {}, config)
     result = generate.main(["--checkpoint", str(out), "--tokens", "3", "--precision", "nvfp4"])
     printed = capsys.readouterr().out
     assert "step 1" in printed and "7 frozen NVFP4 linears" in printed  # layer 0's seven
     assert result["nvfp4"]["tokens"].shape == (1, 3)
+    # Its NVFP4 weights are what the exporter writes for the trained model: its layers in
+    # NVFP4 only, each with the run's weight Four Over Six (the default recipe's "mse").
+    assert train_lm.nvfp4_recipe(args).weight_four_over_six == "mse"
+    cfg, trees, _ = generate.load_weights(generate.parse_args(["--checkpoint", str(out)]))
+    _assert_same_nvfp4(trees["nvfp4"], _exported(tmp_path / "export", model, cfg))
+    # A checkpoint saved before train_lm saved its rules: the rules its flags make.
+    old = train_lm.Checkpoints(tmp_path / "old")
+    old.save(1, model, optimizer, {}, train_lm.run_config(args, text))
+    _, old_trees, _ = generate.load_weights(generate.parse_args(["--checkpoint", str(old.folder)]))
+    _assert_same_nvfp4(old_trees["nvfp4"], trees["nvfp4"])
     with pytest.raises(SystemExit) as exit_info:
         generate.main(["--checkpoint", str(out), "--run", "bf16"])
     assert exit_info.value.code == 2
@@ -163,13 +232,12 @@ MOE = dict(width=32, depth=2, heads=2, experts=4, top_k=2, expert_intermediate=3
 def tiny_moe():
     cfg = LMConfig(**MOE)
     model = TransformerLM(cfg, nnx.Rngs(params=5))
-    params, _ = generate._params_only(generate._plain(nnx.to_pure_dict(nnx.state(model))))
-    return cfg, params
+    return cfg, _params(model)
 
 
 def test_moe_experts_freeze_as_nvfp4_and_decode_as_the_full_forward(tiny_moe):
     cfg, params = tiny_moe
-    tree = generate.quantize_params(params)
+    tree = generate.export_nvfp4(cfg, params)
     model = generate.build_model(cfg, tree)
     experts = model.layers[0].mlp.experts
     for name in ("gate_proj", "up_proj", "down_proj"):
@@ -181,10 +249,11 @@ def test_moe_experts_freeze_as_nvfp4_and_decode_as_the_full_forward(tiny_moe):
             cfg.experts,
             *np.shape(params["layers"][0]["mlp"]["experts"][name]["kernel"])[1:],
         )
-        # One tensor amax per expert: each expert's own (gate and up share theirs).
+        # One tensor amax per expert: each expert's own (gate and up share theirs); read back
+        # from the checkpoint's decode scale (amax / 2688), so to an f32 rounding.
         kernel = np.asarray(params["layers"][0]["mlp"]["experts"][name]["kernel"], np.float32)
         if name == "down_proj":
-            np.testing.assert_array_equal(q.amax, np.abs(kernel).max(axis=(1, 2)))
+            np.testing.assert_allclose(q.amax, np.abs(kernel).max(axis=(1, 2)), rtol=1e-6)
     gate, up = (getattr(experts, n).kernel.get_value().amax for n in ("gate_proj", "up_proj"))
     np.testing.assert_array_equal(gate, up)
     # The cached decode through the frozen experts equals the full forward (as for linears).
@@ -198,30 +267,234 @@ def test_moe_experts_freeze_as_nvfp4_and_decode_as_the_full_forward(tiny_moe):
 
 
 def test_moe_hf_export_loads_with_frozen_experts(tiny_moe, tmp_path):
-    # The example's MoE exported as a Mixtral NVFP4 checkpoint: --hf loads its experts stacked
-    # and frozen, bit for bit the weights quantize_params freezes from the same bf16 model.
+    # The example's MoE exported as a Mixtral NVFP4 checkpoint (the exporter's defaults): its
+    # NVFP4 run decodes with exactly those weights, and --hf loads them stacked and frozen.
     cfg, params = tiny_moe
-    model = generate.build_model(cfg, params)
-    out = tmp_path / "moe"
-    nvfp4_jax.export_hf_checkpoint(
-        out,
-        model,
-        name_map=nvfp4_jax.hf.mixtral_name_map(),
-        quant_algo="W4A16_NVFP4",
-        block_2d=False,  # 1x16 blocks, as quantize_params freezes them
-        config=cfg.hf_config(),
+    exported = _exported(tmp_path / "moe", TransformerLM(cfg, nnx.Rngs(params=5)), cfg)
+    _assert_same_nvfp4(generate.export_nvfp4(cfg, params), exported)
+    loaded_cfg, trees, _ = generate.load_weights(
+        generate.parse_args(["--hf", str(tmp_path / "moe")])
     )
-    args = generate.parse_args(["--hf", str(out)])
-    loaded_cfg, trees, _ = generate.load_weights(args)
     assert loaded_cfg.experts == cfg.experts
+    _assert_same_nvfp4(trees["nvfp4"], exported)
     frozen = generate.build_model(loaded_cfg, trees["nvfp4"])
-    ours = generate.quantize_params(params)
     for name in ("gate_proj", "up_proj", "down_proj"):
-        got = getattr(frozen.layers[1].mlp.experts, name).kernel.get_value()
-        want = ours["layers"][1]["mlp"]["experts"][name]["kernel"]
-        np.testing.assert_array_equal(np.asarray(got.codes), np.asarray(want.codes))
-        np.testing.assert_array_equal(
-            np.asarray(got.scales).view(np.uint8), np.asarray(want.scales).view(np.uint8)
+        assert isinstance(
+            getattr(frozen.layers[1].mlp.experts, name).kernel, nvfp4_jax.nnx.QuantizedKernel
         )
     tokens = jnp.asarray(np.random.default_rng(2).integers(0, 256, (1, 6)), jnp.int32)
     assert np.isfinite(np.asarray(frozen(tokens))).all()
+
+
+# --- Hugging Face folders: biases, tied embeddings, settings the model does not compute -------
+
+
+def _at(tree: dict, path: tuple):
+    """The node of a loaded tree at a module path (layer indices as ints or strings)."""
+    for key in path:
+        tree = tree[key] if key in tree else tree[str(key)]
+    return tree
+
+
+def _reference_logits(model: TransformerLM, tree: dict, tokens: jax.Array) -> np.ndarray:
+    """f32 logits of `tokens` by the original model (Flax's own layers, biases included)
+    holding a loaded checkpoint's weights (NVFP4 ones dequantized), its head computed here:
+    `lm_head`'s kernel, or with tied embeddings the embedding table transposed."""
+    ref = nnx.clone(model)
+    for path, variable in list(nnx.iter_graph(ref)):
+        if isinstance(variable, nnx.Param) and path[0] != "lm_head":
+            value = _at(tree, path)
+            if nvfp4_jax.is_nvfp4_array(value):
+                value = nvfp4_jax.dequantize(value, jnp.float32)
+            variable.set_value(jnp.asarray(value, jnp.float32))
+    x = ref.embed_tokens(tokens)
+    for layer in ref.layers:
+        x, _ = layer(x)
+    head = tree["lm_head"]["kernel"] if "lm_head" in tree else tree["embed_tokens"]["embedding"].T
+    return np.asarray(ref.norm(x).astype(jnp.float32) @ jnp.asarray(head, jnp.float32))
+
+
+def _with_random_biases(model: TransformerLM, seed: int) -> TransformerLM:
+    # nnx.Linear's biases start at zeros: random ones, large enough to move the logits.
+    rng = np.random.default_rng(seed)
+    for _, module in nnx.iter_modules(model):
+        if isinstance(module, nnx.Linear) and module.bias is not None:
+            module.bias[...] = jnp.asarray(rng.normal(0, 0.5, module.bias.shape), jnp.float32)
+    return model
+
+
+def _decodes_as_the_reference(folder, model, precision: str, capsys) -> tuple:
+    """Checks that generate --hf's prefill logits (the prompt's last position) equal the
+    reference's to bf16 rounding; returns (the loaded tree, the prompt, the logits, the
+    tolerance)."""
+    prompt = "a Llama"
+    result = generate.main(
+        ["--hf", str(folder), "--tokens", "2", "--precision", precision, "--prompt", prompt]
+    )
+    assert "[" + precision + "] text:" in capsys.readouterr().out
+    got = result[precision]["logits"][0]  # (batch, vocab) at the prompt's last position
+    tree = nvfp4_jax.load_hf_checkpoint(folder)
+    tokens = jnp.asarray(np.frombuffer(prompt.encode(), np.uint8)[None], jnp.int32)
+    want = _reference_logits(model, tree, tokens)[:, -1]
+    atol = 0.02 * np.abs(want).max()
+    np.testing.assert_allclose(got, want, atol=atol, rtol=0)
+    return tree, tokens, got, atol
+
+
+BIASED = dict(width=32, depth=2, heads=2, attention_bias=True, mlp_bias=True)
+
+
+@pytest.fixture(scope="module")
+def biased(tmp_path_factory):
+    """A Llama with attention and MLP biases exported as an NVFP4 Hugging Face folder."""
+    cfg = LMConfig(**BIASED)
+    model = _with_random_biases(TransformerLM(cfg, nnx.Rngs(params=6)), seed=6)
+    folder = tmp_path_factory.mktemp("biased") / "hf"
+    nvfp4_jax.export_hf_checkpoint(folder, model, quant_algo="W4A16_NVFP4", config=cfg.hf_config())
+    return model, folder
+
+
+@pytest.mark.parametrize("precision", ["nvfp4", "bf16"])
+def test_hf_llama_with_biases_decodes_with_them(biased, precision, capsys):
+    model, folder = biased
+    tree, tokens, got, atol = _decodes_as_the_reference(folder, model, precision, capsys)
+    # Without its biases the model computes other logits: the check above sees them.
+    unbiased = jax.tree_util.tree_map_with_path(
+        lambda path, x: jnp.zeros_like(x) if path[-1].key == "bias" else x,
+        tree,
+        is_leaf=nvfp4_jax.is_nvfp4_array,
+    )
+    assert np.abs(got - _reference_logits(model, unbiased, tokens)[:, -1]).max() > 10 * atol
+
+
+def test_hf_weights_the_config_does_not_make_exit_2(biased, tmp_path, capsys):
+    # attention_bias: true puts a bias on o_proj too (Hugging Face's Llama): a folder without
+    # it is refused, naming it, and so is a bias its config has no place for.
+    model, _ = biased
+    params = _params(model)
+    for layer in params["layers"].values():
+        del layer["self_attn"]["o_proj"]["bias"]
+    biases = LMConfig(**BIASED).hf_config()
+    for name, config in (("o_proj", biases), ("k_proj", biases | {"attention_bias": False})):
+        folder = tmp_path / name
+        nvfp4_jax.export_hf_checkpoint(folder, params, quant_algo="W4A16_NVFP4", config=config)
+        for precision in ("nvfp4", "bf16"):
+            with pytest.raises(SystemExit) as exit_info:
+                generate.main(["--hf", str(folder), "--tokens", "1", "--precision", precision])
+            assert exit_info.value.code == 2
+            assert f"layers/0/self_attn/{name}/bias" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("precision", ["nvfp4", "bf16"])
+def test_hf_llama_with_tied_embeddings_decodes(tmp_path, precision, capsys):
+    # No lm_head.weight: the head is the embedding table, transposed (Hugging Face's tying).
+    cfg = LMConfig(width=32, depth=2, heads=2, tie_word_embeddings=True)
+    model = TransformerLM(cfg, nnx.Rngs(params=7))
+    assert model.lm_head is None
+    folder = tmp_path / "tied"
+    nvfp4_jax.export_hf_checkpoint(folder, model, quant_algo="W4A16_NVFP4", config=cfg.hf_config())
+    assert "lm_head.weight" not in nvfp4_jax.hf.read_safetensors(folder / "model.safetensors")
+    _decodes_as_the_reference(folder, model, precision, capsys)
+
+
+@pytest.fixture(scope="module")
+def llama_folder(tmp_path_factory):
+    """A tiny Llama exported as an NVFP4 Hugging Face folder."""
+    cfg = LMConfig(width=32, depth=1, heads=2)
+    folder = tmp_path_factory.mktemp("llama") / "hf"
+    model = TransformerLM(cfg, nnx.Rngs(params=8))
+    nvfp4_jax.export_hf_checkpoint(folder, model, quant_algo="W4A16_NVFP4", config=cfg.hf_config())
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("rope_scaling", {"rope_type": "llama3", "factor": 8.0, "original_max_position": 64}),
+        ("rope_parameters", {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}),
+        (
+            "rope_parameters",
+            {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
+        ),
+        ("sliding_window", 16),
+        ("use_qk_norm", True),
+        ("no_rope_layers", [0]),
+        ("hidden_act", "gelu"),
+        ("head_dim", 8),
+        ("mlp_bias", "yes"),
+        ("model_type", "qwen3"),
+        ("architectures", ["Qwen3ForCausalLM"]),
+        ("num_local_experts", 4),
+    ],
+)
+def test_hf_config_settings_the_model_does_not_compute_exit_2(
+    llama_folder, tmp_path, key, value, capsys
+):
+    # Never decoded as if the setting were absent: refused, naming the key.
+    folder = tmp_path / "hf"
+    shutil.copytree(llama_folder, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {key: value}))
+    with pytest.raises(SystemExit) as exit_info:
+        generate.main(["--hf", str(folder), "--tokens", "1", "--precision", "bf16"])
+    assert exit_info.value.code == 2
+    assert f"config.json key {key!r}" in capsys.readouterr().err
+
+
+def test_hf_config_round_trips_and_refuses_what_mixtral_lacks():
+    for cfg in (
+        LMConfig(**BIASED),
+        LMConfig(width=32, heads=2, tie_word_embeddings=True),
+        LMConfig(width=32, heads=2, experts=4),
+    ):
+        loaded = LMConfig.from_hf_config(cfg.hf_config(), intermediate=cfg.intermediate)
+        assert loaded == cfg
+    moe = LMConfig(width=32, heads=2, experts=4).hf_config()
+    with pytest.raises(ValueError, match="'attention_bias'.*MixtralForCausalLM has no"):
+        LMConfig.from_hf_config(moe | {"attention_bias": True})
+    with pytest.raises(ValueError, match="key 'model_type' \\(= 'gemma'\\)"):
+        LMConfig.from_hf_config(moe | {"model_type": "gemma"})
+
+
+# --- lm_model.from_params: the tree is the config's model, whole --------------------------------
+
+
+def test_from_params_refuses_a_tree_that_is_not_the_configs_model(tiny):
+    cfg, params = tiny
+    tied = lm_model.from_params(
+        LMConfig(width=32, depth=2, heads=2, tie_word_embeddings=True),
+        {k: v for k, v in params.items() if k != "lm_head"},
+    )
+    x = jnp.ones((1, 3, 32), jnp.float32)
+    want = x @ jnp.asarray(params["embed_tokens"]["embedding"]).T
+    np.testing.assert_allclose(tied.head(x), want, rtol=1e-6)
+    with pytest.raises(ValueError, match="lm_head/kernel: the model has no module lm_head"):
+        lm_model.from_params(LMConfig(width=32, depth=2, heads=2, tie_word_embeddings=True), params)
+    with pytest.raises(ValueError, match="the tree lacks parameters .* lm_head/kernel"):
+        lm_model.from_params(cfg, {k: v for k, v in params.items() if k != "lm_head"})
+    wrong = jax.tree.map(lambda x: x, params)
+    wrong["norm"]["scale"] = np.ones(16, np.float32)
+    with pytest.raises(ValueError, match=r"norm/scale is \(16,\), the model's is \(32,\)"):
+        lm_model.from_params(cfg, wrong)
+    extra = jax.tree.map(lambda x: x, params)
+    extra["layers"][0]["self_attn"]["q_proj"]["bias"] = np.ones(32, np.float32)
+    with pytest.raises(ValueError, match="q_proj/bias: the model has no such parameter"):
+        lm_model.from_params(cfg, extra)
+
+
+# --- the host line -----------------------------------------------------------------------------
+
+
+def test_host_line_reports_the_native_cpu_isa(monkeypatch):
+    isa = nvfp4_jax.kernels.cpu_isa()
+    assert f"kernel ISA {isa if isa is not None else 'none'}" in generate.host_line()
+    monkeypatch.setattr(nvfp4_jax.kernels, "cpu_isa", lambda: None)
+    monkeypatch.setattr(nvfp4_jax.kernels, "unavailable_reason", lambda platform=None: "why")
+    assert "kernel ISA none (no native CPU kernels: why)" in generate.host_line()
+
+    def broken():
+        raise RuntimeError("the ISA query failed")
+
+    monkeypatch.setattr(nvfp4_jax.kernels, "cpu_isa", broken)
+    with pytest.raises(RuntimeError, match="the ISA query failed"):  # not swallowed
+        generate.host_line()
