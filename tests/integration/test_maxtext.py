@@ -168,6 +168,9 @@ def main(argv):
     if "clobber" in args:  # a file appears at the report's path while MaxText runs
         with open(args["clobber"], "w") as other:
             other.write("not the launcher's")
+    from absl import logging  # MaxText reports its steps with absl's logging
+
+    logging.info("completed step: 0, loss: 5.5")
     if args.get("fail") == "1":
         raise RuntimeError("the stand-in trainer failed at step 1")
 """
@@ -362,7 +365,8 @@ def test_a_report_that_appeared_during_the_run_is_not_overwritten(tmp_path, fake
 
 
 def test_a_failed_run_exits_1_with_its_report(tmp_path, fake_maxtext):
-    """`python -m nvfp4_jax.maxtext`: the failure's traceback, status 1 and the report."""
+    """`python -m nvfp4_jax.maxtext`: MaxText's step log, the failure's traceback, status 1
+    and the report."""
     report = tmp_path / "exp" / "report.json"
     run = subprocess.run(
         [sys.executable, "-m", "nvfp4_jax.maxtext", "base.yml", "fail=1"]
@@ -374,6 +378,7 @@ def test_a_failed_run_exits_1_with_its_report(tmp_path, fake_maxtext):
         cwd=tmp_path,
     )
     assert run.returncode == 1, run.stderr[-3000:]
+    assert "completed step: 0, loss: 5.5" in run.stderr, run.stderr[-3000:]
     assert "RuntimeError: the stand-in trainer failed at step 1" in run.stderr
     assert json.loads(report.read_text())["status"] == "failed"
 

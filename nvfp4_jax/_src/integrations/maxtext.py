@@ -500,7 +500,21 @@ def main(argv: Sequence[str] | None = None) -> None:
     _quantizations()
     from maxtext.trainers.pre_train import train  # noqa: PLC0415  (optional, Python >= 3.12)
 
+    _log_as_maxtext()
     _run(launch, train.main)
+
+
+def _log_as_maxtext() -> None:
+    """Sets up absl's logging as MaxText's own entry point (absl's `app.run`) does.
+
+    MaxText reports each step (`completed step: 3, ... loss: ...`) with absl's `logging.info`,
+    which without absl's handler at INFO goes nowhere. `app.run` itself cannot be used: it
+    may run once per process, and `main` may run more often.
+    """
+    from absl import logging as absl_logging  # noqa: PLC0415  (MaxText's dependency)
+
+    absl_logging.use_absl_handler()
+    absl_logging.set_verbosity(absl_logging.INFO)
 
 
 __all__ = [
