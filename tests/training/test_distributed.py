@@ -130,6 +130,12 @@ JIT_CASES = {
     # One block along the quantized axis (a 16-wide head): a size-1 factor in the rule.
     "rows_sharded_one_block": ((256, 16), P(AXIS, None), {"axis": -1}),
     "rows_sharded_one_block_sr": ((256, 16), P(AXIS, None), {"stochastic_rounding": True}),
+    # Shards of fewer than 16 values of the quantized axis: gathered along it, same bits.
+    "quantized_axis_8_per_shard": ((16, 64), P(None, AXIS), {}),
+    "quantized_axis_4_per_shard_sr": ((16, 32), P(None, AXIS), {"stochastic_rounding": True}),
+    "quantized_axis_2_per_shard_one_block": ((16, 16), P(None, AXIS), {}),
+    "quantized_axis_8_per_shard_axis0_2d": ((64, 32), P(AXIS, None), {"axis": 0, "block_2d": True}),
+    "quantized_axis_8_per_shard_rht": ((64, 32), P(AXIS, None), {"axis": 0, "rht": True}),
 }
 
 
@@ -173,6 +179,35 @@ def other_ops(implementation):
             x, amax=jnp.float32(3), implementation=implementation
         ),
     }
+
+
+# name -> (mesh shape, axis names, spec): shards holding fewer than 16 values of the last axis.
+SMALL_SHARDS = {
+    "8_per_shard": ((8,), ("x",), P(None, "x")),
+    "8_per_shard_two_axes": ((2, 4), ("a", "b"), P(None, ("a", "b"))),
+    "rows_and_4_per_shard": ((2, 4), ("a", "b"), P("a", "b")),
+}
+
+
+@pytest.mark.newest
+@pytest.mark.parametrize("mode", MESH_MODES)
+@pytest.mark.parametrize("layout", list(SMALL_SHARDS))
+@pytest.mark.parametrize("op", [*other_ops("reference"), "quantize_sr_4over6"])
+def test_ops_on_shards_smaller_than_a_block(impl, op, layout, mode):
+    """Every op gathers what a shard cannot quantize alone: one device's bits, any mesh."""
+    shape, names, spec = SMALL_SHARDS[layout]
+    mesh_ = make_mesh(shape, names, mode)
+    x = data((16, 64) if layout != "rows_and_4_per_shard" else (32, 16), seed=4)
+    ops = other_ops(impl.implementation)
+    ops["quantize_sr_4over6"] = lambda x, k: quantize(
+        x, stochastic_rounding=True, key=k, four_over_six="mse", implementation=impl.implementation
+    )
+    fn, key = ops[op], jax.random.key(6)
+    expected = jax.jit(fn)(*on_one_device(x, key))
+    with mesh_context(mesh_, mode):
+        actual = jax.jit(fn)(jax.device_put(x, NamedSharding(mesh_, spec)), key)
+    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+        assert_same_bits(a, e, op)
 
 
 @pytest.mark.parametrize("finite", [True, False], ids=["finite", "inf_in_one_shard"])
@@ -340,16 +375,16 @@ def mlp_loss(params, x, y, key, recipe):
     return jnp.mean((out - y) ** 2)
 
 
-def train_setup():
+def train_setup(in_=IN, width=WIDTH, out=OUT):
     rng = np.random.default_rng(7)
     params = {
-        "w1": rng.standard_normal((IN, WIDTH)) / np.sqrt(IN),
-        "b1": rng.standard_normal((WIDTH,)) * 0.1,
-        "w2": rng.standard_normal((WIDTH, OUT)) / np.sqrt(WIDTH),
+        "w1": rng.standard_normal((in_, width)) / np.sqrt(in_),
+        "b1": rng.standard_normal((width,)) * 0.1,
+        "w2": rng.standard_normal((width, out)) / np.sqrt(width),
     }
     params = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params)
-    x = jnp.asarray(rng.standard_normal((BATCH, IN)), jnp.float32)
-    y = jnp.asarray(rng.standard_normal((BATCH, OUT)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((BATCH, in_)), jnp.float32)
+    y = jnp.asarray(rng.standard_normal((BATCH, out)), jnp.float32)
     return params, x, y, jax.random.key(11)
 
 
@@ -366,7 +401,11 @@ TRAIN_SPECS = {
     "data_parallel": {"w1": P(), "b1": P(), "w2": P()},
     # Weights sharded along their first axis (16 rows per device), the batch too.
     "fsdp": {"w1": P(AXIS, None), "b1": P(AXIS), "w2": P(AXIS, None)},
+    # Weights of 64 rows (8 per device: less than a block of K) and 64 columns.
+    "fsdp_8_rows": {"w1": P(AXIS, None), "b1": P(AXIS), "w2": P(AXIS, None)},
 }
+# The layouts whose weights have 64 rows and columns (IN = WIDTH = OUT = 64).
+SMALL_WEIGHTS = ("fsdp_8_rows",)
 
 
 @pytest.mark.parametrize("layout", list(TRAIN_SPECS))
@@ -374,7 +413,7 @@ TRAIN_SPECS = {
 def test_train_step_sharded_equals_one_device(impl, layout, mode):
     if impl.implementation == "reference":  # its GEMMs sum in XLA's order
         skip_where_xla_sums_follow_the_program("the reference's sharded step")
-    params, x, y, key = train_setup()
+    params, x, y, key = train_setup(*(64, 64, 64) if layout in SMALL_WEIGHTS else ())
     recipe = NVFP4Recipe(implementation=impl.implementation)
     step = jax.jit(jax.value_and_grad(mlp_loss), static_argnums=4)
     loss_1, grads_1 = step(*on_one_device(params, x, y, key), recipe)

@@ -30,7 +30,7 @@ def _call(codes, scales, decode_scale, *, rht, dtype):
 
 
 @functools.cache
-def _partitioned(ndim: int, rht: bool, dtype):
+def _partitioned(ndim: int, rht: bool, dtype, one_block: bool):
     raw = part.positional(_call, rht=rht, dtype=dtype)
 
     def layout(mesh, arg_shapes):
@@ -52,6 +52,8 @@ def _partitioned(ndim: int, rht: bool, dtype):
         return mesh, raw, sharding, (sharding, sharding, part.replicated(mesh))
 
     d = part.dims(ndim)
+    if one_block:  # (..., 16): Shardy refuses a compound factor (s h) whose s has size 1
+        return part.with_rule(raw, partition, infer, f"{d} h, {d} s,  -> {d} k")
     rule = f"{d} (s h), {d} s,  -> {d} (s k)"
     return part.with_rule(raw, partition, infer, rule, k=_BLOCK, h=_BLOCK // 2)
 
@@ -60,5 +62,6 @@ def dequantize(codes: jax.Array, scales: jax.Array, decode_scale, *, rht: bool, 
     """Decodes codes uint8 (..., C/2) and scales (..., C/16) with the f32 decode scale D."""
     _library.require("dequantize")
     decode_scale = jnp.asarray(decode_scale, jnp.float32).reshape(())
-    op = _partitioned(codes.ndim - 1, bool(rht), jnp.dtype(dtype))
+    one_block = codes.shape[-1] == _BLOCK // 2
+    op = _partitioned(codes.ndim - 1, bool(rht), jnp.dtype(dtype), one_block)
     return part.vary_like(op(codes, scales, decode_scale), codes, scales, decode_scale)

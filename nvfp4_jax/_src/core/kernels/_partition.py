@@ -18,6 +18,7 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax._src import sharding_impls  # parse_flatten_op_sharding: see `decoded`
 from jax.custom_batching import custom_vmap
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
@@ -231,19 +232,51 @@ def _manual_spec(sharding, manual: set) -> P:
     return P(*kept)
 
 
+def decoded(rule_fn):
+    """`rule_fn(mesh, arg_shapes, result_shape)`, given the operands as `NamedSharding`s.
+
+    JAX would decode the shardings XLA hands a rule itself (`decode_shardings=True`), but
+    raises before the rule runs where XLA's propagation sharded an operand or a result over
+    part of a mesh axis. Shardy splits an axis into sub-axes where it shards a dim in pieces
+    smaller than the axis: x's last dim in shards of fewer than 16 values gives the 16-blocks
+    (the scales' last dim) a sub-axis. No `NamedSharding` says that, so such an operand is
+    taken as replicated: the rule asks for it gathered where it would shard it, and XLA
+    reshards it (correct, only slower; the rules shard only whole blocks anyway). The rules
+    ignore the shardings proposed for their results.
+    """
+
+    def call(mesh, arg_shapes, result_shape):
+        return rule_fn(mesh, [_as_named(mesh, a) for a in arg_shapes], result_shape)
+
+    return call
+
+
+def _as_named(mesh, shape):
+    sharding = shape.sharding
+    if isinstance(sharding, NamedSharding) or mesh is None or mesh.empty:
+        return shape
+    try:
+        spec = sharding_impls.parse_flatten_op_sharding(sharding._hlo_sharding, mesh)[0]
+    except (ValueError, AttributeError):  # IndivisibleError is a ValueError
+        spec = P()
+    return jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=NamedSharding(mesh, spec))
+
+
 def with_rule(raw, partition, infer, rule: str, **rule_options):
     """`raw` with a custom partitioning rule; under `vmap`, `raw` itself runs per example.
 
     Under a mesh with Explicit axes the same rule runs through `shard_map` instead
-    (`explicit_mesh`).
+    (`explicit_mesh`). Under Auto axes XLA calls the rule with the operands' shardings
+    (`decoded`).
 
     The wrapper is an inlined `jax.jit`: the same graph, traced once per operand shape
     instead of at every call (a model calls each kernel with a few shapes many times).
     """
     partitioned = custom_partitioning(raw)
     partitioned.def_partition(
-        partition=partition,
-        infer_sharding_from_operands=infer,
+        partition=decoded(partition),
+        infer_sharding_from_operands=decoded(infer),
+        decode_shardings=False,
         sharding_rule=rule,
         **rule_options,
     )

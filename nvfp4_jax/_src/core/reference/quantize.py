@@ -401,12 +401,21 @@ def check_dequantize_call(q, dtype, op: str) -> jnp.dtype:
     return checks.check_dtype(dtype, op)
 
 
+def _code_blocks(q: NVFP4Array) -> tuple[jax.Array, jax.Array]:
+    """The codes unpacked (stored layout) and as blocks `(..., C/16, 16)`.
+
+    Under Explicit mesh axes the codes' last dim is first gathered where its shards hold
+    fewer than 16 codes (`types.whole_blocks`), as the native kernel's rule gathers it.
+    """
+    codes = types.whole_blocks(formats.unpack_nibbles(q.codes), (-1,), formats.BLOCK_SIZE)
+    return codes, codes.reshape(*q.scales.shape, formats.BLOCK_SIZE)
+
+
 def _dequantize_stored(q: NVFP4Array, dtype) -> jax.Array:
     if q.amax.ndim:
         # A batch of tensors made by vmap (one amax each), dequantized outside of vmap.
         return jax.vmap(lambda one: _dequantize_stored(one, dtype))(q)
-    codes = formats.unpack_nibbles(q.codes)
-    blocks = codes.reshape(*q.scales.shape, formats.BLOCK_SIZE)
+    codes, blocks = _code_blocks(q)
     factor = q.scales.astype(_F32) * q.global_scale
     x_hat = formats.scaled_code_values(blocks, factor[..., None]).reshape(codes.shape)
     if q.rht:
@@ -439,7 +448,6 @@ def block_values(q: NVFP4Array, dtype=jnp.bfloat16) -> jax.Array:
     operand (section 9). No inverse RHT is applied.
     """
     dtype = check_dequantize_call(q, dtype, "block_values")
-    codes = formats.unpack_nibbles(q.codes)
-    blocks = codes.reshape(*q.scales.shape, formats.BLOCK_SIZE)
+    codes, blocks = _code_blocks(q)
     values = formats.scaled_code_values(blocks, q.scales.astype(_F32)[..., None])
     return values.reshape(codes.shape).astype(dtype)
