@@ -1,8 +1,8 @@
 """MaxText trains in NVFP4 through `python -m nvfp4_jax.maxtext` (marker `maxtext`; needs the
 environment `bash scripts/maxtext_env.sh` makes, since MaxText needs Python >= 3.12).
 
-    bash scripts/maxtext_env.sh              # once: .maxtext-venv
-    bash scripts/test.sh -m maxtext -n 0     # about 2 minutes on 2 cores
+    bash scripts/maxtext_env.sh              # once: .maxtext-venv (about 7 minutes)
+    bash scripts/test.sh -m maxtext -n 0     # the maxtext tests: about 1.5 minutes on 2 cores
 
 MaxText lives in its own environment, so one child process
 (`tests/integration/maxtext_child.py`, run with that environment's Python;
@@ -22,7 +22,10 @@ here check:
 * `python -m nvfp4_jax.maxtext` refuses an MoE with megablox on (MaxText's default), naming
   the flags to change.
 
-The first tests need no MaxText: the module imports without it and says how to get it.
+The first tests, not marked `maxtext`, need no MaxText and run with the rest of the suite: the
+module imports without it and says how to get it; the launcher, on a stand-in for MaxText's
+trainer, checks every flag and file before MaxText is imported (status 2 naming the flag) and
+writes its report however the run ends.
 """
 
 from __future__ import annotations
