@@ -31,6 +31,7 @@ writes its report however the run ends.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import pathlib
@@ -196,7 +197,11 @@ def fake_maxtext(tmp_path, monkeypatch):
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text(text)
     monkeypatch.syspath_prepend(str(root))
+    # The launcher sets up absl's logging as MaxText's trainer does: undone for later tests.
+    level, handlers = logging.root.level, list(logging.root.handlers)
     yield root
+    logging.root.setLevel(level)
+    logging.root.handlers[:] = handlers
     for name in [m for m in sys.modules if m == "maxtext" or m.startswith("maxtext.")]:
         del sys.modules[name]
 
