@@ -405,6 +405,24 @@ class ShapeAlike(nnx.Module):
         return jax.lax.dot_general(x, self.kernel[...] + x, DIMS)
 
 
+class OffsetNorm(nnx.Module):
+    """A norm as MaxText writes it: an einsum with its vector scale plus an offset."""
+
+    def __init__(self, n):
+        self.scale = nnx.Param(jnp.zeros((n,)))
+
+    def __call__(self, x):
+        return jnp.einsum("...k,k->...k", x, self.scale[...] + 1.0)
+
+
+def test_a_vector_parameter_plus_an_offset_is_no_weight_to_tell():
+    x = jax.random.normal(jax.random.key(9), (8, 64))
+    provider = NVFP4Provider(NVFP4_EVERYWHERE)
+    qmodel = qwix.quantize_model(OffsetNorm(64), provider, x)
+    assert provider.report[":einsum0"].action == "skipped"
+    np.testing.assert_array_equal(qmodel(x), OffsetNorm(64)(x))
+
+
 def test_an_operand_of_a_parameters_shape_that_is_not_it_is_refused():
     x = jnp.ones((32, 32))
     with pytest.raises(ValueError, match="has the shape of parameter 'kernel' but is not"):

@@ -297,13 +297,16 @@ class NVFP4Provider(qwix.QtProvider):
         Here an operand is a weight only if it is one of the module's parameters, or
         follows from one by unary ops (a cast, a reshape, a sharding constraint) in the trace,
         or (outside a trace) holds exactly its values after a cast. An operand that is none of
-        these but has a parameter's shape cannot be told apart: a `ValueError`, not a guess.
+        these but has the shape of a matrix parameter (one a GEMM could take as its weight; a
+        norm's vector scale plus an offset is not) cannot be told apart: a `ValueError`, not a
+        guess.
         """
         params = _module_params(flax_util.get_current_module())
         weights = [any(_is_param(x, p) for p in params.values()) for x in operands]
         if not any(weights):
+            matrices = {n: p for n, p in params.items() if p.ndim >= 2}
             for x in operands:
-                same = [n for n, p in params.items() if tuple(p.shape) == tuple(jnp.shape(x))]
+                same = [n for n, p in matrices.items() if tuple(p.shape) == tuple(jnp.shape(x))]
                 if same:
                     raise ValueError(
                         f"NVFP4Provider: {op} in module "
