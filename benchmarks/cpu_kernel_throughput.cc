@@ -47,6 +47,12 @@ const KernelTable& PickTable(const char* isa) {
   return avx512::Table();
 }
 
+W4a16RangeFn PickW4a16(const char* isa) {
+  if (!strcmp(isa, "avx2")) return avx2::W4a16Kernel(FloatType::kBf16);
+  if (!strcmp(isa, "baseline")) return baseline::W4a16Kernel(FloatType::kBf16);
+  return avx512::W4a16Kernel(FloatType::kBf16);
+}
+
 struct Op {
   const char* name;
   std::function<void()> run;
@@ -104,6 +110,30 @@ int main(int argc, char** argv) {
     t.quantize[0](job, 0, block_2d ? rows / 16 : rows, scratch.data());
     job.four_over_six = kPlain;
   };
+  // The weight-only GEMV of a decode step: x (m, 4096) f32 times a frozen (4096, 14336)
+  // weight (33 MB of codes and scales: past the caches) and a (4096, 1024) one (2.3 MB: in
+  // L2/L3, the kernel's own speed), one thread. Tables as the handler makes them (any
+  // values: the speed does not depend on them).
+  const int64_t wk = 4096, wn = 14336, wn_small = 1024;
+  std::vector<uint8_t> w_codes(wn * wk / 2), w_scales(wn * wk / 16);
+  for (auto& b : w_codes) b = static_cast<uint8_t>(rng());
+  for (auto& b : w_scales) b = static_cast<uint8_t>(rng() % 0x7e);
+  std::vector<float> w_x(8 * wk), w_out(8 * wn), w_tables(256 * 16);
+  for (auto& v : w_x) v = normal(rng);
+  for (auto& v : w_tables) v = normal(rng);
+  const W4a16RangeFn w4a16 = PickW4a16(argc > 1 ? argv[1] : "avx512");
+  auto gemv = [&](int64_t m, int64_t cols) {
+    W4a16Job wj;
+    wj.m = m;
+    wj.n = cols;
+    wj.k = wk;
+    wj.x = w_x.data();
+    wj.codes = w_codes.data();
+    wj.scales = w_scales.data();
+    wj.tables = w_tables.data();
+    wj.out = w_out.data();
+    w4a16(wj, 0, cols);
+  };
   std::vector<Op> ops = {
       {"memcpy 2B", [&] { memcpy(copy.data(), x.data(), n * 2); }},
       {"amax", [&] { t.amax[0](x.data(), cols, false, 0, rows); }},
@@ -132,6 +162,10 @@ int main(int argc, char** argv) {
          dj.out = values_f32.data();
          t.dequantize[2](dj, 0, rows);
        }},
+      {"gemv m1 33MB", [&] { gemv(1, wn); }},
+      {"gemv m8 33MB", [&] { gemv(8, wn); }},
+      {"gemv m1 2MB", [&] { gemv(1, wn_small); }},
+      {"gemv m8 2MB", [&] { gemv(8, wn_small); }},
   };
 
   // Interleaved rounds; the first two warm up.
@@ -151,6 +185,12 @@ int main(int argc, char** argv) {
     if (i == 0) memcpy_median = median;
     printf("%-12s %7.3f ms  %5.2f ns/elem  x%.2f memcpy\n", ops[i].name, median * 1e3,
            median * 1e9 / n, median / memcpy_median);
+    if (!strncmp(ops[i].name, "gemv", 4)) {  // the weight's bytes per second, and per block
+      const int64_t cols = strstr(ops[i].name, "33MB") ? wn : wn_small;
+      const double bytes = cols * wk * (0.5 + 1.0 / 16), blocks = cols * wk / 16.0;
+      printf("%-12s %7.2f GB/s of weight, %5.2f ns per 16-block (memcpy: %.2f GB/s read)\n", "",
+             bytes / median / 1e9, median * 1e9 / blocks, 2.0 * n / memcpy_median / 1e9);
+    }
   }
   return 0;
 }
