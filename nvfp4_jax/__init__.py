@@ -46,6 +46,7 @@ from nvfp4_jax._src.core.reference import (
     get_wgrad_sign_vector,
 )
 from nvfp4_jax._src.core.seed import SRSeed
+from nvfp4_jax._src.core.spec import QuantSpec
 from nvfp4_jax._src.flax.einsum import NVFP4Einsum
 from nvfp4_jax._src.io.checkpoint import restore_checkpoint, save_checkpoint
 from nvfp4_jax._src.io.hf import (
@@ -119,6 +120,7 @@ __all__ = [
     "PTQReport",
     "quantize",
     "quantize_for_export",
+    "QuantSpec",
     "quantize_linen",
     "quantize_master_weights",
     "quantize_model",

@@ -26,7 +26,7 @@ from helpers import DENSE, assert_same_bits, skip_eager_reference
 from jax.extend.random import threefry_2x32
 
 import nvfp4_jax
-from nvfp4_jax import NVFP4Recipe, dot_general, ragged_dot
+from nvfp4_jax import NVFP4Recipe, QuantSpec, dot_general, ragged_dot
 from nvfp4_jax._src.core import backends, kernels
 from nvfp4_jax._src.core import keys as sr_keys
 from nvfp4_jax._src.core.reference import decode_scale
@@ -300,14 +300,15 @@ def test_operands_are_bit_for_bit_the_dense_ones(key_kind, implementation):
     def dense_operands(x_g, dy_g, key_g):
         dgrad_key, wgrad_key = jax.random.split(key_g)
         q_x_tokens = ops.quantize(pad_tokens(x_g), axis=0, rht=True, implementation="reference")
+        sr = dict(stochastic_rounding=True)
         return {
-            "x": (lambda o: (o.data, o.decode))(ref(x_g, axis=-1)),
+            "x": (lambda o: (o.data, o.decode))(ref(x_g, QuantSpec(axis=-1))),
             "dy": (lambda o: (o.data, o.decode))(
-                ref(dy_g, axis=-1, stochastic_rounding=True, key=dgrad_key)
+                ref(dy_g, QuantSpec(axis=-1, **sr), key=dgrad_key)
             ),
             "x_tokens": (ops.block_values(q_x_tokens, jnp.float32), q_x_tokens.global_scale),
             "dy_tokens": (lambda o: (o.data, o.decode))(
-                ref(pad_tokens(dy_g), axis=0, rht=True, stochastic_rounding=True, key=wgrad_key)
+                ref(pad_tokens(dy_g), QuantSpec(axis=0, rht=True, **sr), key=wgrad_key)
             ),
         }
 

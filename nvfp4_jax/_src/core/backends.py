@@ -15,7 +15,8 @@ implementation says which of the ops whose native kernel runs only on some platf
 some arguments, it runs natively (`Backend.runs_natively`), and `runs_natively(op,
 implementation, ...)` asks the backend an implementation resolves to. The quantizing ops run
 natively wherever the native library does; the NVFP4 GEMM, the weight-only GEMM, the grouped
-quantize of `ragged_dot` and the hash of the SR keys only on the CPU (the GEMM with AVX2 or
+quantize of `ragged_dot`, the hash of the SR keys and the NVFP4 KV cache (`kv_cache`) only on
+the CPU (the GEMM with AVX2 or
 AVX-512, the weight-only GEMM for small bf16/f16 batches); `jax.nn.scaled_matmul`'s cuDNN GEMM
 on Blackwell GPUs (`scaled_matmul_unavailable_reason`). Callers never ask the platform.
 """
@@ -36,8 +37,17 @@ from nvfp4_jax._src.core.spec import QuantSpec
 
 Implementation = Literal["reference", "ffi"]
 # The ops whose native kernels run only on some platforms, or for some arguments.
-NativeOp = Literal["quantize", "gemm", "weight_only_gemm", "grouped_quantize", "sr_key_hash"]
-NATIVE_OPS = ("quantize", "gemm", "weight_only_gemm", "grouped_quantize", "sr_key_hash")
+NativeOp = Literal[
+    "quantize", "gemm", "weight_only_gemm", "grouped_quantize", "sr_key_hash", "kv_cache"
+]
+NATIVE_OPS = (
+    "quantize",
+    "gemm",
+    "weight_only_gemm",
+    "grouped_quantize",
+    "sr_key_hash",
+    "kv_cache",
+)
 # Up to this many rows of activations (tokens) the native weight-only GEMM runs; above it the
 # weight is dequantized and XLA's dot runs (prefill-sized batches, where a dense GEMM of the
 # dequantized weight is faster than decoding the weight again for every few rows).
@@ -162,7 +172,7 @@ class FfiBackend:
         """
         if amax is None:
             amax = kernels.amax(x, rht=spec.rht)
-        return kernels.quantize_spec(x, amax, seed, spec)
+        return kernels.quantize(x, amax, seed, spec)
 
     def fake_quantize(self, x, amax, seed, spec):
         """The `nvfp4_fake_quantize` kernel, after `nvfp4_amax` when no amax is given.
@@ -171,7 +181,7 @@ class FfiBackend:
         """
         if amax is None:
             amax = kernels.amax(x, rht=spec.rht)
-        return kernels.fake_quantize_spec(x, amax, seed, spec)
+        return kernels.fake_quantize(x, amax, seed, spec)
 
     def dequantize(self, codes, scales, decode_scale, *, rht, dtype):
         """The `nvfp4_dequantize` kernel."""

@@ -93,6 +93,17 @@ def check_blocks(shape: tuple[int, ...], axis: int, block_2d: bool, op: str) -> 
             )
 
 
+def check_rht_input(x, op: str = "apply_rht") -> jax.Array:
+    """Returns `x` as an array, raising unless it is bf16/f16/f32 with a last axis of 16s."""
+    x = as_float_array(x, op)
+    if x.ndim == 0 or x.shape[-1] % BLOCK_SIZE:
+        raise ValueError(
+            f"{op}: the last axis of x must be a multiple of {BLOCK_SIZE} for the RHT, "
+            f"got shape {x.shape}"
+        )
+    return x
+
+
 def _concrete_float(value) -> float | None:
     """The value of a concrete scalar, or None for a tracer (known only at run time)."""
     if isinstance(value, jax.core.Tracer):

@@ -32,15 +32,8 @@ from nvfp4_jax._src.core import backends, checks, formats, reference
 from nvfp4_jax._src.core.array import NVFP4Array, bind_dequantize
 from nvfp4_jax._src.core.backends import Backend, Implementation
 from nvfp4_jax._src.core.interception import opaque
-from nvfp4_jax._src.core.reference import hadamard
-from nvfp4_jax._src.core.reference.quantize import (
-    check_dequantize_call,
-    check_quantize_call,
-    spec_array,
-    spec_with_dtype,
-)
 from nvfp4_jax._src.core.seed import SRSeed
-from nvfp4_jax._src.core.spec import QuantSpec
+from nvfp4_jax._src.core.spec import QuantSpec, check_dequantize_call
 
 _F32 = jnp.float32
 
@@ -87,7 +80,7 @@ def apply_rht(
       True
 
     """
-    x = hadamard.check_rht_input(x)
+    x = checks.check_rht_input(x)
     inverse = checks.check_flag(inverse, "apply_rht", "inverse")
     return _rht(x, inverse, backends.resolve(implementation, "apply_rht"))
 
@@ -125,7 +118,7 @@ def tensor_amax(
       3.0
     """
     spec = QuantSpec(axis=axis, rht=rht, op="tensor_amax")
-    x, spec, _, _ = check_quantize_call(x, spec, None, None)
+    x, spec, _, _ = spec.check_call(x, None, None)
     backend = backends.resolve(implementation, "tensor_amax")
     return _amax(jnp.moveaxis(x, spec.axis, -1), spec.rht, backend)
 
@@ -235,7 +228,7 @@ def quantize_with_spec(
     negative `amax` gives the NaN tensor, run eagerly as under `jit`, where `quantize`
     raises for a caller's concrete one.
     """
-    x, spec, seed, amax = check_quantize_call(x, spec, key, amax, amax_is_data=amax_is_data)
+    x, spec, seed, amax = spec.check_call(x, key, amax, amax_is_data=amax_is_data)
     backend = backends.resolve(implementation, spec.op)
     # A step function: no derivative flows through it, and the kernels are never traced
     # for one (their tangents are symbolically zero).
@@ -244,7 +237,7 @@ def quantize_with_spec(
     codes, scales, stored_amax = _on_backend(
         backend, "quantize", stored, amax, seed, spec=spec.stored()
     )
-    return spec_array(codes, scales, stored_amax, x.dtype, spec)
+    return spec.array(codes, scales, stored_amax, x.dtype)
 
 
 _QUANTIZE = QuantSpec(op="quantize")
@@ -349,8 +342,8 @@ def fake_quantize_with_spec(
 
     `amax_is_data` as in `quantize_with_spec`.
     """
-    x, spec, seed, amax = check_quantize_call(x, spec, key, amax, amax_is_data=amax_is_data)
-    spec = spec_with_dtype(spec, x.dtype)
+    x, spec, seed, amax = spec.check_call(x, key, amax, amax_is_data=amax_is_data)
+    spec = spec.with_dtype(x.dtype)
     backend = backends.resolve(implementation, spec.op)
     values = _fake_quantize(jnp.moveaxis(x, spec.axis, -1), amax, seed, spec.stored(), backend)
     return jnp.moveaxis(values, -1, spec.axis)

@@ -1,30 +1,39 @@
-"""QuantSpec: how one tensor is quantized, as one frozen, hashable value.
+"""QuantSpec: how one tensor is quantized, as one frozen, hashable value; and the call checks.
 
 The options of a quantizing op (the quantized axis, 16x16 blocks, the RHT, stochastic
 rounding, Four Over Six and its E4M3 maximum, and for `fake_quantize` the tensor factor and
-the result dtype) travel together: the public ops build a `QuantSpec` once at their edge,
-where it is validated (with the messages of the shared `checks`), and hand it whole to
-the backends, the reference and the kernel bindings, which build their FFI attributes from
-it in one place (`ffi_target`). Being hashable, it is the static argument of the ops'
-`custom_jvp` rules and the cache key of the kernels' sharding rules. `NVFP4Recipe` produces
-the spec of every GEMM operand (`NVFP4Recipe.spec`).
+the result dtype) travel together: the public ops build a `QuantSpec` once at their edge
+(the only place that spells them as keywords), where it is validated with the messages of
+the shared `checks`, and hand it whole to everything below: the backends, the reference,
+the kernel bindings (which build their FFI attributes from it in one place, `ffi_target`),
+the GEMM operands and the diagnostics. Being hashable, it is the static argument of the
+ops' `custom_jvp` rules and the cache key of the kernels' sharding rules. `NVFP4Recipe`
+produces the spec of every GEMM operand (`NVFP4Recipe.spec`).
 
 The data-dependent arguments are not part of it: the tensor, its amax and the stochastic
-rounding key (an `SRSeed`) stay arguments of their own.
+rounding key (an `SRSeed`) stay arguments of their own. `QuantSpec.check_call` checks them,
+for every implementation, so that every entry point rejects bad input with one message, and
+`QuantSpec.array` wraps a quantize result as an `NVFP4Array`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nvfp4_jax._src.core import checks
+from nvfp4_jax._src.core import checks, formats
+from nvfp4_jax._src.core.array import NVFP4Array
+from nvfp4_jax._src.core.seed import as_seed
 
 # The FFI targets a spec names (`ffi_target`): the plain ones, whose attributes are the flags,
 # and under Four Over Six their `_4over6` twins, which take `error` and `e4m3_max` too.
 _QUANTIZE_TARGETS = ("nvfp4_quantize", "nvfp4_fake_quantize")
+# The public ops' keywords whose spec field has another name.
+_KEYWORD_FIELDS = {"four_over_six_e4m3_max": "e4m3_max"}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -74,6 +83,24 @@ class QuantSpec:
         if self.dtype is not None:
             object.__setattr__(self, "dtype", checks.check_dtype(self.dtype, op))
 
+    @classmethod
+    def from_keywords(cls, op: str, /, *, e4m3_max_default: int = 256, **keywords) -> QuantSpec:
+        """The spec of quantize options given as keywords: field names or the public names.
+
+        `four_over_six_e4m3_max` (the public ops' name) is `e4m3_max`, which defaults to
+        `e4m3_max_default` (used only under Four Over Six). An unknown keyword is a TypeError
+        naming it.
+        """
+        fields = {f.name for f in dataclasses.fields(cls)} - {"op"}
+        spec = {}
+        for name, value in keywords.items():
+            field = _KEYWORD_FIELDS.get(name, name)
+            if field not in fields or field in spec:
+                raise TypeError(f"{op}: got an unexpected keyword argument {name!r}")
+            spec[field] = value
+        spec.setdefault("e4m3_max", e4m3_max_default)
+        return cls(**spec, op=op)
+
     def replace(self, **changes) -> QuantSpec:
         """This spec with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
@@ -91,9 +118,54 @@ class QuantSpec:
         checks.check_blocks(shape, axis, self.block_2d, op)
         return self if axis == self.axis else self.replace(axis=axis)
 
+    def check_call(self, x, key, amax, *, amax_is_data: bool = False):
+        """Validated (x, the spec for x's shape, SR seed or None, f32 amax or None).
+
+        The argument checks of a quantizing call that the spec (validated when it was made)
+        cannot do alone, shared by every entry point and implementation, so they raise the
+        same errors. A caller's concrete amax that is negative, NaN or inf is an error; with
+        `amax_is_data` (an amax the library computed or stores, e.g. a GEMM operand's
+        `tensor_amax`) only its type is checked: such an amax is NaN exactly when the data
+        is, and gives the NaN tensor eagerly as under `jit`.
+        """
+        op = self.op
+        x = checks.as_float_array(x, op)
+        if self.stochastic_rounding and key is None:
+            raise ValueError(f"{op}: stochastic_rounding=True needs a PRNG key, got key=None")
+        spec = self.check_shape(x.shape)
+        seed = as_seed(key, op) if spec.stochastic_rounding else None
+        if amax is not None and amax_is_data:
+            return x, spec, seed, _amax_data(amax, op)
+        return x, spec, seed, checks.check_amax(amax, op)
+
     def stored(self) -> QuantSpec:
         """The spec of the stored layout (the quantized axis last): what backends receive."""
         return self if self.axis == -1 else self.replace(axis=-1)
+
+    def with_dtype(self, dtype) -> QuantSpec:
+        """A fake-quantize spec with its values' dtype: `dtype` (the input's) when it has none."""
+        return self if self.dtype is not None else self.replace(dtype=dtype)
+
+    def array(self, codes, scales, stored_amax, dtype) -> NVFP4Array:
+        """The `NVFP4Array` of a quantize result under this spec (its axis: the logical one).
+
+        A Four Over Six one carries its decode factor: `D = A * f32(1/(6M))` goes into
+        `decode_scale` (section 13), so that checkpoints and exports, which keep the leaves,
+        decode it right whatever they make of the metadata.
+        """
+        fos = self.four_over_six
+        return NVFP4Array(
+            codes=codes,
+            scales=scales,
+            amax=stored_amax,
+            dtype=jnp.dtype(dtype),
+            axis=self.axis,
+            block_2d=self.block_2d,
+            rht=self.rht,
+            decode_scale=None if fos is None else formats.decode_scale(stored_amax, self.e4m3_max),
+            four_over_six=fos,
+            e4m3_max=self.e4m3_max,
+        )
 
     def ffi_target(self, name: str) -> tuple[str, dict]:
         """The FFI target and attributes of the quantizing target `name` for this spec.
@@ -113,3 +185,48 @@ class QuantSpec:
             return name, attrs
         attrs.update(error=self.four_over_six, e4m3_max=np.int32(self.e4m3_max))
         return f"{name}_4over6", attrs
+
+
+def _amax_data(amax, op: str) -> jax.Array:
+    """A computed amax as an f32 scalar, NaN, inf or negative included (a NaN tensor)."""
+    amax = jnp.asarray(amax)
+    if amax.shape != () or not jnp.issubdtype(amax.dtype, jnp.floating):
+        raise TypeError(f"{op}: amax must be a float scalar, got {amax.dtype} {amax.shape}")
+    return amax.astype(jnp.float32)
+
+
+def spec_of_call(
+    spec, options: dict, op: str, *, e4m3_max_default: int = 256, deprecated: bool = False
+) -> QuantSpec:
+    """The spec of a function that takes a `QuantSpec`, or its options as keywords.
+
+    `spec` is used as it is; with `spec` None the keywords `options` make one
+    (`QuantSpec.from_keywords`), with a DeprecationWarning where `deprecated` (the functions
+    that once spelled the options out and now take the spec). Giving both is a TypeError.
+    """
+    if spec is None:
+        if deprecated and options:
+            warnings.warn(
+                f"{op}: the quantize options as keywords are deprecated; pass a QuantSpec",
+                DeprecationWarning,
+                stacklevel=3,
+            )
+        return QuantSpec.from_keywords(op, e4m3_max_default=e4m3_max_default, **options)
+    if not isinstance(spec, QuantSpec):
+        raise TypeError(f"{op}: spec must be a QuantSpec, got {type(spec).__name__}")
+    if options:
+        raise TypeError(f"{op}: pass a QuantSpec or the options {sorted(options)}, not both")
+    return spec
+
+
+def check_dequantize_call(q, dtype, op: str) -> jnp.dtype:
+    """Checks the arguments of an op that decodes `q`; returns `dtype` as a jnp dtype.
+
+    For every implementation, so they raise the same errors.
+    """
+    if not isinstance(q, NVFP4Array):
+        raise TypeError(f"{op}: q must be an NVFP4Array, got {type(q).__name__}")
+    return checks.check_dtype(dtype, op)
+
+
+__all__ = ["QuantSpec", "check_dequantize_call", "spec_of_call"]

@@ -51,7 +51,7 @@ def pad_tokens(x):
 
 
 def _operand(x, recipe: NVFP4Recipe, spec: QuantSpec, key=None) -> gemm.Operand:
-    return gemm.spec_operand(
+    return gemm.quantize_operand(
         x,
         spec,
         key=key,

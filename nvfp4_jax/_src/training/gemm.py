@@ -45,7 +45,7 @@ from nvfp4_jax._src.core.backends import (  # the registry's constant, here for 
 from nvfp4_jax._src.core.backends import Implementation
 from nvfp4_jax._src.core.interception import opaque
 from nvfp4_jax._src.core.seed import SRSeed
-from nvfp4_jax._src.core.spec import QuantSpec
+from nvfp4_jax._src.core.spec import QuantSpec, spec_of_call
 from nvfp4_jax._src.training.recipe import GEMM_BACKENDS, GemmBackend
 from nvfp4_jax._src.training.scaled_matmul import to_scaled_matmul_operands
 
@@ -131,55 +131,37 @@ class Operand(NamedTuple):
 
 def quantize_operand(
     x: jax.Array,
+    spec: QuantSpec | None = None,
     *,
-    axis: int,
+    key: jax.Array | SRSeed | None = None,
     backend: GemmBackend,
     dtype=jnp.bfloat16,
-    block_2d: bool = False,
-    rht: bool = False,
-    stochastic_rounding: bool = False,
-    key: jax.Array | SRSeed | None = None,
     implementation: Implementation | None = None,
-    four_over_six: str | None = None,
-    four_over_six_e4m3_max: int = formats.FOUR_OVER_SIX_DEFAULT_E4M3_MAX,
+    **options,
 ) -> Operand:
-    """Quantizes `x` along its contraction `axis` into a GEMM operand (stored layout).
+    """Quantizes `x` along its contraction axis `spec.axis` into a GEMM operand (stored layout).
 
     The emulated backend never packs: `fake_quantize(global_scale=False)` gives the block
     values directly, with the tensor amax computed once for both them and `D`. That amax is
     data (NaN for a NaN/inf `x`): the operand is NaN eagerly as under `jit`, never an error.
-    With `four_over_six` the blocks are Four Over Six's and `D = amax * f32(1/(6M))`,
-    `M = four_over_six_e4m3_max` (docs/NUMERICS.md section 13). The keywords make the
-    `QuantSpec` of `spec_operand`.
+    Under Four Over Six (`spec.four_over_six`) the blocks are Four Over Six's and
+    `D = amax * f32(1/(6M))`, `M = spec.e4m3_max` (docs/NUMERICS.md section 13). What
+    `dot_general` runs, with the specs of `NVFP4Recipe.spec`.
+
+    Args:
+      x: the operand, bf16, f16 or f32.
+      spec: how it is quantized (`QuantSpec`; its axis is the contraction axis K).
+      key: the stochastic rounding's key (a PRNG key or an `SRSeed`) when the spec rounds
+        stochastically.
+      backend: the resolved GEMM backend, "emulated" or "scaled_matmul".
+      dtype: the emulated GEMM's operand dtype.
+      implementation: as in `nvfp4_jax.quantize`.
+      **options: `nvfp4_jax.quantize`'s options as keywords instead of `spec` (deprecated).
+
+    Returns:
+      The `Operand`, in the stored layout `(..., rows, K)`.
     """
-    spec = QuantSpec(
-        axis=axis,
-        block_2d=block_2d,
-        rht=rht,
-        stochastic_rounding=stochastic_rounding,
-        four_over_six=four_over_six,
-        e4m3_max=four_over_six_e4m3_max,
-        op="quantize_operand",
-    )
-    return spec_operand(
-        x, spec, key=key, backend=backend, dtype=dtype, implementation=implementation
-    )
-
-
-def spec_operand(
-    x: jax.Array,
-    spec: QuantSpec,
-    *,
-    key: jax.Array | SRSeed | None = None,
-    backend: GemmBackend,
-    dtype=jnp.bfloat16,
-    implementation: Implementation | None = None,
-) -> Operand:
-    """`quantize_operand` with the quantization as one `QuantSpec` (`spec.axis`: along K).
-
-    What `dot_general` runs, with the specs of `NVFP4Recipe.spec`.
-    """
-    spec = spec.replace(op="quantize")
+    spec = spec_of_call(spec, options, "quantize_operand", deprecated=True).replace(op="quantize")
     if backend == "scaled_matmul":
         q = ops.quantize_with_spec(x, spec, key=key, implementation=implementation)
         return Operand(q, q.global_scale)

@@ -36,7 +36,7 @@ from nvfp4_jax._src.core import formats
 from nvfp4_jax._src.core.kernels import _library
 from nvfp4_jax._src.core.kernels import _partition as part
 from nvfp4_jax._src.core.seed import SRSeed, constant_words
-from nvfp4_jax._src.core.spec import QuantSpec
+from nvfp4_jax._src.core.spec import QuantSpec, spec_of_call
 
 _F32 = jnp.float32
 _BLOCK = formats.BLOCK_SIZE
@@ -188,12 +188,20 @@ def _stored_spec(spec: QuantSpec, seed: SRSeed | None) -> QuantSpec:
     return spec if spec.stochastic_rounding == sr else spec.replace(stochastic_rounding=sr)
 
 
-def quantize_spec(x: jax.Array, amax: jax.Array, seed: SRSeed | None, spec: QuantSpec):
-    """`quantize` under a `QuantSpec` (its layout: x's, the quantized axis last).
+def quantize(
+    x: jax.Array, amax: jax.Array, seed: SRSeed | None, spec: QuantSpec | None = None, **options
+):
+    """Quantizes the stored layout x (..., C) with the f32 tensor amax `amax` under `spec`.
+
+    `seed` None rounds to nearest; an `SRSeed` rounds stochastically with its bits. The
+    spec's options (16x16 blocks, the RHT, Four Over Six) choose the target and its
+    attributes (`QuantSpec.ffi_target`); its axis is ignored (x is the stored layout).
+    `options`: the spec's fields as keywords instead (deprecated).
 
     Returns:
       codes uint8 (..., C/2), scales float8_e4m3fn (..., C/16) and the stored amax.
     """
+    spec = spec_of_call(spec, options, "kernels.quantize", e4m3_max_default=448, deprecated=True)
     _library.require("quantize")
     one_block = x.shape[-1] == _BLOCK
     op = _partitioned_quantize(x.ndim - 1, _stored_spec(spec, seed), one_block)
@@ -201,70 +209,21 @@ def quantize_spec(x: jax.Array, amax: jax.Array, seed: SRSeed | None, spec: Quan
     return part.vary_like(tuple(op(*operands)), *operands)
 
 
-def fake_quantize_spec(x: jax.Array, amax: jax.Array, seed: SRSeed | None, spec: QuantSpec):
-    """`fake_quantize` under a `QuantSpec` whose `dtype` is set (x's layout, as above)."""
+def fake_quantize(
+    x: jax.Array, amax: jax.Array, seed: SRSeed | None, spec: QuantSpec | None = None, **options
+):
+    """Quantizes x like `quantize` and returns the dequantized values in `spec.dtype`.
+
+    No inverse RHT: `value(code) * (f32(s_b) * D)` with `spec.global_scale` (`D = A *
+    RCP2688`, under Four Over Six `A * f32(1/(6M))`), else `value(code) * f32(s_b)`.
+    Non-finite input (or an invalid A) gives NaN everywhere. `spec.dtype` must be set.
+    `options`: the spec's fields as keywords instead (deprecated).
+    """
+    spec = spec_of_call(
+        spec, options, "kernels.fake_quantize", e4m3_max_default=448, deprecated=True
+    )
     _library.require("fake_quantize")
     op = _partitioned_fake_quantize(x.ndim - 1, _stored_spec(spec, seed))
     operands = (x, _amax_operand(amax), _seed_operand(seed))
     values, _ = op(*operands)  # the stored amax only served the NaN fill
     return part.vary_like(values, *operands)
-
-
-def quantize(
-    x: jax.Array,
-    amax: jax.Array,
-    seed: SRSeed | None,
-    *,
-    block_2d: bool,
-    rht: bool,
-    four_over_six: str | None = None,
-    e4m3_max: int = 448,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Quantizes the stored layout x (..., C) with the f32 tensor amax `amax`.
-
-    `seed` None rounds to nearest; an `SRSeed` rounds stochastically with its bits.
-    `four_over_six` "mae" or "mse": Four Over Six with the global scale's E4M3 max `e4m3_max`.
-    The keywords make the `QuantSpec` of `quantize_spec`.
-
-    Returns:
-      codes uint8 (..., C/2), scales float8_e4m3fn (..., C/16) and the stored amax.
-    """
-    spec = QuantSpec(
-        block_2d=bool(block_2d),
-        rht=bool(rht),
-        four_over_six=four_over_six,
-        e4m3_max=e4m3_max,
-        op="kernels.quantize",
-    )
-    return quantize_spec(x, amax, seed, spec)
-
-
-def fake_quantize(
-    x: jax.Array,
-    amax: jax.Array,
-    seed: SRSeed | None,
-    *,
-    block_2d: bool,
-    rht: bool,
-    global_scale: bool,
-    dtype,
-    four_over_six: str | None = None,
-    e4m3_max: int = 448,
-) -> jax.Array:
-    """Quantizes x like `quantize` and returns the dequantized values in `dtype`.
-
-    No inverse RHT: `value(code) * (f32(s_b) * D)` with `global_scale` (`D = A * RCP2688`,
-    under Four Over Six `A * f32(1/(6 * e4m3_max))`), else `value(code) * f32(s_b)`.
-    Non-finite input (or an invalid A) gives NaN everywhere. The keywords make the
-    `QuantSpec` of `fake_quantize_spec`.
-    """
-    spec = QuantSpec(
-        block_2d=bool(block_2d),
-        rht=bool(rht),
-        four_over_six=four_over_six,
-        e4m3_max=e4m3_max,
-        global_scale=bool(global_scale),
-        dtype=jnp.dtype(dtype),
-        op="kernels.fake_quantize",
-    )
-    return fake_quantize_spec(x, amax, seed, spec)

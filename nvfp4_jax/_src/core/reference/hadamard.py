@@ -107,17 +107,6 @@ def _fwht16(v: jax.Array) -> jax.Array:
     return v
 
 
-def check_rht_input(x, op: str = "apply_rht") -> jax.Array:
-    """Returns `x` as an array, raising unless it is bf16/f16/f32 with a last axis of 16s."""
-    x = checks.as_float_array(x, op)
-    if x.ndim == 0 or x.shape[-1] % formats.BLOCK_SIZE:
-        raise ValueError(
-            f"{op}: the last axis of x must be a multiple of {formats.BLOCK_SIZE} for the RHT, "
-            f"got shape {x.shape}"
-        )
-    return x
-
-
 def apply_rht(x: jax.Array, *, inverse: bool = False) -> jax.Array:
     """The Random Hadamard Transform in blocks of 16 along the last axis, in pure jnp.
 
@@ -137,7 +126,7 @@ def apply_rht(x: jax.Array, *, inverse: bool = False) -> jax.Array:
       True
 
     """
-    x = check_rht_input(x)
+    x = checks.check_rht_input(x)
     inverse = checks.check_flag(inverse, "apply_rht", "inverse")
     x = types.whole_blocks(x, (-1,), formats.BLOCK_SIZE)  # shards of whole 16-groups
     lead = x.shape[:-1]

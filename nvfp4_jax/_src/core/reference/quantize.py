@@ -30,12 +30,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from nvfp4_jax._src.core import checks, formats, types
+from nvfp4_jax._src.core import formats, types
 from nvfp4_jax._src.core.array import NVFP4Array
 from nvfp4_jax._src.core.formats import decode_scale
 from nvfp4_jax._src.core.reference import hadamard, stochastic
-from nvfp4_jax._src.core.seed import SRSeed, as_seed
-from nvfp4_jax._src.core.spec import QuantSpec
+from nvfp4_jax._src.core.seed import SRSeed
+from nvfp4_jax._src.core.spec import QuantSpec, check_dequantize_call, spec_of_call
 
 _F32 = jnp.float32
 
@@ -196,35 +196,6 @@ def _quantize_core(xs, used, bad, seed: SRSeed | None, spec: QuantSpec):
     return codes.reshape(xs.shape), scales
 
 
-def _amax_data(amax, op: str) -> jax.Array:
-    """A computed amax as an f32 scalar, NaN, inf or negative included (a NaN tensor)."""
-    amax = jnp.asarray(amax)
-    if amax.shape != () or not jnp.issubdtype(amax.dtype, jnp.floating):
-        raise TypeError(f"{op}: amax must be a float scalar, got {amax.dtype} {amax.shape}")
-    return amax.astype(_F32)
-
-
-def check_quantize_call(x, spec: QuantSpec, key, amax, *, amax_is_data=False):
-    """Validated (x, the spec for x's shape, SR seed or None, f32 amax or None).
-
-    The argument checks of every quantizing op that the spec (validated when it was made)
-    cannot do alone, for every implementation (`nvfp4_jax.ops` calls it too), so they raise
-    the same errors. A caller's concrete amax that is negative, NaN or inf is an error; with
-    `amax_is_data` (an amax the library computed or stores, e.g. a GEMM operand's
-    `tensor_amax`) only its type is checked: such an amax is NaN exactly when the data is,
-    and gives the NaN tensor eagerly as under `jit`.
-    """
-    op = spec.op
-    x = checks.as_float_array(x, op)
-    if spec.stochastic_rounding and key is None:
-        raise ValueError(f"{op}: stochastic_rounding=True needs a PRNG key, got key=None")
-    spec = spec.check_shape(x.shape)
-    seed = as_seed(key, op) if spec.stochastic_rounding else None
-    if amax is not None and amax_is_data:
-        return x, spec, seed, _amax_data(amax, op)
-    return x, spec, seed, checks.check_amax(amax, op)
-
-
 def tensor_amax(x: jax.Array, *, axis: int = -1, rht: bool = False) -> jax.Array:
     """Returns the f32 tensor amax `max |x|` that `quantize` would use, NaN if x holds NaN/inf.
 
@@ -241,124 +212,65 @@ def tensor_amax(x: jax.Array, *, axis: int = -1, rht: bool = False) -> jax.Array
       3.0
     """
     spec = QuantSpec(axis=axis, rht=rht, op="tensor_amax")
-    x, spec, _, _ = check_quantize_call(x, spec, None, None)
+    x, spec, _, _ = spec.check_call(x, None, None)
     _, _, _, stored_amax = _prepare(jnp.moveaxis(x, spec.axis, -1), spec.rht, None)
     return stored_amax
 
 
-def quantized_array(
-    codes, scales, stored_amax, dtype, axis, block_2d, rht, four_over_six, e4m3_max
-) -> NVFP4Array:
-    """The `NVFP4Array` of a quantize result: `spec_array` of the spec of these options."""
-    spec = QuantSpec(
-        axis=axis,
-        block_2d=bool(block_2d),
-        rht=bool(rht),
-        four_over_six=four_over_six,
-        e4m3_max=int(e4m3_max),
-    )
-    return spec_array(codes, scales, stored_amax, dtype, spec)
-
-
-def spec_array(codes, scales, stored_amax, dtype, spec: QuantSpec) -> NVFP4Array:
-    """The `NVFP4Array` of a quantize result under `spec` (its axis: the logical one).
-
-    A Four Over Six one carries its decode factor: `D = A * f32(1/(6M))` goes into
-    `decode_scale` (section 13), so that checkpoints and exports, which keep the leaves,
-    decode it right whatever they make of the metadata.
-    """
-    fos = spec.four_over_six
-    return NVFP4Array(
-        codes=codes,
-        scales=scales,
-        amax=stored_amax,
-        dtype=jnp.dtype(dtype),
-        axis=spec.axis,
-        block_2d=spec.block_2d,
-        rht=spec.rht,
-        decode_scale=None if fos is None else decode_scale(stored_amax, spec.e4m3_max),
-        four_over_six=fos,
-        e4m3_max=spec.e4m3_max,
-    )
-
-
 def quantize(
     x: jax.Array,
+    spec: QuantSpec | None = None,
     *,
-    axis: int = -1,
-    block_2d: bool = False,
-    rht: bool = False,
-    stochastic_rounding: bool = False,
     key: jax.Array | SRSeed | None = None,
     amax: jax.Array | None = None,
-    four_over_six: str | None = None,
-    four_over_six_e4m3_max: int = formats.FOUR_OVER_SIX_DEFAULT_E4M3_MAX,
+    **options,
 ) -> NVFP4Array:
     """Quantizes `x` to NVFP4 in blocks of 16 along `axis` (the specification).
 
-    Takes the arguments of `nvfp4_jax.quantize` except `implementation`.
+    Args:
+      x: as in `nvfp4_jax.quantize`.
+      spec: the options as one `QuantSpec`; or, instead, `options`.
+      key: as in `nvfp4_jax.quantize`.
+      amax: as in `nvfp4_jax.quantize`.
+      **options: the keyword options of `nvfp4_jax.quantize` (`axis`, `block_2d`, `rht`,
+        `stochastic_rounding`, `four_over_six`, `four_over_six_e4m3_max`), when no `spec`.
 
     Example:
       >>> x = jnp.linspace(-3.0, 3.0, 32).reshape(2, 16)
       >>> q = quantize(x)
       >>> q.codes.shape, q.scales.shape, q.shape
       ((2, 8), (2, 1), (2, 16))
+      >>> quantize(x, QuantSpec(axis=0, block_2d=False)).shape
+      (2, 16)
 
     """
-    spec = QuantSpec(
-        axis=axis,
-        block_2d=block_2d,
-        rht=rht,
-        stochastic_rounding=stochastic_rounding,
-        four_over_six=four_over_six,
-        e4m3_max=four_over_six_e4m3_max,
-        op="quantize",
-    )
-    x, spec, seed, amax = check_quantize_call(x, spec, key, amax)
+    spec = spec_of_call(spec, options, "quantize").replace(op="quantize")
+    x, spec, seed, amax = spec.check_call(x, key, amax)
     stored = jnp.moveaxis(x, spec.axis, -1)
     codes, scales, stored_amax = quantize_stored(stored, amax, seed, spec.stored())
-    return spec_array(codes, scales, stored_amax, x.dtype, spec)
+    return spec.array(codes, scales, stored_amax, x.dtype)
 
 
 def fake_quantize(
     x: jax.Array,
+    spec: QuantSpec | None = None,
     *,
-    axis: int = -1,
-    block_2d: bool = False,
-    rht: bool = False,
-    stochastic_rounding: bool = False,
     key: jax.Array | SRSeed | None = None,
     amax: jax.Array | None = None,
-    global_scale: bool = True,
-    dtype=None,
-    four_over_six: str | None = None,
-    four_over_six_e4m3_max: int = formats.FOUR_OVER_SIX_DEFAULT_E4M3_MAX,
+    **options,
 ) -> jax.Array:
     """Quantizes and dequantizes in one step (the specification); see `nvfp4_jax.fake_quantize`.
 
     The values are `value(code) * (f32(s_b) * D)`, or `value(code) * f32(s_b)` without
     `global_scale`, in x's layout, with no inverse RHT, cast to `dtype` (default x's).
+    `spec`, `key`, `amax` and `options` as in `quantize` (`options` also `global_scale` and
+    `dtype`).
     """
-    spec = QuantSpec(
-        axis=axis,
-        block_2d=block_2d,
-        rht=rht,
-        stochastic_rounding=stochastic_rounding,
-        four_over_six=four_over_six,
-        e4m3_max=four_over_six_e4m3_max,
-        global_scale=global_scale,
-        dtype=dtype,
-        op="fake_quantize",
-    )
-    x, spec, seed, amax = check_quantize_call(x, spec, key, amax)
-    spec = spec_with_dtype(spec, x.dtype)
+    spec = spec_of_call(spec, options, "fake_quantize").replace(op="fake_quantize")
+    x, spec, seed, amax = spec.check_call(x, key, amax)
+    spec = spec.with_dtype(x.dtype)
     values = fake_quantize_stored(jnp.moveaxis(x, spec.axis, -1), amax, seed, spec.stored())
     return jnp.moveaxis(values, -1, spec.axis)
-
-
-def spec_with_dtype(spec: QuantSpec, dtype) -> QuantSpec:
-    """A fake-quantize spec with its values' dtype: `dtype` (the input's) when it names none."""
-    return spec if spec.dtype is not None else spec.replace(dtype=dtype)
 
 
 # The specification on the stored layout (quantized axis last), arguments already checked:
@@ -389,16 +301,6 @@ def fake_quantize_stored(xs, amax, seed: SRSeed | None, spec: QuantSpec):
         factor = factor * decode_scale(stored_amax, spec.e4m3_max)
     values = formats.scaled_code_values(blocks, factor[..., None]).reshape(xs.shape)
     return values.astype(spec.dtype)
-
-
-def check_dequantize_call(q, dtype, op: str) -> jnp.dtype:
-    """Checks the arguments of an op that decodes `q`; returns `dtype` as a jnp dtype.
-
-    For every implementation (`nvfp4_jax.ops` calls it too), so they raise the same errors.
-    """
-    if not isinstance(q, NVFP4Array):
-        raise TypeError(f"{op}: q must be an NVFP4Array, got {type(q).__name__}")
-    return checks.check_dtype(dtype, op)
 
 
 def _code_blocks(q: NVFP4Array) -> tuple[jax.Array, jax.Array]:

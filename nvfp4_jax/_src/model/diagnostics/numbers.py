@@ -24,6 +24,7 @@ import jax.numpy as jnp
 
 from nvfp4_jax._src.core import formats, ops, reference
 from nvfp4_jax._src.core.keys import sr_seeds
+from nvfp4_jax._src.core.spec import QuantSpec, spec_of_call
 from nvfp4_jax._src.flax.layer_info import weight_problem
 from nvfp4_jax._src.model.rules import recipe_from_dict, recipe_to_dict
 from nvfp4_jax._src.training.dot_general import dot_general, pad_tokens
@@ -157,37 +158,33 @@ def as_key(key) -> jax.Array:
 
 def operand_stats(
     x: jax.Array,
+    spec: QuantSpec | None = None,
     *,
-    axis: int,
-    block_2d: bool = False,
-    rht: bool = False,
-    stochastic_rounding: bool = False,
     key: jax.Array | None = None,
     implementation=None,
-    four_over_six: str | None = None,
-    four_over_six_e4m3_max: int = formats.FOUR_OVER_SIX_DEFAULT_E4M3_MAX,
+    **options,
 ) -> dict[str, jax.Array]:
-    """The `OperandStats` numbers (as f32 scalars) of `x` quantized as `nvfp4_jax.quantize`.
+    """The `OperandStats` numbers (as f32 scalars) of `x` quantized by `spec`.
 
-    Takes `quantize`'s arguments (Four Over Six's too); see the module docstring for the
-    definitions.
+    See the module docstring for the definitions.
+
+    Args:
+      x: the operand.
+      spec: how it is quantized (a `QuantSpec`, e.g. `NVFP4Recipe.spec`'s).
+      key: the stochastic rounding's key, when the spec rounds stochastically.
+      implementation: as in `nvfp4_jax.quantize`.
+      **options: `nvfp4_jax.quantize`'s options as keywords instead of `spec` (deprecated).
 
     Example:
-      >>> stats = operand_stats(jnp.linspace(-1.0, 1.0, 64).reshape(4, 16), axis=-1)
-      >>> sorted(stats)
+      >>> x = jnp.linspace(-1.0, 1.0, 64).reshape(4, 16)
+      >>> sorted(operand_stats(x, QuantSpec(axis=-1)))
       ['amax', 'rel_error', 'saturated', 'underflow']
     """
-    flags = dict(
-        block_2d=block_2d,
-        rht=rht,
-        implementation=implementation,
-        four_over_six=four_over_six,
-        four_over_six_e4m3_max=four_over_six_e4m3_max,
-    )
-    q = ops.quantize(x, axis=axis, stochastic_rounding=stochastic_rounding, key=key, **flags)
+    spec = spec_of_call(spec, options, "operand_stats", deprecated=True)
+    q = ops.quantize_with_spec(x, spec, key=key, implementation=implementation)
     rel_error = _relative(ops.dequantize(q, _F32, implementation=implementation), x)
-    stored = jnp.moveaxis(x, axis, -1)
-    if rht:
+    stored = jnp.moveaxis(x, spec.axis, -1)
+    if spec.rht:
         stored = ops.apply_rht(stored, implementation=implementation)
     blocks = jnp.abs(stored.astype(_F32)).reshape(*q.scales.shape, formats.BLOCK_SIZE)
     scales = q.scales.astype(_F32)
@@ -214,18 +211,16 @@ def _operands(x, w, dy, key, recipe: NVFP4Recipe) -> dict[str, dict[str, jax.Arr
     sr, impl = recipe.stochastic_rounding, recipe.implementation
     # The keys `nvfp4_jax.dot_general` gives dgrad's and wgrad's dy (from core/keys.py).
     dgrad_key, wgrad_key = sr_seeds(key, impl) if sr else (None, None)
-    rht = recipe.wgrad_rht
-    fos_w, fos_x, fos_dy = (recipe.four_over_six(k) for k in ("weight", "activation", "gradient"))
+    # The specs of `nvfp4_jax.dot_general`'s operands; the wgrad ones on x and dy (not dy^T).
+    spec = recipe.spec
     return {
-        "x": operand_stats(x, axis=1, implementation=impl, **fos_x),
-        "w": operand_stats(w, axis=0, block_2d=recipe.weight_2d, implementation=impl, **fos_w),
-        "dy": operand_stats(
-            dy, axis=1, stochastic_rounding=sr, key=dgrad_key, implementation=impl, **fos_dy
-        ),
-        "x_wgrad": operand_stats(pad_tokens(x), axis=0, rht=rht, implementation=impl, **fos_x),
+        "x": operand_stats(x, spec("activation", "fprop"), implementation=impl),
+        "w": operand_stats(w, spec("weight", "fprop"), implementation=impl),
+        "dy": operand_stats(dy, spec("gradient", "dgrad"), key=dgrad_key, implementation=impl),
+        "x_wgrad": operand_stats(pad_tokens(x), spec("activation", "wgrad"), implementation=impl),
         "dy_wgrad": operand_stats(
-            pad_tokens(dy), axis=0, rht=rht, stochastic_rounding=sr, key=wgrad_key,
-            implementation=impl, **fos_dy,
+            pad_tokens(dy), spec("gradient", "wgrad").replace(axis=0), key=wgrad_key,
+            implementation=impl,
         ),
     }  # fmt: skip
 

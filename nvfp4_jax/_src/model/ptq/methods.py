@@ -17,12 +17,8 @@ import numpy as np
 
 from nvfp4_jax._src.core import formats, ops
 from nvfp4_jax._src.core.array import NVFP4Array
-from nvfp4_jax._src.core.reference.quantize import (
-    block_amax,
-    block_encode,
-    encode_scale,
-    quantized_array,
-)
+from nvfp4_jax._src.core.reference.quantize import block_amax, block_encode, encode_scale
+from nvfp4_jax._src.core.spec import QuantSpec
 from nvfp4_jax._src.io.storage import to_host
 from nvfp4_jax._src.model.ptq.settings import OP
 
@@ -213,16 +209,11 @@ def quantize_gptq(
     codes = codes[:, inverse]
     block_of = perm[:: formats.BLOCK_SIZE] // formats.BLOCK_SIZE  # processed block -> block
     scales = scales[:, np.argsort(block_of)]
-    q = quantized_array(
+    q = QuantSpec(axis=-2, block_2d=bool(block_2d)).array(
         formats.pack_nibbles(jnp.asarray(codes)),
         jnp.asarray(scales),
         jnp.float32(amax),
         kernel.dtype,
-        -2,
-        bool(block_2d),
-        False,
-        None,
-        formats.E4M3_MAX,
     )
     return q, relative
 
