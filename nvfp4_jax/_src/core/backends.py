@@ -15,8 +15,7 @@ implementation says which of the ops whose native kernel runs only on some platf
 some arguments, it runs natively (`Backend.runs_natively`), and `runs_natively(op,
 implementation, ...)` asks the backend an implementation resolves to. The quantizing ops run
 natively wherever the native library does; the NVFP4 GEMM, the weight-only GEMM, the grouped
-quantize of `ragged_dot`, the hash of the SR keys and the NVFP4 KV cache (`kv_cache`) only on
-the CPU (the GEMM with AVX2 or
+quantize of `ragged_dot` and the hash of the SR keys only on the CPU (the GEMM with AVX2 or
 AVX-512, the weight-only GEMM for small bf16/f16 batches); `jax.nn.scaled_matmul`'s cuDNN GEMM
 on Blackwell GPUs (`scaled_matmul_unavailable_reason`). Callers never ask the platform.
 """
@@ -37,17 +36,8 @@ from nvfp4_jax._src.core.spec import QuantSpec
 
 Implementation = Literal["reference", "ffi"]
 # The ops whose native kernels run only on some platforms, or for some arguments.
-NativeOp = Literal[
-    "quantize", "gemm", "weight_only_gemm", "grouped_quantize", "sr_key_hash", "kv_cache"
-]
-NATIVE_OPS = (
-    "quantize",
-    "gemm",
-    "weight_only_gemm",
-    "grouped_quantize",
-    "sr_key_hash",
-    "kv_cache",
-)
+NativeOp = Literal["quantize", "gemm", "weight_only_gemm", "grouped_quantize", "sr_key_hash"]
+NATIVE_OPS = ("quantize", "gemm", "weight_only_gemm", "grouped_quantize", "sr_key_hash")
 # Up to this many rows of activations (tokens) the native weight-only GEMM runs; above it the
 # weight is dequantized and XLA's dot runs (prefill-sized batches, where a dense GEMM of the
 # dequantized weight is faster than decoding the weight again for every few rows).
