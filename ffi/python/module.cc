@@ -31,6 +31,9 @@ XLA_FFI_Error* NvFp4GemmCpu(XLA_FFI_CallFrame* call_frame);  // CPU only
 XLA_FFI_Error* NvFp4W4a16Cpu(XLA_FFI_CallFrame* call_frame);  // CPU only
 XLA_FFI_Error* NvFp4GroupedQuantizeCpu(XLA_FFI_CallFrame* call_frame);  // CPU only
 XLA_FFI_Error* NvFp4Threefry2x32Cpu(XLA_FFI_CallFrame* call_frame);  // CPU only
+XLA_FFI_Error* NvFp4KvCacheWriteCpu(XLA_FFI_CallFrame* call_frame);  // CPU only
+XLA_FFI_Error* NvFp4KvCacheReadCpu(XLA_FFI_CallFrame* call_frame);   // CPU only
+XLA_FFI_Error* NvFp4KvAttentionCpu(XLA_FFI_CallFrame* call_frame);   // CPU only
 #endif
 }
 
@@ -69,6 +72,9 @@ const Target kTargets[] = {
     {"nvfp4_w4a16", reinterpret_cast<void*>(NvFp4W4a16Cpu)},
     {"nvfp4_grouped_quantize", reinterpret_cast<void*>(NvFp4GroupedQuantizeCpu)},
     {"nvfp4_threefry2x32", reinterpret_cast<void*>(NvFp4Threefry2x32Cpu)},
+    {"nvfp4_kv_cache_write", reinterpret_cast<void*>(NvFp4KvCacheWriteCpu)},
+    {"nvfp4_kv_cache_read", reinterpret_cast<void*>(NvFp4KvCacheReadCpu)},
+    {"nvfp4_kv_attention", reinterpret_cast<void*>(NvFp4KvAttentionCpu)},
 #endif
 };
 

@@ -15,8 +15,10 @@ implementation says which of the ops whose native kernel runs only on some platf
 some arguments, it runs natively (`Backend.runs_natively`), and `runs_natively(op,
 implementation, ...)` asks the backend an implementation resolves to. The quantizing ops run
 natively wherever the native library does; the NVFP4 GEMM, the weight-only GEMM, the grouped
-quantize of `ragged_dot` and the hash of the SR keys only on the CPU (the GEMM with AVX2 or
-AVX-512, the weight-only GEMM for small bf16/f16 batches); `jax.nn.scaled_matmul`'s cuDNN GEMM
+quantize of `ragged_dot`, the hash of the SR keys and the NVFP4 KV cache's write and read
+(`kv_cache`) and attention (`kv_attention`) only on the CPU (the GEMM with AVX2 or AVX-512,
+the weight-only GEMM for small bf16/f16 batches, the attention for up to
+`KV_ATTENTION_MAX_TOKENS` new tokens); `jax.nn.scaled_matmul`'s cuDNN GEMM
 on Blackwell GPUs (`scaled_matmul_unavailable_reason`). Callers never ask the platform.
 """
 
@@ -36,12 +38,32 @@ from nvfp4_jax._src.core.spec import QuantSpec
 
 Implementation = Literal["reference", "ffi"]
 # The ops whose native kernels run only on some platforms, or for some arguments.
-NativeOp = Literal["quantize", "gemm", "weight_only_gemm", "grouped_quantize", "sr_key_hash"]
-NATIVE_OPS = ("quantize", "gemm", "weight_only_gemm", "grouped_quantize", "sr_key_hash")
+NativeOp = Literal[
+    "quantize",
+    "gemm",
+    "weight_only_gemm",
+    "grouped_quantize",
+    "sr_key_hash",
+    "kv_cache",
+    "kv_attention",
+]
+NATIVE_OPS = (
+    "quantize",
+    "gemm",
+    "weight_only_gemm",
+    "grouped_quantize",
+    "sr_key_hash",
+    "kv_cache",
+    "kv_attention",
+)
 # Up to this many rows of activations (tokens) the native weight-only GEMM runs; above it the
 # weight is dequantized and XLA's dot runs (prefill-sized batches, where a dense GEMM of the
 # dequantized weight is faster than decoding the weight again for every few rows).
 WEIGHT_ONLY_MAX_ROWS = 32
+# Up to this many new tokens per sequence the native KV cache attention runs (decode); a
+# longer prefill dequantizes the cache and runs XLA's dots, whose GEMMs reuse each key for
+# many queries (the native kernel keeps partial results per query and chunk of the cache).
+KV_ATTENTION_MAX_TOKENS = 16
 # The first compute capability whose tensor cores run block-scaled FP4 (Blackwell, sm_100).
 SCALED_MATMUL_MIN_CAPABILITY = 10.0
 
@@ -57,7 +79,8 @@ class Backend(Protocol):
     def runs_natively(self, op: NativeOp, **args) -> bool:
         """Whether this backend runs `op` as a native kernel here, for these arguments.
 
-        `args` are the op's: `x_shape`, `x_dtype` and `q` for "weight_only_gemm".
+        `args` are the op's: `x_shape`, `x_dtype` and `q` for "weight_only_gemm"; `tokens`
+        (new tokens per sequence) for "kv_attention".
         """
 
     def amax(self, x: jax.Array, *, rht: bool) -> jax.Array:
@@ -149,6 +172,8 @@ class FfiBackend:
             return kernels.cpu_isa() != "baseline"
         if op == "weight_only_gemm":
             return _weight_only_fits(**args)
+        if op == "kv_attention":
+            return args["tokens"] <= KV_ATTENTION_MAX_TOKENS
         return True
 
     def amax(self, x, *, rht):

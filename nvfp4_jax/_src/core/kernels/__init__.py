@@ -6,7 +6,7 @@ saying why when the native library cannot run on the current platform. One modul
 target: `_amax`, `_quantize` (quantize and fake quantize, each taking the `QuantSpec` whole),
 `_dequantize`, `_rht`, `_gemm` (the NVFP4 GEMM and the weight-only GEMM, CPU only),
 `_grouped` (ragged_dot's grouped quantize, CPU only), `_threefry` (the hash of the SR keys,
-CPU only). Which of them
+CPU only), `_kv_cache` (the NVFP4 KV cache's write, read and attention, CPU only). Which of them
 runs where is `backends.runs_natively`'s question, asked nowhere else.
 """
 
@@ -14,6 +14,7 @@ from nvfp4_jax._src.core.kernels._amax import amax
 from nvfp4_jax._src.core.kernels._dequantize import dequantize
 from nvfp4_jax._src.core.kernels._gemm import gemm, w4a16
 from nvfp4_jax._src.core.kernels._grouped import grouped_quantize
+from nvfp4_jax._src.core.kernels._kv_cache import kv_attention, kv_cache_read, kv_cache_write
 from nvfp4_jax._src.core.kernels._library import (
     CPU_TARGETS,
     TARGETS,
@@ -48,6 +49,9 @@ __all__ = [
     "grouped_quantize",
     "is_available",
     "is_threefry_key",
+    "kv_attention",
+    "kv_cache_read",
+    "kv_cache_write",
     "pmax_keep_nan",
     "quantize",
     "register",

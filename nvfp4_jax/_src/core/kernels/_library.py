@@ -34,8 +34,16 @@ TARGETS = (
     "nvfp4_fake_quantize_4over6",
 )
 # Targets only the CPU library has (the NVFP4 GEMM, the weight-only GEMM, ragged_dot's grouped
-# quantize, the threefry hash of the SR keys).
-CPU_TARGETS = ("nvfp4_gemm", "nvfp4_w4a16", "nvfp4_grouped_quantize", "nvfp4_threefry2x32")
+# quantize, the threefry hash of the SR keys, the NVFP4 KV cache's write, read and attention).
+CPU_TARGETS = (
+    "nvfp4_gemm",
+    "nvfp4_w4a16",
+    "nvfp4_grouped_quantize",
+    "nvfp4_threefry2x32",
+    "nvfp4_kv_cache_write",
+    "nvfp4_kv_cache_read",
+    "nvfp4_kv_attention",
+)
 # nvfp4_jax's platform name -> (extension module, XLA platform name).
 MODULES = {"cpu": ("nvfp4_jax._nvfp4_cpu", "cpu"), "cuda": ("nvfp4_jax._nvfp4_cuda", "CUDA")}
 

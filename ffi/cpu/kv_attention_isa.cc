@@ -1,0 +1,184 @@
+// Decode attention over the NVFP4 KV cache, one chunk of slots per call, compiled once per
+// instruction set (NVFP4_ISA) like cpu/kernels_isa.cc; the handler is in cpu/kv_cache.cc.
+//
+// docs/NUMERICS.md section 14. For one (sequence b, key/value head g, chunk u) and each of
+// its query rows m, over the chunk's slots j that row sees:
+//
+//   k_hat = value(code) * (f32(sf) * k_scale)                 (the block decoded in registers)
+//   a[l]  = +0;  a[l] = a[l] + q[16 c + l] * k_hat[16 c + l]  for c = 0, 1, ..., E/16 - 1
+//   dot   = ((a[l] + a[l+8]) ... ) the fixed tree of the W4A16 GEMV;  s_j = dot * softmax_scale
+//   mx    = max_j s_j;  p_j = exp(s_j - mx) (KvExp);  l = sum_j p_j  (ascending j)
+//   o[e]  = sum_j p_j * v_hat_j[e]                             (ascending j; v_hat like k_hat)
+//
+// Every step is one f32 operation, no FMA; a 16-lane vector holds one 16-block, so the
+// order is the same on every ISA. A NaN score makes the chunk's l NaN (hence the row's
+// output). Nothing from the standard library: everything here is per-ISA or inline.
+#include <cstdint>
+
+#include "cpu/kv_attention.h"
+#include "cpu/simd.h"
+#include "nvfp4/kv_cache.h"
+#include "nvfp4/numerics.h"
+
+#ifndef NVFP4_ISA
+#error "compile with -DNVFP4_ISA=<namespace>"
+#endif
+
+namespace nvfp4::cpu::NVFP4_ISA {
+namespace {
+
+NVFP4_VINLINE int64_t MinI64(int64_t a, int64_t b) { return a < b ? a : b; }
+NVFP4_VINLINE int64_t MaxI64(int64_t a, int64_t b) { return a > b ? a : b; }
+
+// The 16 codes of one block (8 bytes at p, element 2i in the low nibble of byte i) as 16
+// lanes; only the low 4 bits of a lane are meaningful (E2m1Value reads no others).
+NVFP4_VINLINE VI ExpandCodes(const uint8_t* p) {
+  VI r;
+#if defined(NVFP4_SIMD_AVX512)
+  __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  b = _mm_unpacklo_epi8(b, b);
+  const __m512i shifts = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
+  r.p[0] = (NI)_mm512_srlv_epi32(_mm512_cvtepu8_epi32(b), shifts);
+#elif defined(NVFP4_SIMD_AVX2)
+  __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  b = _mm_unpacklo_epi8(b, b);
+  const __m256i shifts = _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4);
+  r.p[0] = (NI)_mm256_srlv_epi32(_mm256_cvtepu8_epi32(b), shifts);
+  r.p[1] = (NI)_mm256_srlv_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8)), shifts);
+#else
+  for (int i = 0; i < 8; ++i) {
+    r.p[(2 * i) / kLanes][(2 * i) % kLanes] = p[i] & 15;
+    r.p[(2 * i + 1) / kLanes][(2 * i + 1) % kLanes] = p[i] >> 4;
+  }
+#endif
+  return r;
+}
+
+// The fixed tree over the 16 lanes.
+NVFP4_VINLINE float Reduce16(VF acc) {
+  float a[16];
+  StoreV(a, acc);
+  float s8[8], s4[4], s2[2];
+  for (int l = 0; l < 8; ++l) s8[l] = a[l] + a[l + 8];
+  for (int l = 0; l < 4; ++l) s4[l] = s8[l] + s8[l + 4];
+  for (int l = 0; l < 2; ++l) s2[l] = s4[l] + s4[l + 2];
+  return s2[0] + s2[1];
+}
+
+// Arithmetic shift right by one, lane by lane.
+NVFP4_VINLINE VI SraOne(VI a) {
+  for (int j = 0; j < kParts; ++j) a.p[j] = a.p[j] >> 1;
+  return a;
+}
+
+// KvExp (cpu/kv_attention.h) lane by lane, the same operations in the same order.
+NVFP4_VINLINE VF VExp(VF x) {
+  const VI nan = x != x;
+  x = Select(x < kExpLo, SplatF(kExpLo), x);
+  x = Select(SplatF(kExpHi) < x, SplatF(kExpHi), x);
+  const VF shifted = x * kLog2e + kRound;
+  const VI n = AsVI(shifted) - static_cast<int32_t>(AsBits(kRound));
+  const VF nf = shifted - kRound;
+  VF r = x - nf * kLn2Hi;
+  r = r - nf * kLn2Lo;
+  VF p = SplatF(kExpP[0]);
+  for (int i = 1; i < 6; ++i) p = p * r + kExpP[i];
+  p = p * (r * r) + r + 1.0f;
+  const VI half = SraOne(n + Srl(n, 31));  // n / 2, truncated toward 0
+  const VF a = AsVF((half + 127) << 23);
+  const VF b = AsVF((n - half + 127) << 23);
+  return Select(nan, SplatF(AsFloat(kNanBits)), (p * a) * b);
+}
+
+// The decoded 16-blocks of one slot's head: value(code) * (f32(sf) * scale).
+NVFP4_VINLINE void DecodeSlot(const KvAttentionJob& job, int side, int64_t b, int64_t g,
+                              int64_t j, VF* out) {
+  const kv::Layout& l = job.layout;
+  const int64_t page = j / l.page_size, t = j % l.page_size;
+  const uint8_t* bytes = job.cache + ((b * job.pages + page) * 2 + side) * l.page_bytes();
+  const uint8_t* codes = bytes + job.data_t[t] + job.data_h[g];
+  const int64_t* scale_at = job.scale_ts[side] + t * l.scale_dim();
+  const int64_t head = job.scale_h[g];
+  for (int64_t c = 0; c < l.scale_dim(); ++c) {
+    const float factor = kv::DecodeFactor(bytes[scale_at[c] + head], job.scale[side]);
+    out[c] = E2m1Value(ExpandCodes(codes + 8 * c)) * SplatF(factor);
+  }
+}
+
+// Rows [m0, m0 + rows) of one item.
+void Rows(const KvAttentionJob& job, int64_t b, int64_t g, int64_t u, int64_t m0, int64_t rows) {
+  const kv::Layout& l = job.layout;
+  const int64_t blocks = l.scale_dim(), e = l.head_dim, m_all = job.rows();
+  const int64_t j0 = u * kKvChunk, j1 = MinI64(j0 + kKvChunk, job.slots());
+  int64_t end[kKvRows];
+  const float* q[kKvRows];
+  int64_t jmax = j0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t m = m0 + r, t = m / job.group, h = g * job.group + m % job.group;
+    end[r] = MinI64(MaxI64(job.visible[b * job.tokens + t], j0), j1);
+    q[r] = job.q + ((b * job.tokens + t) * job.q_heads + h) * e;
+    jmax = MaxI64(jmax, end[r]);
+  }
+  float scores[kKvRows][kKvChunk];
+  VF kv_hat[kKvMaxBlocks];
+  for (int64_t j = j0; j < jmax; ++j) {
+    DecodeSlot(job, 0, b, g, j, kv_hat);
+    for (int64_t r = 0; r < rows; ++r) {
+      if (j >= end[r]) continue;
+      VF acc = SplatF(0.0f);
+      for (int64_t c = 0; c < blocks; ++c) acc = acc + LoadV<VF>(q[r] + kBlock * c) * kv_hat[c];
+      scores[r][j - j0] = Reduce16(acc) * job.softmax_scale;
+    }
+  }
+  const int64_t base = ((b * l.heads + g) * job.chunks + u) * m_all + m0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t count = end[r] - j0;
+    float mx = -AsFloat(kInfBits);
+    bool bad = false;
+    for (int64_t i = 0; i < count; ++i) {
+      const float s = scores[r][i];
+      bad = bad || s != s;
+      mx = s > mx ? s : mx;
+    }
+    const int64_t padded = (count + kBlock - 1) / kBlock * kBlock;
+    for (int64_t i = count; i < padded; ++i) scores[r][i] = 0.0f;
+    for (int64_t i = 0; i < padded; i += kBlock) {
+      StoreV(&scores[r][i], VExp(LoadV<VF>(&scores[r][i]) - SplatF(mx)));
+    }
+    float sum = 0.0f;
+    for (int64_t i = 0; i < count; ++i) sum = sum + scores[r][i];
+    job.part_max[base + r] = mx;
+    job.part_sum[base + r] = bad ? AsFloat(kNanBits) : sum;
+  }
+  VF out[kKvRows][kKvMaxBlocks];
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < blocks; ++c) out[r][c] = SplatF(0.0f);
+  }
+  for (int64_t j = j0; j < jmax; ++j) {
+    DecodeSlot(job, 1, b, g, j, kv_hat);
+    for (int64_t r = 0; r < rows; ++r) {
+      if (j >= end[r]) continue;
+      const VF p = SplatF(scores[r][j - j0]);
+      for (int64_t c = 0; c < blocks; ++c) out[r][c] = out[r][c] + p * kv_hat[c];
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    float* dst = job.part_out + (base + r) * e;
+    for (int64_t c = 0; c < blocks; ++c) StoreV(dst + kBlock * c, out[r][c]);
+  }
+}
+
+void Item(const KvAttentionJob& job, int64_t item) {
+  const int64_t u = item % job.chunks;
+  const int64_t bg = item / job.chunks;
+  const int64_t g = bg % job.layout.heads, b = bg / job.layout.heads;
+  for (int64_t m0 = 0; m0 < job.rows(); m0 += kKvRows) {
+    Rows(job, b, g, u, m0, MinI64(kKvRows, job.rows() - m0));
+  }
+}
+
+}  // namespace
+
+KvAttentionItemFn KvAttentionKernel() { return Item; }
+
+}  // namespace nvfp4::cpu::NVFP4_ISA
