@@ -20,7 +20,8 @@ import pytest
 LISTING = pathlib.Path(__file__).with_name("public_api.txt")
 
 # The public faces: the package, every module of its `__all__`, and `nvfp4_jax.qwix` and
-# `nvfp4_jax.maxtext` (optional: they import qwix and MaxText only when used).
+# `nvfp4_jax.maxtext` with its `export` and `load` (optional: they import qwix and MaxText only
+# when used).
 FACES = (
     "nvfp4_jax",
     "nvfp4_jax.checkpoint",
@@ -33,6 +34,8 @@ FACES = (
     "nvfp4_jax.layout",
     "nvfp4_jax.linen",
     "nvfp4_jax.maxtext",
+    "nvfp4_jax.maxtext.export",
+    "nvfp4_jax.maxtext.load",
     "nvfp4_jax.nnx",
     "nvfp4_jax.ops",
     "nvfp4_jax.ptq",

@@ -54,28 +54,28 @@ ROUTER = r".*/gate$"
 OP_NAMES = ("dot_general", "einsum", "ragged_dot")
 
 
-def _needs(what: str) -> ImportError:
+def needs(what: str) -> ImportError:
     return ImportError(
         f"nvfp4_jax.maxtext needs {what}: run `bash {ENV_SCRIPT}` (it makes .maxtext-venv with "
         "Python 3.12, maxtext 0.2.5, qwix and nvfp4_jax) and use .maxtext-venv/bin/python"
     )
 
 
-def _qwix_integration():
+def qwix_integration():
     """nvfp4_jax's qwix provider module (qwix imported on first use)."""
     try:
         from nvfp4_jax._src.integrations import qwix as integration  # noqa: PLC0415
     except ImportError as error:
-        raise _needs("qwix") from error
+        raise needs("qwix") from error
     return integration
 
 
-def _quantizations():
+def maxtext_quantizations():
     """MaxText's `maxtext.layers.quantizations` module, where `get_qt_provider` lives."""
     try:
         from maxtext.layers import quantizations  # noqa: PLC0415  (optional, Python >= 3.12)
     except ImportError as error:
-        raise _needs("MaxText (pip package maxtext 0.2.5, Python >= 3.12)") from error
+        raise needs("MaxText (pip package maxtext 0.2.5, Python >= 3.12)") from error
     return quantizations
 
 
@@ -146,7 +146,7 @@ def rules_from_config(
       >>> [r.module_path for r in rules_from_config(Config(quantize_mtp=False))]
       ['.*/gate$', 'decoder/.*layers.*']
     """
-    integration = _qwix_integration()
+    integration = qwix_integration()
     recipe = NVFP4Recipe() if recipe is None else recipe
     if not isinstance(recipe, NVFP4Recipe):
         raise TypeError(f"rules_from_config: recipe must be an NVFP4Recipe, got {recipe!r}")
@@ -188,11 +188,10 @@ def provider_from_config(
       ValueError: where MaxText would bypass the provider (`check_config`).
     """
     check_config(config)
-    return _qwix_integration().NVFP4Provider(rules_from_config(config, recipe, rules=rules))
+    return qwix_integration().NVFP4Provider(rules_from_config(config, recipe, rules=rules))
 
 
-@contextlib.contextmanager
-def install(recipe: NVFP4Recipe | None = None, *, rules: Sequence[Rule] = ()) -> Iterator[list]:
+def install(recipe: NVFP4Recipe | None = None, *, rules: Sequence[Rule] = ()):
     """Routes MaxText's `quantization=fp4` (under qwix) to NVFP4 while the block runs.
 
     Replaces `maxtext.layers.quantizations.get_qt_provider` (the one MaxText attribute
@@ -204,18 +203,27 @@ def install(recipe: NVFP4Recipe | None = None, *, rules: Sequence[Rule] = ()) ->
       recipe: the recipe of the quantized ops (default `NVFP4Recipe()`).
       rules: nvfp4_jax `Rule`s put before MaxText's (see `rules_from_config`).
 
-    Yields:
-      The list of the providers made so far (one per model MaxText builds), whose
-      `report`s say what became of every op.
+    Returns:
+      A context manager yielding the list of the providers made so far (one per model
+      MaxText builds), whose `report`s say what became of every op.
     """
-    quantizations = _quantizations()
+    return provider_hook(lambda config: provider_from_config(config, recipe, rules=rules))
+
+
+@contextlib.contextmanager
+def provider_hook(make_provider: Callable[[Any], Any]) -> Iterator[list]:
+    """`install`'s hook with any provider: `make_provider(config)` answers `quantization=fp4`.
+
+    (The export's calibration pass hooks its recording provider in this way.)
+    """
+    quantizations = maxtext_quantizations()
     original = quantizations.get_qt_provider
     providers: list = []
 
     def get_qt_provider(config):
         if getattr(config, "quantization", "") != QUANTIZATION:
             return original(config)
-        provider = provider_from_config(config, recipe, rules=rules)
+        provider = make_provider(config)
         providers.append(provider)
         return provider
 
@@ -299,7 +307,7 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _load_rules(parser: argparse.ArgumentParser, path: pathlib.Path | None) -> tuple[Rule, ...]:
+def load_rules(parser: argparse.ArgumentParser, path: pathlib.Path | None) -> tuple[Rule, ...]:
     """The rules of --nvfp4-rules FILE; a bad file exits with status 2 naming it."""
     if path is None:
         return ()
@@ -319,7 +327,7 @@ def _load_rules(parser: argparse.ArgumentParser, path: pathlib.Path | None) -> t
         parser.error(f"--nvfp4-rules {path}: {error}")
 
 
-def _compile_rules(
+def compile_rules(
     parser: argparse.ArgumentParser,
     path: pathlib.Path | None,
     recipe: NVFP4Recipe,
@@ -331,7 +339,7 @@ def _compile_rules(
     provider rewrites each pattern (`NVFP4Rule.from_rule`), and a pattern valid one way may
     not be the other. Without this check the refusal would come once MaxText has started.
     """
-    integration = _qwix_integration()
+    integration = qwix_integration()
     flag = f"--nvfp4-rules {path}"
     for index, rule in enumerate(rules):
         try:
@@ -346,7 +354,7 @@ def _compile_rules(
         parser.error(f"{flag if path else '--nvfp4-recipe'}: the provider refuses it: {error}")
 
 
-def _load_recipe(parser: argparse.ArgumentParser, text: str) -> NVFP4Recipe:
+def load_recipe(parser: argparse.ArgumentParser, text: str) -> NVFP4Recipe:
     """The recipe of --nvfp4-recipe JSON; a bad one exits with status 2 naming it."""
     try:
         fields = json.loads(text)
@@ -405,9 +413,9 @@ def _check_launch(argv: Sequence[str]) -> _Launch:
             "--nvfp4-recipe and --nvfp4-report)"
         )
     maxtext_argv = [argv[0], *_maxtext_args(parser, rest)]
-    recipe = _load_recipe(parser, options.nvfp4_recipe)
-    rules = _load_rules(parser, options.nvfp4_rules)
-    _compile_rules(parser, options.nvfp4_rules, recipe, rules)
+    recipe = load_recipe(parser, options.nvfp4_recipe)
+    rules = load_rules(parser, options.nvfp4_rules)
+    compile_rules(parser, options.nvfp4_rules, recipe, rules)
     report = _check_report(parser, options.nvfp4_report)
     return _Launch(recipe, rules, report, maxtext_argv)
 
@@ -497,14 +505,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     """
     argv = sys.argv if argv is None else list(argv)
     launch = _check_launch(argv)
-    _quantizations()
+    maxtext_quantizations()
     from maxtext.trainers.pre_train import train  # noqa: PLC0415  (optional, Python >= 3.12)
 
-    _log_as_maxtext()
+    log_as_maxtext()
     _run(launch, train.main)
 
 
-def _log_as_maxtext() -> None:
+def log_as_maxtext() -> None:
     """Sets up absl's logging as MaxText's own entry point (absl's `app.run`) does.
 
     MaxText reports each step (`completed step: 3, ... loss: ...`) with absl's `logging.info`,

@@ -289,6 +289,23 @@ class NVFP4Provider(qwix.QtProvider):
             return None
         return flax_util.make_rng(rule.rng_stream)
 
+    @staticmethod
+    def _weight_name(*operands) -> tuple[str, int] | None:
+        """(module path/parameter name, operand index) of the operand that is a parameter.
+
+        A parameter of the module issuing the op, told as `_weights` tells it; None if none.
+
+        What a subclass observing the ops keys them by: `decoder/layers_0/mlp/wi_0/kernel`,
+        or `decoder/layers_0/MoeBlock_0/wi_1` for an expert stack the block itself holds.
+        """
+        params = _module_params(flax_util.get_current_module())
+        path = "/".join(map(str, flax_util.get_current_module_path()))
+        for index, x in enumerate(operands):
+            for name, param in params.items():
+                if _is_param(x, param):
+                    return f"{path}/{name}" if path else name, index
+        return None
+
     def _weights(self, op: str, *operands) -> list[bool]:
         """Which operands are parameters of the module issuing the op, told by identity.
 
