@@ -4,6 +4,7 @@
     python examples/generate.py --checkpoint runs/train_lm --prompt "def f(x):" --tokens 200
     python examples/generate.py --hf out/llama-nvfp4             # an exported/ModelOpt folder
     python examples/generate.py --width 1024 --depth 8 --heads 8 # a larger random model
+    python examples/generate.py --kv-cache nvfp4                 # the KV cache in NVFP4
 
 The model is `lm_model.TransformerLM` (a `train_lm.py` run folder or one of its checkpoint
 folders, a Hugging Face / ModelOpt checkpoint read by `nvfp4_jax.load_hf_checkpoint`, or
@@ -13,9 +14,18 @@ the model does not compute (rope scaling, a sliding window, qk-norm, another arc
 `lm_model.LMConfig.from_hf_config`), or weights that config's model does not hold or lacks,
 exit with status 2 naming the key or the weight. Decoding is greedy (or sampled with
 `--temperature`): the prompt is prefilled in one call, then one token per step with a jitted
-step over (weights, cache, token, position) and a bf16 KV cache preallocated to the prompt's
-length plus `--tokens`, updated in place (`jax.lax.dynamic_update_slice`). The math is
-lm_model's (its own modules compute every layer; only attention reads the cache).
+step over (weights, cache, token, position) and a KV cache preallocated to the prompt's
+length plus `--tokens`, updated in place. The math is lm_model's (its own modules compute
+every layer; only attention reads the cache). The cache (`--kv-cache`):
+
+* bf16 (the default): keys and values (depth, B, length, G, E) in bf16, written with
+  `jax.lax.dynamic_update_slice`, read by `jax.nn.dot_product_attention`.
+* nvfp4, nvfp4_4over6: `nvfp4_jax.kv_cache`, vLLM's `--kv-cache-dtype` of the same name: each
+  layer's keys and values in NVFP4 pages (9/32 of bf16's bytes at head size 128), appended in
+  place, read by `nvfp4_jax.kv_cache.attention` (on the CPU the native kernel, which decodes
+  the blocks in registers; the prefill over the dequantized cache). Each layer's decode scales
+  are the checkpoint's `k_scale` / `v_scale` (a `--hf` export with KV scales), else
+  `kv_cache.scale_from_amax` of the prompt's keys and values (calibrated by the prefill).
 
 Two precisions of the same weights:
 
@@ -40,6 +50,7 @@ Every flag is checked before anything runs: a bad value exits with status 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import pathlib
@@ -57,9 +68,10 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from lm_model import LMConfig, MoE, TransformerLM, from_params
 
 import nvfp4_jax
-from nvfp4_jax import gemm, kernels
+from nvfp4_jax import gemm, kernels, kv_cache
 
 PRECISIONS = ("bf16", "nvfp4")
+KV_CACHES = ("bf16", "nvfp4", "nvfp4_4over6")
 DEFAULT_PROMPT = "The "
 MAX_TOKENS = 1 << 16
 
@@ -127,6 +139,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=_integer(1, MAX_TOKENS), default=128, help="new tokens")
     p.add_argument("--batch", type=_integer(1, 1024), default=1, help="copies of the prompt")
     p.add_argument("--precision", choices=(*PRECISIONS, "both"), default="both")
+    p.add_argument(
+        "--kv-cache",
+        choices=KV_CACHES,
+        default="bf16",
+        help="the KV cache: bf16, or NVFP4 (vLLM's nvfp4 / nvfp4_4over6 bytes)",
+    )
     p.add_argument(
         "--temperature",
         type=_non_negative_float,
@@ -376,23 +394,77 @@ def rotary_at(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     return (xf * jnp.cos(angles) + rotated * jnp.sin(angles)).astype(x.dtype)
 
 
-def empty_cache(cfg: LMConfig, batch: int, length: int) -> dict:
-    """The bf16 KV cache: keys and values (depth, B, length, G, E), zeros."""
-    shape = (cfg.depth, batch, length, cfg.kv_heads, cfg.head_dim)
-    return {"k": jnp.zeros(shape, jnp.bfloat16), "v": jnp.zeros(shape, jnp.bfloat16)}
+def kv_config(cfg: LMConfig, kind: str) -> kv_cache.KVCacheConfig | None:
+    """The NVFP4 cache's `KVCacheConfig` for `--kv-cache kind`, None for bf16.
+
+    vLLM's defaults (16-token pages, HND, V scales swizzled); a head size that is not a
+    multiple of 64 stores linear scales (vLLM's 4-token interleave needs 4 scale groups).
+    """
+    if kind == "bf16":
+        return None
+    return kv_cache.KVCacheConfig(
+        kv_heads=cfg.kv_heads,
+        head_dim=cfg.head_dim,
+        scale_swizzle="v" if cfg.head_dim % 64 == 0 else "none",
+        four_over_six=kind == "nvfp4_4over6",
+    )
 
 
-def forward_cached(model: TransformerLM, cache: dict, tokens: jax.Array, pos: jax.Array):
+def empty_cache(cfg: LMConfig, batch: int, length: int, kind: str = "bf16", scales=None):
+    """The KV cache, empty: bf16 keys and values (depth, B, length, G, E) as a dict, or for
+    NVFP4 a tuple of one `kv_cache.NVFP4KVCache` per layer (its `scales[i]` = (k_scale,
+    v_scale), or 1.0 until the prefill calibrates them)."""
+    config = kv_config(cfg, kind)
+    if config is None:
+        shape = (cfg.depth, batch, length, cfg.kv_heads, cfg.head_dim)
+        return {"k": jnp.zeros(shape, jnp.bfloat16), "v": jnp.zeros(shape, jnp.bfloat16)}
+    scales = [(1.0, 1.0)] * cfg.depth if scales is None else scales
+    return tuple(
+        kv_cache.init_cache(config, batch, length, k_scale=k_scale, v_scale=v_scale)
+        for k_scale, v_scale in scales
+    )
+
+
+def _calibrated(layer_cache, k: jax.Array, v: jax.Array):
+    """A layer's NVFP4 cache with the decode scales of these keys' and values' amaxes."""
+    amax = [jnp.max(jnp.abs(x.astype(jnp.float32))) for x in (k, v)]
+    scales = [kv_cache.scale_from_amax(a) for a in amax]
+    return dataclasses.replace(layer_cache, k_scale=scales[0], v_scale=scales[1])
+
+
+def _attend(cache, i: int, q, k, v, pos, mask, calibrate: bool):
+    """Layer i's attention output (B, T, H, E) and its cache (layer i's, or the bf16 one's
+    new keys and values)."""
+    if isinstance(cache, dict):
+        start = (0, pos, 0, 0)
+        k_all = jax.lax.dynamic_update_slice(cache["k"][i], k.astype(jnp.bfloat16), start)
+        v_all = jax.lax.dynamic_update_slice(cache["v"][i], v.astype(jnp.bfloat16), start)
+        attended = jax.nn.dot_product_attention(
+            q, k_all.astype(q.dtype), v_all.astype(q.dtype), mask=mask
+        )
+        return attended, (k_all, v_all)
+    layer = _calibrated(cache[i], k, v) if calibrate else cache[i]
+    layer = kv_cache.append(layer, k, v, pos)
+    return kv_cache.attention(q, layer, pos + k.shape[1]), layer
+
+
+def forward_cached(
+    model: TransformerLM, cache, tokens: jax.Array, pos: jax.Array, calibrate: bool = False
+):
     """Logits (B, T, V) f32 of `tokens` (B, T) at positions pos..pos+T-1, reading and writing
-    the cache; lm_model's forward with attention over the cached keys and values."""
+    the cache (`empty_cache`'s); lm_model's forward with attention over the cached keys and
+    values. With `calibrate` (an NVFP4 cache's prefill) each layer's decode scales are set
+    from these tokens' keys and values first."""
     cfg = model.cfg
     b, t = tokens.shape
-    length = cache["k"].shape[2]
     positions = pos + jnp.arange(t, dtype=jnp.int32)
-    # Query i (at pos + i) sees the cached positions j <= pos + i.
-    mask = (jnp.arange(length, dtype=jnp.int32)[None, :] <= positions[:, None])[None, None]
+    mask = None
+    if isinstance(cache, dict):
+        length = cache["k"].shape[2]
+        # Query i (at pos + i) sees the cached positions j <= pos + i.
+        mask = (jnp.arange(length, dtype=jnp.int32)[None, :] <= positions[:, None])[None, None]
     x = model.embed_tokens(tokens)
-    keys, values = [], []
+    layers = []
     for i, layer in enumerate(model.layers):
         attn = layer.self_attn
         h = layer.input_layernorm(x)
@@ -400,20 +472,19 @@ def forward_cached(model: TransformerLM, cache: dict, tokens: jax.Array, pos: ja
         k = attn.k_proj(h).reshape(b, t, cfg.kv_heads, cfg.head_dim)
         v = attn.v_proj(h).reshape(b, t, cfg.kv_heads, cfg.head_dim)
         q, k = rotary_at(q, positions, cfg.rope_theta), rotary_at(k, positions, cfg.rope_theta)
-        start = (0, pos, 0, 0)
-        k_all = jax.lax.dynamic_update_slice(cache["k"][i], k.astype(jnp.bfloat16), start)
-        v_all = jax.lax.dynamic_update_slice(cache["v"][i], v.astype(jnp.bfloat16), start)
-        keys.append(k_all)
-        values.append(v_all)
-        attended = jax.nn.dot_product_attention(
-            q, k_all.astype(q.dtype), v_all.astype(q.dtype), mask=mask
-        )
+        attended, written = _attend(cache, i, q, k, v, pos, mask, calibrate)
+        layers.append(written)
         x = x + attn.o_proj(attended.reshape(b, t, cfg.heads * cfg.head_dim)).astype(x.dtype)
         y = layer.mlp(layer.post_attention_layernorm(x))
         y = y[0] if isinstance(layer.mlp, MoE) else y
         x = x + y.astype(x.dtype)
     logits = model.head(model.norm(x))
-    return logits, {"k": jnp.stack(keys), "v": jnp.stack(values)}
+    if isinstance(cache, dict):
+        return logits, {
+            "k": jnp.stack([k for k, _ in layers]),
+            "v": jnp.stack([v for _, v in layers]),
+        }
+    return logits, tuple(layers)
 
 
 def _pick(logits: jax.Array, temperature: float, key: jax.Array) -> jax.Array:
@@ -424,16 +495,29 @@ def _pick(logits: jax.Array, temperature: float, key: jax.Array) -> jax.Array:
 
 
 class Decoder:
-    """Jitted prefill and decode step of one model; the weights are a jit argument."""
+    """Jitted prefill and decode step of one model; the weights are a jit argument.
 
-    def __init__(self, model: TransformerLM, temperature: float = 0.0):
+    `kv_cache`: "bf16", "nvfp4" or "nvfp4_4over6"; `kv_scales`: an NVFP4 cache's (k_scale,
+    v_scale) per layer, or None to calibrate them from the prompt in the prefill.
+    """
+
+    def __init__(
+        self,
+        model: TransformerLM,
+        temperature: float = 0.0,
+        kv_cache: str = "bf16",
+        kv_scales: list | None = None,
+    ):
         self.cfg = model.cfg
+        self.kv_cache = kv_cache
+        self.kv_scales = kv_scales
         self.graphdef, self.state = nnx.split(model)
         graphdef = self.graphdef
+        calibrate = kv_cache != "bf16" and kv_scales is None
 
         def prefill(state, cache, tokens, key):
             model = nnx.merge(graphdef, state)
-            logits, cache = forward_cached(model, cache, tokens, jnp.int32(0))
+            logits, cache = forward_cached(model, cache, tokens, jnp.int32(0), calibrate)
             return _pick(logits[:, -1], temperature, key), logits, cache
 
         def step(state, cache, token, pos, key):
@@ -454,7 +538,7 @@ def generate(decoder: Decoder, prompt: np.ndarray, new_tokens: int, seed: int = 
     length = p + new_tokens
 
     def prefill():
-        cache = empty_cache(decoder.cfg, b, length)
+        cache = empty_cache(decoder.cfg, b, length, decoder.kv_cache, decoder.kv_scales)
         begin = time.perf_counter()
         out = jax.block_until_ready(decoder.prefill(decoder.state, cache, tokens, keys[0]))
         return out, time.perf_counter() - begin
@@ -531,6 +615,39 @@ def _native_line(state, batch: int) -> str:
     return f"{linears} frozen NVFP4 linears{experts}, weight-only, decode GEMMs: {how}"
 
 
+def _cache_line(cfg: LMConfig, kind: str, length: int) -> str:
+    """The KV cache: its kind and bytes per sequence against a bf16 cache's."""
+    bf16 = 2 * cfg.depth * length * cfg.kv_heads * cfg.head_dim * 2
+    config = kv_config(cfg, kind)
+    if config is None:
+        return f"KV cache: bf16, {bf16 / 2**20:.2f} MiB per sequence"
+    nvfp4 = cfg.depth * config.cache_bytes(length)
+    return (
+        f"KV cache: {kind} (vLLM's --kv-cache-dtype {config.kv_cache_dtype}, {config.layout}, "
+        f"{config.page_size}-token pages), {nvfp4 / 2**20:.2f} MiB per sequence, "
+        f"{nvfp4 / bf16:.3f}x bf16's"
+    )
+
+
+def kv_scales(tree: dict, args) -> list | None:
+    """The checkpoint's (k_scale, v_scale) of every layer (`load_hf_checkpoint` puts them at
+    `layers/<i>/self_attn/{k,v}_proj/{k,v}_scale`), or None: calibrate on the prompt."""
+    if args.kv_cache == "bf16":
+        return None
+    layers = tree.get("model", tree).get("layers", {}) if isinstance(tree, dict) else {}
+    scales = []
+    for i in sorted(layers):
+        attn = layers[i].get("self_attn", {})
+        k = attn.get("k_proj", {}).get("k_scale")
+        v = attn.get("v_proj", {}).get("v_scale")
+        if k is None or v is None:
+            return None
+        scales.append(
+            (jnp.asarray(k, jnp.float32).reshape(()), jnp.asarray(v, jnp.float32).reshape(()))
+        )
+    return scales or None
+
+
 def run(args) -> dict:
     """`main` after parsing: loads the weights, decodes in each precision, prints."""
     print(host_line(), flush=True)
@@ -550,6 +667,7 @@ def run(args) -> dict:
         + ("greedy" if args.temperature == 0 else f"temperature {args.temperature}"),
         flush=True,
     )
+    print(_cache_line(cfg, args.kv_cache, len(prompt_bytes) + args.tokens), flush=True)
     names = PRECISIONS if args.precision == "both" else (args.precision,)
     results = {}
     for name in names:
@@ -557,7 +675,7 @@ def run(args) -> dict:
             model = build_model(cfg, trees[name])
         except ValueError as error:  # weights its config's model does not hold, or lacks
             raise UsageError(f"{source}: {error}") from None
-        decoder = Decoder(model, args.temperature)
+        decoder = Decoder(model, args.temperature, args.kv_cache, kv_scales(trees[name], args))
         if name == "nvfp4":
             print(f"[nvfp4] {_native_line(decoder.state, args.batch)}", flush=True)
         result = generate(decoder, prompt, args.tokens, args.seed)

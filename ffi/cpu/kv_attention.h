@@ -34,6 +34,9 @@ struct KvAttentionJob {
   const uint8_t* cache = nullptr;    // (B, P, 2, W)
   const int32_t* visible = nullptr;  // (B, T): the slots query t sees, in [0, L]
   float scale[2] = {1.0f, 1.0f};     // k_scale, v_scale
+  // Per side, the decoded values of the 16 codes under each of the 256 scale bytes:
+  // tables[side][16 * byte + code] = value(code) * kv::DecodeFactor(byte, scale[side]).
+  const float* tables[2] = {nullptr, nullptr};
   float softmax_scale = 1.0f;
   // The byte offsets within a side of a page: codes of (t, h) = data_t[t] + data_h[h];
   // scale s of (t, h) on side c = scale_ts[c][t * S + s] + scale_h[h].

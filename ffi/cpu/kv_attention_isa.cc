@@ -54,6 +54,26 @@ NVFP4_VINLINE VI ExpandCodes(const uint8_t* p) {
   return r;
 }
 
+// Lane l: table[idx[l] & 15] (the 16 entries of one scale byte's row).
+NVFP4_VINLINE VF Lookup16(VF table, VI idx) {
+  VF r;
+#if defined(NVFP4_SIMD_AVX512)
+  r.p[0] = (NF)_mm512_permutexvar_ps((__m512i)idx.p[0], (__m512)table.p[0]);
+#elif defined(NVFP4_SIMD_AVX2)
+  for (int j = 0; j < 2; ++j) {
+    const __m256 lo = _mm256_permutevar8x32_ps((__m256)table.p[0], (__m256i)idx.p[j]);
+    const __m256 hi = _mm256_permutevar8x32_ps((__m256)table.p[1], (__m256i)idx.p[j]);
+    const __m256 upper = _mm256_castsi256_ps(_mm256_slli_epi32((__m256i)idx.p[j], 28));
+    r.p[j] = (NF)_mm256_blendv_ps(lo, hi, upper);
+  }
+#else
+  float t[16];
+  StoreV(t, table);
+  for (int l = 0; l < 16; ++l) r.p[l / kLanes][l % kLanes] = t[Lane(idx, l) & 15];
+#endif
+  return r;
+}
+
 // The fixed tree over the 16 lanes.
 NVFP4_VINLINE float Reduce16(VF acc) {
   float a[16];
@@ -90,19 +110,27 @@ NVFP4_VINLINE VF VExp(VF x) {
   return Select(nan, SplatF(AsFloat(kNanBits)), (p * a) * b);
 }
 
-// The decoded 16-blocks of one slot's head: value(code) * (f32(sf) * scale).
-NVFP4_VINLINE void DecodeSlot(const KvAttentionJob& job, int side, int64_t b, int64_t g,
-                              int64_t j, VF* out) {
+// Where one slot's head sits on one side: its codes and its scale bytes' offsets.
+struct Slot {
+  const uint8_t* bytes;     // the side of the page
+  const uint8_t* codes;     // E/2 bytes
+  const int64_t* scale_at;  // S offsets (add `head`)
+  int64_t head;
+};
+
+NVFP4_VINLINE Slot SlotAt(const KvAttentionJob& job, int side, int64_t b, int64_t g, int64_t j) {
   const kv::Layout& l = job.layout;
   const int64_t page = j / l.page_size, t = j % l.page_size;
   const uint8_t* bytes = job.cache + ((b * job.pages + page) * 2 + side) * l.page_bytes();
-  const uint8_t* codes = bytes + job.data_t[t] + job.data_h[g];
-  const int64_t* scale_at = job.scale_ts[side] + t * l.scale_dim();
-  const int64_t head = job.scale_h[g];
-  for (int64_t c = 0; c < l.scale_dim(); ++c) {
-    const float factor = kv::DecodeFactor(bytes[scale_at[c] + head], job.scale[side]);
-    out[c] = E2m1Value(ExpandCodes(codes + 8 * c)) * SplatF(factor);
-  }
+  return Slot{bytes, bytes + job.data_t[t] + job.data_h[g],
+              job.scale_ts[side] + t * l.scale_dim(), job.scale_h[g]};
+}
+
+// Block c of a slot decoded: value(code) * (f32(sf) * scale), looked up in the side's table
+// row of its scale byte (the 16 codes' values, computed once per call).
+NVFP4_VINLINE VF DecodeBlock(const Slot& slot, const float* tables, int64_t c) {
+  const float* row = tables + kBlock * slot.bytes[slot.scale_at[c] + slot.head];
+  return Lookup16(LoadV<VF>(row), ExpandCodes(slot.codes + 8 * c));
 }
 
 // Rows [m0, m0 + rows) of one item.
@@ -120,14 +148,21 @@ void Rows(const KvAttentionJob& job, int64_t b, int64_t g, int64_t u, int64_t m0
     jmax = MaxI64(jmax, end[r]);
   }
   float scores[kKvRows][kKvChunk];
-  VF kv_hat[kKvMaxBlocks];
   for (int64_t j = j0; j < jmax; ++j) {
-    DecodeSlot(job, 0, b, g, j, kv_hat);
-    for (int64_t r = 0; r < rows; ++r) {
-      if (j >= end[r]) continue;
-      VF acc = SplatF(0.0f);
-      for (int64_t c = 0; c < blocks; ++c) acc = acc + LoadV<VF>(q[r] + kBlock * c) * kv_hat[c];
-      scores[r][j - j0] = Reduce16(acc) * job.softmax_scale;
+    const Slot slot = SlotAt(job, 0, b, g, j);
+    // The rows that see slot j are the last ones: `end` does not decrease with the row.
+    int64_t first = 0;
+    while (first < rows && j >= end[first]) ++first;
+    VF acc[kKvRows];
+    for (int64_t r = first; r < rows; ++r) acc[r] = SplatF(0.0f);
+    for (int64_t c = 0; c < blocks; ++c) {
+      const VF k_hat = DecodeBlock(slot, job.tables[0], c);
+      for (int64_t r = first; r < rows; ++r) {
+        acc[r] = acc[r] + LoadV<VF>(q[r] + kBlock * c) * k_hat;
+      }
+    }
+    for (int64_t r = first; r < rows; ++r) {
+      scores[r][j - j0] = Reduce16(acc[r]) * job.softmax_scale;
     }
   }
   const int64_t base = ((b * l.heads + g) * job.chunks + u) * m_all + m0;
@@ -155,11 +190,14 @@ void Rows(const KvAttentionJob& job, int64_t b, int64_t g, int64_t u, int64_t m0
     for (int64_t c = 0; c < blocks; ++c) out[r][c] = SplatF(0.0f);
   }
   for (int64_t j = j0; j < jmax; ++j) {
-    DecodeSlot(job, 1, b, g, j, kv_hat);
-    for (int64_t r = 0; r < rows; ++r) {
-      if (j >= end[r]) continue;
-      const VF p = SplatF(scores[r][j - j0]);
-      for (int64_t c = 0; c < blocks; ++c) out[r][c] = out[r][c] + p * kv_hat[c];
+    const Slot slot = SlotAt(job, 1, b, g, j);
+    int64_t first = 0;
+    while (first < rows && j >= end[first]) ++first;
+    VF p[kKvRows];
+    for (int64_t r = first; r < rows; ++r) p[r] = SplatF(scores[r][j - j0]);
+    for (int64_t c = 0; c < blocks; ++c) {
+      const VF v_hat = DecodeBlock(slot, job.tables[1], c);
+      for (int64_t r = first; r < rows; ++r) out[r][c] = out[r][c] + p[r] * v_hat;
     }
   }
   for (int64_t r = 0; r < rows; ++r) {

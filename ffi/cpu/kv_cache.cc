@@ -368,6 +368,17 @@ ffi::Error KvAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffe
   job.scale[0] = sc[0];
   job.scale[1] = sc[1];
   job.softmax_scale = *static_cast<const float*>(softmax_scale.untyped_data());
+  std::vector<float> tables(2 * 256 * kBlock);
+  for (int side = 0; side < 2; ++side) {
+    float* table = tables.data() + side * 256 * kBlock;
+    for (uint32_t byte = 0; byte < 256; ++byte) {
+      const float factor = kv::DecodeFactor(byte, sc[side]);
+      for (uint32_t code = 0; code < kBlock; ++code) {
+        table[byte * kBlock + code] = E2m1ToF32(code) * factor;
+      }
+    }
+    job.tables[side] = table;
+  }
   job.data_t = offsets.data_t.data();
   job.data_h = offsets.data_h.data();
   job.scale_ts[0] = offsets.scale_ts[0].data();

@@ -75,12 +75,16 @@ def tiny():
     return cfg, _params(model)
 
 
-def _teacher_forced(model, tokens, prompt_len):
-    """Cached logits of every position: prefill `prompt_len`, then one token per step."""
+def _teacher_forced(model, tokens, prompt_len, kv_cache="bf16", scales=None):
+    """Cached logits of every position: prefill `prompt_len`, then one token per step (an
+    NVFP4 cache's scales `scales`, or calibrated by the prefill)."""
     cfg = model.cfg
     b, t = tokens.shape
-    cache = generate.empty_cache(cfg, b, t)
-    logits, cache = generate.forward_cached(model, cache, tokens[:, :prompt_len], jnp.int32(0))
+    cache = generate.empty_cache(cfg, b, t, kv_cache, scales)
+    calibrate = kv_cache != "bf16" and scales is None
+    logits, cache = generate.forward_cached(
+        model, cache, tokens[:, :prompt_len], jnp.int32(0), calibrate
+    )
     out = [logits]
     step = jax.jit(lambda c, tok, pos: generate.forward_cached(model, c, tok, pos))
     for pos in range(prompt_len, t):
@@ -101,6 +105,27 @@ def test_cached_decode_equals_full_forward(tiny, precision):
     # Equal up to bf16 rounding (attention over a longer, masked cache; other GEMM shapes).
     np.testing.assert_allclose(cached, full, atol=0.02 * scale, rtol=0)
     assert np.mean(cached.argmax(-1) == full.argmax(-1)) >= 0.9
+
+
+@pytest.mark.parametrize("kv_cache", ["nvfp4", "nvfp4_4over6"])
+def test_nvfp4_kv_cache_steps_equal_its_prefill(kv_cache):
+    """With the NVFP4 cache, a prefill then one token per step (the native attention) gives
+    the logits of one prefill of every token (the attention over the dequantized cache), up
+    to bf16 rounding; and mostly the bf16 cache's greedy tokens (a random model: its logits
+    move by about 20% in norm under the cache's quantization, as under fake quantization of
+    k and v alone)."""
+    cfg = LMConfig(width=128, depth=2, heads=2)  # head size 64: V scales swizzled
+    assert generate.kv_config(cfg, kv_cache).scale_swizzle == "v"
+    model = generate.build_model(cfg, _params(TransformerLM(cfg, nnx.Rngs(params=5))))
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 256, (2, 40)), jnp.int32)
+    scales = [(0.01, 0.005)] * cfg.depth
+    stepped = _teacher_forced(model, tokens, prompt_len=24, kv_cache=kv_cache, scales=scales)
+    cache = generate.empty_cache(cfg, 2, 40, kv_cache, scales)
+    whole = np.asarray(generate.forward_cached(model, cache, tokens, jnp.int32(0))[0])
+    np.testing.assert_allclose(stepped, whole, atol=0.02 * np.abs(whole).max(), rtol=0)
+    bf16 = _teacher_forced(model, tokens, prompt_len=24)
+    calibrated = _teacher_forced(model, tokens, prompt_len=24, kv_cache=kv_cache)
+    assert np.mean(calibrated.argmax(-1) == bf16.argmax(-1)) >= 0.6
 
 
 def test_nvfp4_tree_is_frozen_weight_only(tiny):
@@ -180,6 +205,17 @@ def test_main_end_to_end_and_deterministic(capsys):
     np.testing.assert_array_equal(first["bf16"]["tokens"], second["bf16"]["tokens"])
     # Greedy decoding: the tokens are the argmax of the logits returned at each step.
     np.testing.assert_array_equal(first["nvfp4"]["tokens"], first["nvfp4"]["logits"].argmax(-1).T)
+
+
+def test_main_with_the_nvfp4_kv_cache(capsys):
+    """`--kv-cache nvfp4` decodes both precisions with the NVFP4 cache and says so."""
+    result = generate.main([*TINY, "--tokens", "3", "--kv-cache", "nvfp4", "--prompt", "abc"])
+    out = capsys.readouterr().out
+    assert "KV cache: nvfp4 (vLLM's --kv-cache-dtype nvfp4" in out
+    assert result["nvfp4"]["tokens"].shape == (1, 3)
+    np.testing.assert_array_equal(result["nvfp4"]["tokens"], result["nvfp4"]["logits"].argmax(-1).T)
+    with pytest.raises(SystemExit):
+        generate.main([*TINY, "--kv-cache", "fp8"])
 
 
 def test_sampling_is_seeded():
