@@ -332,10 +332,18 @@ def dequantize_params(params: dict) -> dict:
     return walk(params)
 
 
+def _without_kv_scales(tree):
+    """The parameters without a checkpoint's KV-cache scales (`k_scale`, `v_scale` leaves
+    beside `k_proj` / `v_proj`: the cache's, not the model's; `kv_scales` reads them)."""
+    if not isinstance(tree, dict):
+        return tree
+    return {k: _without_kv_scales(v) for k, v in tree.items() if k not in ("k_scale", "v_scale")}
+
+
 def build_model(cfg: LMConfig, params: dict) -> TransformerLM:
     """The example model holding `params` (NVFP4Array kernels frozen weight-only), computing
     in bf16, with every high-precision linear kernel stored in bf16."""
-    model = from_params(cfg, params, dtype=jnp.bfloat16)
+    model = from_params(cfg, _without_kv_scales(params), dtype=jnp.bfloat16)
     for _, module in nnx.iter_modules(model):
         if type(module) is nnx.Linear:
             module.kernel = nnx.Param(module.kernel[...].astype(jnp.bfloat16))
@@ -675,7 +683,11 @@ def run(args) -> dict:
             model = build_model(cfg, trees[name])
         except ValueError as error:  # weights its config's model does not hold, or lacks
             raise UsageError(f"{source}: {error}") from None
-        decoder = Decoder(model, args.temperature, args.kv_cache, kv_scales(trees[name], args))
+        scales = kv_scales(trees[name], args)
+        decoder = Decoder(model, args.temperature, args.kv_cache, scales)
+        if args.kv_cache != "bf16":
+            origin = "the checkpoint's k_scale/v_scale" if scales else "calibrated on the prompt"
+            print(f"[{name}] KV cache decode scales: {origin}", flush=True)
         if name == "nvfp4":
             print(f"[nvfp4] {_native_line(decoder.state, args.batch)}", flush=True)
         result = generate(decoder, prompt, args.tokens, args.seed)

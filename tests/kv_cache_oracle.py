@@ -1,4 +1,4 @@
-"""An independent NumPy model of the NVFP4 KV cache: vLLM's writer, section 14, the kernel order.
+"""An independent NumPy model of the NVFP4 KV cache: vLLM's writer, section 15, the kernel order.
 
 Three parts, none importing `nvfp4_jax`:
 
@@ -8,8 +8,8 @@ Three parts, none importing `nvfp4_jax`:
   `swizzle_scale_offset`) for the codes and scale bytes of every token. `swizzle` chooses
   the release: "v" (K linear, V swizzled: vLLM 0.25.1 and later), "kv" (both swizzled: the
   writer's first commit, c46deb95), "none" (linear: the SM120 fix, PRs 50085 / 55976).
-* `quantize_heads`: docs/NUMERICS.md section 14's numbers, np.float32 step by step.
-* `attention`: the native attention kernel's order (section 14), with its exp.
+* `quantize_heads`: docs/NUMERICS.md section 15's numbers, np.float32 step by step.
+* `attention`: the native attention kernel's order (section 15), with its exp.
 
 Shape letters: N tokens, G heads, E head size, S = E / 16.
 """
@@ -101,7 +101,7 @@ def vllm_write(
                     flat[scale_dst] = scales[token, head, group]
 
 
-# ------------------------------------------------------------------------------ section 14
+# ------------------------------------------------------------------------------ section 15
 
 
 def _candidate(amax, s_enc, s, factor):
@@ -173,7 +173,7 @@ _TINY = F32(2.0**-126)
 
 
 def kv_exp(x: np.ndarray) -> np.ndarray:
-    """The kernel's exp (section 14), with XLA's threads' flush of subnormal results."""
+    """The kernel's exp (section 15), with XLA's threads' flush of subnormal results."""
     x = np.asarray(x, F32)
     nan = np.isnan(x)
     x = np.where(x < F32(-104), F32(-104), x)

@@ -1,4 +1,4 @@
-// Decode attention over the NVFP4 KV cache on the CPU (docs/NUMERICS.md section 14): the
+// Decode attention over the NVFP4 KV cache on the CPU (docs/NUMERICS.md section 15): the
 // job the handler (cpu/kv_cache.cc) prepares and the per-ISA chunk kernels
 // (cpu/kv_attention_isa.cc, compiled once per x86 level like the other kernels) compute.
 //

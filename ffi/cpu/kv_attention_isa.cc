@@ -1,7 +1,7 @@
 // Decode attention over the NVFP4 KV cache, one chunk of slots per call, compiled once per
 // instruction set (NVFP4_ISA) like cpu/kernels_isa.cc; the handler is in cpu/kv_cache.cc.
 //
-// docs/NUMERICS.md section 14. For one (sequence b, key/value head g, chunk u) and each of
+// docs/NUMERICS.md section 15. For one (sequence b, key/value head g, chunk u) and each of
 // its query rows m, over the chunk's slots j that row sees:
 //
 //   k_hat = value(code) * (f32(sf) * k_scale)                 (the block decoded in registers)

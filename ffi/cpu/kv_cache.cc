@@ -2,7 +2,7 @@
 // nvfp4_kv_attention. Python twin: nvfp4_jax/_src/core/kernels/_kv_cache.py; reference:
 // nvfp4_jax/_src/core/reference/kv_cache.py; tests: tests/core/test_kv_cache*.py.
 //
-// The numbers and the page layout are nvfp4/kv_cache.h's (docs/NUMERICS.md section 14); the
+// The numbers and the page layout are nvfp4/kv_cache.h's (docs/NUMERICS.md section 15); the
 // attention's vector loops are cpu/kv_attention_isa.cc's, per ISA. Every operand is checked
 // here first (shapes, dtypes, the layout's attributes against the page bytes), so a bad
 // call is an ffi::Error naming the operand, never an access outside a buffer; positions
@@ -297,7 +297,7 @@ struct Offsets {
   }
 };
 
-// Combines the chunks of every row in ascending order (docs/NUMERICS.md section 14).
+// Combines the chunks of every row in ascending order (docs/NUMERICS.md section 15).
 void Combine(const KvAttentionJob& job, float* out) {
   const int64_t e = job.layout.head_dim, m_all = job.rows();
   for (int64_t bg = 0; bg < job.batch * job.layout.heads; ++bg) {

@@ -1,7 +1,7 @@
 """Decode attention over the NVFP4 KV cache (`nvfp4_jax.kv_cache.attention`).
 
 The native CPU kernel's results are, bit for bit, the NumPy model of its order
-(`kv_cache_oracle.attention`: docs/NUMERICS.md section 14), on every ISA; the reference
+(`kv_cache_oracle.attention`: docs/NUMERICS.md section 15), on every ISA; the reference
 (the cache dequantized, then XLA's dots) agrees with both within f32 summation error.
 """
 
@@ -63,7 +63,7 @@ def _model(q, cache, lengths, scale=None):
 
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_native_is_the_model_of_its_order_bit_for_bit(name):
-    """The native kernel computes section 14's order: the model's bits, GQA/MQA/MHA, T > 1,
+    """The native kernel computes section 15's order: the model's bits, GQA/MQA/MHA, T > 1,
     lengths across chunks, a sequence that sees nothing."""
     make_impl("cpu")
     q, cache, lengths = _setup(name)

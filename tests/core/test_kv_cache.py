@@ -2,7 +2,7 @@
 
 Every test runs on each implementation (the `impl` fixture): the reference and the native
 CPU kernels write the same bits, which are those of the independent NumPy model
-(`tests/kv_cache_oracle.py`: section 14 of docs/NUMERICS.md, and vLLM's writer restated).
+(`tests/kv_cache_oracle.py`: section 15 of docs/NUMERICS.md, and vLLM's writer restated).
 """
 
 from __future__ import annotations

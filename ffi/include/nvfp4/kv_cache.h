@@ -1,4 +1,4 @@
-// The NVFP4 KV cache's numbers and byte layout (docs/NUMERICS.md section 14,
+// The NVFP4 KV cache's numbers and byte layout (docs/NUMERICS.md section 15,
 // docs/SERVING_FORMATS.md section 6), shared by the kernels that write and read it.
 //
 // Each 16-block of one token's head is quantized with the side's decode scale s (vLLM's

@@ -2,7 +2,7 @@
 
 `NVFP4KVCache` holds one layer's keys and values for B sequences as the bytes vLLM's
 `--kv-cache-dtype nvfp4` (or `nvfp4_4over6`) cache holds for the same values and scales
-(docs/SERVING_FORMATS.md section 6; numbers: docs/NUMERICS.md section 14). `append` quantizes
+(docs/SERVING_FORMATS.md section 6; numbers: docs/NUMERICS.md section 15). `append` quantizes
 new tokens into it (one token per step, or a whole prefill), `read` dequantizes it, and
 `attention` computes decode attention over it. Each runs on the pure-jnp reference or, on the
 CPU, on native kernels that write and read the same bits (`implementation=`).
@@ -102,7 +102,7 @@ def _check_scale(value, name: str) -> jax.Array:
         concrete = float(np.asarray(value, np.float32))
         if not 0 < concrete < np.inf:
             raise ValueError(f"init_cache: {name} must be finite and positive, got {concrete}")
-    return array.astype(_F32)
+    return jnp.array(array, _F32)  # a copy: the cache may be donated, the caller's scale not
 
 
 def init_cache(

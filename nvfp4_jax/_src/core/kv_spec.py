@@ -2,7 +2,7 @@
 
 The cache holds, per layer, the keys and values of every token quantized per token and
 head in 1x16 blocks along the head dimension E, with an E4M3 scale per block and one f32
-decode scale per side (docs/NUMERICS.md section 14). Its pages are vLLM's `nvfp4` KV cache
+decode scale per side (docs/NUMERICS.md section 15). Its pages are vLLM's `nvfp4` KV cache
 bytes (docs/SERVING_FORMATS.md section 6): for each page of `page_size` tokens and each side
 (K, then V), all packed codes `(heads, page_size, E/2)` (HND, or `(page_size, heads, E/2)`
 NHD) and then all scales `(heads, page_size, E/16)`, the scales of a swizzled side in
@@ -176,7 +176,7 @@ class KVCacheConfig:
         return self.data_bytes + offset
 
     def ffi_attributes(self) -> dict:
-        """The FFI attributes of the KV cache targets (docs/NUMERICS.md section 14)."""
+        """The FFI attributes of the KV cache targets (docs/NUMERICS.md section 15)."""
         return dict(
             page_size=np.int32(self.page_size),
             hnd=self.layout == "HND",

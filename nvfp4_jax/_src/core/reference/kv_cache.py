@@ -3,7 +3,7 @@
 Shape letters: B sequences, T new tokens, G key/value heads, H query heads (a multiple of
 G), E the head dimension, P pages of `page_size` tokens, L = P * page_size slots, W the
 bytes of one side of a page (`KVCacheConfig.page_bytes`). The numbers are docs/NUMERICS.md
-section 14's, for each 16-block x_b of one token's head (f32) and the side's decode scale s:
+section 15's, for each 16-block x_b of one token's head (f32) and the side's decode scale s:
 
     S_enc = 1 / s                                   (a true division)
     sf_c  = e4m3(min(S_enc * (amax_b * r_c), 448))  r_6 = RCP6; r_4 = 0.25 (4/6 only)

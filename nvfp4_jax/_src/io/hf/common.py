@@ -40,9 +40,11 @@ LEGACY_PRODUCER = {
     "version": "0.47.0",
     "exported_by": {"name": "nvfp4_jax", "version": __version__},
 }
-# Tensors of a quantized linear besides `.weight`, and FP8 KV-cache scales (read, not written).
+# Tensors of a quantized linear besides `.weight`, and KV-cache scales (`k_proj.k_scale`).
 QUANT_SUFFIXES = ("weight", "weight_scale", "weight_scale_2", "input_scale")
 KV_SUFFIXES = ("k_scale", "v_scale")
+# The KV-cache quantizations an export declares (`kv_cache_quant_algo`; ModelOpt's names).
+KV_CACHE_ALGOS = ("NVFP4",)
 MAX_HEADER = 100 * 2**20
 # E4M3 block scale bytes from 0x7F up are NaN (0x7F, 0xFF) or carry the sign bit: ModelOpt's
 # block scales are amaxes (>= +0), so the import refuses them and the export never writes them.

@@ -28,6 +28,7 @@ from nvfp4_jax._src.io.hf.export_config import (
     quantization_config,
     read_model_config,
 )
+from nvfp4_jax._src.io.hf.export_kv import kv_scales, kv_units
 from nvfp4_jax._src.io.hf.export_options import ExportOptions
 from nvfp4_jax._src.io.hf.export_plan import plan_modules
 from nvfp4_jax._src.io.hf.export_precision import (
@@ -68,6 +69,8 @@ def export_hf_checkpoint(
     implementation: str | None = None,
     rules: Any = None,
     tokenizer: str | None = None,
+    kv_cache_quant_algo: str | None = None,
+    kv_cache_amax: Mapping[str, Any] | None = None,
 ) -> ExportReport:
     """Writes a Flax model as a ModelOpt NVFP4 Hugging Face checkpoint that engines load.
 
@@ -110,6 +113,16 @@ def export_hf_checkpoint(
     in high precision (the safe choice; engines need a group all quantized or all not), and
     reported in `ExportReport.group_high_precision`. A model with no NVFP4 layer (trained in
     bf16), and a plain pytree, are quantized whole (post-training).
+
+    A quantized KV cache (`kv_cache_quant_algo="NVFP4"`, implied by `kv_cache_amax`) is
+    declared as ModelOpt declares it (`kv_cache_quant_algo` in `hf_quant_config.json`,
+    `kv_cache_scheme` in `quantization_config`), with each attention's decode scales as
+    `<attention>.k_proj.k_scale` and `<attention>.v_proj.v_scale`, F32 scalars: vLLM's
+    `k_scale` / `v_scale` (`--kv-cache-dtype nvfp4`; without them it uses 1.0). They are
+    `f32(amax / 448)` of `kv_cache_amax` (ModelOpt's convention), or the `k_scale` /
+    `v_scale` leaves the params hold beside the `k_proj` / `v_proj` kernels (as
+    `load_hf_checkpoint` returns them), written as they are (docs/SERVING_FORMATS.md
+    section 6).
 
     The directory is written into a temporary sibling and moved into place when complete.
     Tensors are converted, quantized and written one module at a time, so host memory stays
@@ -165,6 +178,12 @@ def export_hf_checkpoint(
       tokenizer: None (write none; tokenizer files already in the folder are kept) or
         "bytes": write `tokenizer.json` and `tokenizer_config.json` of a byte-level tokenizer
         (token i is byte i, as in examples/lm_model.py), so that engines take text prompts.
+      kv_cache_quant_algo: None (no KV-cache scales; `k_scale` / `v_scale` leaves are
+        skipped) or "NVFP4": the KV-cache quantization the checkpoint declares.
+      kv_cache_amax: `{attention path: (k_amax, v_amax)}`, the calibrated max |k| and |v|
+        of each attention (its Flax path, e.g. `layers/0/self_attn`, or its HF module name;
+        `PTQReport.kv_cache_amax` of `quantize_for_export(..., kv_cache=True)`), written as
+        `k_scale = f32(k_amax / 448)`, `v_scale` likewise; implies "NVFP4".
 
     Returns:
       An `ExportReport`.
@@ -206,6 +225,8 @@ def export_hf_checkpoint(
         implementation=implementation,
         rules=rules,
         tokenizer=tokenizer,
+        kv_cache_quant_algo=kv_cache_quant_algo,
+        kv_cache_amax=kv_cache_amax,
     )
     return _export(params, options)
 
@@ -223,7 +244,9 @@ def _export(params: Any, options: ExportOptions) -> ExportReport:
     plan = _plan(tensors, leaves, model, options)
     model_config = check_config_against(model_config, tensors, options.dtype)
     units = _units(tensors, leaves, model, options)
-    model_config["quantization_config"] = quantization_config(options.quant_algo, plan[1])
+    model_config["quantization_config"] = quantization_config(
+        options.quant_algo, plan[1], options.kv_cache_quant_algo
+    )
     write = _writer(units, model_config, plan[1], options)
     written = write_once(options.directory, write, units)
     return build_report(options, tensors, leaves, plan, written)
@@ -276,7 +299,11 @@ def _units(
         mode, e4m3_max = fos(t)
         return dict(block_2d=options.block_2d, four_over_six=mode, four_over_six_e4m3_max=e4m3_max)
 
-    return make_units(tensors, amaxes, scales, flags_of, options.dtype, options.implementation)
+    units = make_units(tensors, amaxes, scales, flags_of, options.dtype, options.implementation)
+    if options.kv_cache_quant_algo is None:
+        leaves.skipped.extend(leaves.kv_scale)
+        return units
+    return units + kv_units(kv_scales(tensors, leaves, options.kv_cache_amax))
 
 
 def _writer(units: list[Unit], model_config: dict, ignore: list[str], options: ExportOptions):
@@ -285,7 +312,7 @@ def _writer(units: list[Unit], model_config: dict, ignore: list[str], options: E
     def write(tmp: str, units: list[Unit] = units) -> tuple[list[str], int]:
         files, total = write_weights(tmp, units, options.max_size)
         write_json(os.path.join(tmp, CONFIG_NAME), model_config)
-        legacy = legacy_quant_config(options.quant_algo, ignore)
+        legacy = legacy_quant_config(options.quant_algo, ignore, options.kv_cache_quant_algo)
         write_json(os.path.join(tmp, QUANT_CONFIG_NAME), legacy)
         if options.tokenizer == "bytes":
             for name, content in byte_tokenizer(model_config).items():

@@ -30,8 +30,12 @@ from nvfp4_jax._src.io.hf.common import (
 )
 
 
-def quantization_config(quant_algo: str, ignore: list[str]) -> dict:
-    """config.json's `quantization_config`, in the form ModelOpt >= 0.31 writes."""
+def quantization_config(quant_algo: str, ignore: list[str], kv_cache: str | None = None) -> dict:
+    """config.json's `quantization_config`, in the form ModelOpt >= 0.31 writes.
+
+    With a KV-cache quantization, `kv_cache_scheme` names it as ModelOpt's
+    `convert_hf_quant_config_format` does for one other than FP8: the algorithm's name.
+    """
     nvfp4 = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": formats.BLOCK_SIZE}
     group: dict[str, Any] = {"weights": dict(nvfp4)}
     if quant_algo == "NVFP4":
@@ -43,16 +47,16 @@ def quantization_config(quant_algo: str, ignore: list[str]) -> dict:
         "quant_algo": quant_algo,
         "producer": dict(PRODUCER),
         "quant_method": "modelopt",
-    }
+    } | ({"kv_cache_scheme": kv_cache} if kv_cache else {})
 
 
-def legacy_quant_config(quant_algo: str, ignore: list[str]) -> dict:
+def legacy_quant_config(quant_algo: str, ignore: list[str], kv_cache: str | None = None) -> dict:
     """ModelOpt's legacy `hf_quant_config.json` (read by TensorRT-LLM, older engines)."""
     return {
         "producer": dict(LEGACY_PRODUCER),
         "quantization": {
             "quant_algo": quant_algo,
-            "kv_cache_quant_algo": None,
+            "kv_cache_quant_algo": kv_cache,
             "group_size": formats.BLOCK_SIZE,
             "exclude_modules": list(ignore),
         },

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from nvfp4_jax._src.core import checks
-from nvfp4_jax._src.io.hf.common import QUANT_ALGOS
+from nvfp4_jax._src.io.hf.common import KV_CACHE_ALGOS, QUANT_ALGOS
 from nvfp4_jax._src.io.hf.names import NameMap, as_name_map
 
 # `four_over_six="model"`: quantize each kernel as the training recipe did.
@@ -47,6 +47,10 @@ class ExportOptions:
       implementation: the backend of `quantize` and `tensor_amax`.
       rules: the `QuantizeReport` or `Rule`s deciding each linear's precision, or None.
       tokenizer: None or "bytes".
+      kv_cache_quant_algo: the KV cache's quantization the checkpoint declares ("NVFP4"),
+        or None: no KV-cache scales are written.
+      kv_cache_amax: `{attention path: (k_amax, v_amax)}` to write as KV-cache scales, or
+        None.
     """
 
     directory: str
@@ -66,6 +70,8 @@ class ExportOptions:
     implementation: str | None
     rules: Any
     tokenizer: str | None
+    kv_cache_quant_algo: str | None = None
+    kv_cache_amax: Mapping[str, Any] | None = None
 
     @property
     def w4a4(self) -> bool:
@@ -93,12 +99,16 @@ class ExportOptions:
         implementation: str | None,
         rules: Any,
         tokenizer: str | None,
+        kv_cache_quant_algo: str | None = None,
+        kv_cache_amax: Mapping[str, Any] | None = None,
     ) -> ExportOptions:
         """The options of `export_hf_checkpoint(directory, params, **keywords)`, checked.
 
         Raises:
           ValueError: an unknown `quant_algo`, `input_amax` with weight-only, a `block_2d`
-            that is not a bool, a bad Four Over Six setting, a bad `max_shard_size`.
+            that is not a bool, a bad Four Over Six setting, a bad `max_shard_size`, an
+            unknown `kv_cache_quant_algo`.
+          TypeError: a `kv_cache_amax` that is not a dict.
         """
         if quant_algo not in QUANT_ALGOS:
             raise ValueError(
@@ -115,6 +125,7 @@ class ExportOptions:
             )
         directory = os.path.abspath(os.fspath(directory))
         max_size = parse_size(max_shard_size)
+        kv_cache_quant_algo = _check_kv_cache(kv_cache_quant_algo, kv_cache_amax)
         return cls(
             directory=directory,
             name_map=as_name_map(name_map),
@@ -133,7 +144,26 @@ class ExportOptions:
             implementation=implementation,
             rules=rules,
             tokenizer=tokenizer,
+            kv_cache_quant_algo=kv_cache_quant_algo,
+            kv_cache_amax=kv_cache_amax,
         )
+
+
+def _check_kv_cache(algo, amaxes) -> str | None:
+    """The KV cache's algorithm: as given, or "NVFP4" for calibrated amaxes without one."""
+    if amaxes is not None and not isinstance(amaxes, Mapping):
+        raise TypeError(
+            "export_hf_checkpoint: kv_cache_amax must be a dict {attention path: (k_amax, "
+            f"v_amax)}}, got {type(amaxes).__name__}"
+        )
+    if algo is None and amaxes:
+        return "NVFP4"
+    if algo is not None and algo not in KV_CACHE_ALGOS:
+        raise ValueError(
+            f"export_hf_checkpoint: kv_cache_quant_algo must be None or one of "
+            f"{KV_CACHE_ALGOS}, got {algo!r}"
+        )
+    return algo
 
 
 def parse_size(size: int | str) -> int:

@@ -33,6 +33,8 @@ class Leaves:
     weights: dict[str, tuple[str, Any]] = dataclasses.field(default_factory=dict)
     input_amax: dict[str, tuple[str, Any]] = dataclasses.field(default_factory=dict)
     input_scale: dict[str, tuple[str, Any]] = dataclasses.field(default_factory=dict)
+    # KV-cache scales `{Flax path of the leaf: (where, value)}` (`.../k_proj/k_scale`).
+    kv_scale: dict[str, tuple[str, Any]] = dataclasses.field(default_factory=dict)
     skipped: list[str] = dataclasses.field(default_factory=list)
     # Flax module paths holding the variables of an `nvfp4_jax.nnx.Linear`.
     nvfp4: set[str] = dataclasses.field(default_factory=set)
@@ -52,7 +54,8 @@ def collect_leaves(params, skip: Sequence[str]) -> Leaves:
     Weights are the plain leaves of a pytree, or the `nnx.Param`s (and variables holding an
     `NVFP4Array`) of an nnx state; other nnx variables (rng streams, ...) and PRNG keys are
     not. A leaf named `input_amax` (or `input_scale`, as `load_hf_checkpoint` returns it)
-    belongs to the module above it.
+    belongs to the module above it, as does a KV-cache scale `k_scale` / `v_scale` (written
+    only when the export declares a KV-cache quantization).
     """
     leaves = Leaves()
     flat, _ = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_leaf)
@@ -77,7 +80,9 @@ def _sort_leaf(leaves: Leaves, path, where, value, is_weight, skip) -> None:
         leaves.skipped.append(path)
     elif last in ("input_amax", "input_scale"):
         getattr(leaves, last)[parent] = (where, value)
-    elif not is_weight or last in KV_SUFFIXES or is_key_array(value):
+    elif last in KV_SUFFIXES:
+        leaves.kv_scale[path] = (where, value)
+    elif not is_weight or is_key_array(value):
         leaves.skipped.append(path)
     elif path in leaves.weights:
         raise ValueError(

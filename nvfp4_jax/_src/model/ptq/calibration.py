@@ -1,4 +1,7 @@
-"""Calibration: the inputs each selected linear multiplies, as `X^T X`, max |x| and rows."""
+"""Calibration: the inputs each linear multiplies (`X^T X`, max |x|, rows) and its max |y|.
+
+The max |y| of `k_proj` and `v_proj` are the amaxes of the keys and values a KV cache stores.
+"""
 
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ class _Stat(nnx.Variable):
 
 
 class _Recorder(nnx.Module):
-    """Stands in for a linear in the calibration copy: accumulates `X^T X`, max |x| and rows.
+    """Stands in for a linear in the calibration copy: records `X^T X`, max |x|, rows, max |y|.
 
     x is the input as the layer multiplies it (promoted to its `dtype`), flattened to
     (rows, in). The statistics are nnx Variables, so they flow out of `nnx.jit` (and of the
@@ -39,6 +42,7 @@ class _Recorder(nnx.Module):
         self.gram = _Stat(jnp.zeros((k, k), _F32))
         self.amax = _Stat(jnp.zeros((), _F32))
         self.rows = _Stat(jnp.zeros((), jnp.int32))
+        self.out_amax = _Stat(jnp.zeros((), _F32))
         self.first_bad = _Stat(jnp.full((), -1, jnp.int32))
 
     def __call__(self, inputs, *args, **kwargs):
@@ -52,7 +56,10 @@ class _Recorder(nnx.Module):
         first = self.first_bad[...]
         bad = (first < 0) & ~jnp.all(jnp.isfinite(x))
         self.first_bad[...] = jnp.where(bad, self.batch[...], first)
-        return layer(inputs, *args, **kwargs)
+        y = layer(inputs, *args, **kwargs)
+        out = jnp.max(jnp.abs(jax.lax.stop_gradient(y).astype(_F32)), initial=_F32(0))
+        self.out_amax[...] = jnp.maximum(self.out_amax[...], out)
+        return y
 
     def __getattr__(self, name: str):
         if name == "layer":  # not set yet (the graph builds the object before its fields)
@@ -62,16 +69,17 @@ class _Recorder(nnx.Module):
 
 @dataclasses.dataclass
 class Calibration:
-    """What one layer saw in calibration: `X^T X`, max |x| and the rows.
+    """What one layer saw in calibration: `X^T X`, max |x|, the rows and max |y|.
 
     `first_bad`: the index of the first batch whose inputs to the layer held NaN or inf, -1
-    if none did.
+    if none did. `out_amax`: the max |y| of its outputs (as the layer computed them).
     """
 
     gram: np.ndarray  # (in, in) f64, X^T X
     amax: np.float32
     rows: int
     first_bad: int = -1
+    out_amax: np.float32 = np.float32(0)
 
 
 def calibrate(
@@ -106,6 +114,7 @@ def calibrate(
             amax=np.float32(to_host(r.amax[...])),
             rows=int(to_host(r.rows[...])),
             first_bad=int(to_host(r.first_bad[...])),
+            out_amax=np.float32(to_host(r.out_amax[...])),
         )
         for path, r in recorders.items()
     }

@@ -191,6 +191,16 @@ def _freeze(found, selected, stats, settings: Settings, report: PTQReport) -> li
     return replacements
 
 
+def _attention_modules(found) -> dict[str, tuple[str, str]]:
+    """`{parent: (its k_proj path, its v_proj path)}` of every module holding both."""
+    by_parent: dict[str, dict[str, str]] = {}
+    for path in found:
+        parent, _, name = path.rpartition("/")
+        if name in ("k_proj", "v_proj"):
+            by_parent.setdefault(parent, {})[name] = path
+    return {p: (m["k_proj"], m["v_proj"]) for p, m in by_parent.items() if len(m) == 2}
+
+
 def quantize_for_export(
     model: nnx.Module,
     batches: Iterable[Any],
@@ -207,6 +217,7 @@ def quantize_for_export(
     gptq_damp: float = DEFAULT_GPTQ_DAMP,
     gptq_act_order: bool = False,
     jit: bool = True,
+    kv_cache: bool = False,
 ) -> tuple[nnx.Module, PTQReport]:
     """Post-training quantization: a copy of `model` with its selected linears frozen to NVFP4.
 
@@ -257,6 +268,15 @@ def quantize_for_export(
       taken off the later channels along U's row. The codes, scales and A form an
       `NVFP4Array` whose dequantization is the GPTQ weight.
 
+    KV cache (`kv_cache=True`): calibration also records the max |y| of every `k_proj` and
+    `v_proj` linear whose parent holds both (an attention module, selected or not), and
+    `report.kv_cache_amax` maps that parent's path to (k_amax, v_amax): the amaxes of the
+    keys and values an NVFP4 KV cache stores, which `export_hf_checkpoint(...,
+    kv_cache_amax=report.kv_cache_amax)` writes as vLLM's `k_scale` and `v_scale`. The keys'
+    amax is taken before the rotary embedding, which the model applies outside the linear;
+    the rotation can raise it by up to sqrt(2), well inside the headroom of the scale's
+    `amax / 448` convention (`nvfp4_jax.kv_cache.scale_from_amax`).
+
     Activations: "high_precision" (W4A16, weight-only) or "nvfp4" (W4A4: the inputs are
     quantized in 1x16 blocks with the static scale `input_scale = f32(input_amax) *
     f32(1/2688)`, input_amax the calibrated max |x|, the max over a fused group, as
@@ -288,6 +308,7 @@ def quantize_for_export(
       gptq_damp: "gptq": the damping relative to mean(diag H).
       gptq_act_order: "gptq": process the blocks in activation order (see above).
       jit: run `forward` under `nnx.jit` (False: eagerly).
+      kv_cache: also calibrate the KV cache's amaxes (`PTQReport.kv_cache_amax`).
 
     Returns:
       (the new model, a `PTQReport`).
@@ -314,6 +335,7 @@ def quantize_for_export(
         gptq_damp=gptq_damp,
         gptq_act_order=gptq_act_order,
         jit=jit,
+        kv_cache=kv_cache,
     )
     settings = check_settings(method, activations, rules, forward, block_2d, fused_groups, options)
     batches = check_batches(batches)
@@ -322,7 +344,9 @@ def quantize_for_export(
     decided = decide(frozen, found, settings)
     selected = [p for p, (action, _) in decided.items() if action == "nvfp4"]
     _check_weights(found, selected)
-    stats = calibrate(model, selected, batches, settings.forward, settings.jit)
+    attention = _attention_modules(found) if settings.kv_cache else {}
+    observed = list(dict.fromkeys([*selected, *(p for pair in attention.values() for p in pair)]))
+    stats = calibrate(model, observed, batches, settings.forward, settings.jit)
     unseen = [p for p in selected if stats[p].rows == 0]
     if unseen and (settings.method == "gptq" or settings.activations == "nvfp4"):
         raise ValueError(
@@ -330,6 +354,10 @@ def quantize_for_export(
             f"{'GPTQ' if settings.method == 'gptq' else 'W4A4'} needs their inputs"
         )
     report = PTQReport(settings.method, settings.activations, settings.block_2d)
+    report.kv_cache_amax = {
+        parent: (float(stats[k].out_amax), float(stats[v].out_amax))
+        for parent, (k, v) in attention.items()
+    }
     replacements = _freeze(found, selected, stats, settings, report)
     for reason in replace_layers(frozen, replacements):
         if reason:  # (decide checked that every selected layer can be replaced)

@@ -76,6 +76,9 @@ class PTQReport:
 
     Index it by path (`report["layers/0/mlp/up_proj"]`, an alias works too); `paths(action)`
     lists the paths of one action; `quant_algo` is what to pass to `export_hf_checkpoint`.
+    With `quantize_for_export(..., kv_cache=True)`, `kv_cache_amax` maps each attention
+    module's path (the parent of a `k_proj` and a `v_proj`) to the calibrated (k_amax,
+    v_amax): `export_hf_checkpoint`'s `kv_cache_amax`.
     """
 
     method: str
@@ -83,6 +86,7 @@ class PTQReport:
     block_2d: bool
     layers: dict[str, PTQLayer] = dataclasses.field(default_factory=dict)
     aliases: dict[str, str] = dataclasses.field(default_factory=dict)
+    kv_cache_amax: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
 
     @property
     def quant_algo(self) -> str:
@@ -116,6 +120,7 @@ class PTQReport:
             "block_2d": self.block_2d,
             "quant_algo": self.quant_algo,
             "layers": {path: entry.to_dict() for path, entry in self.layers.items()},
+            "kv_cache_amax": {path: list(pair) for path, pair in self.kv_cache_amax.items()},
         }
 
     def to_json(self, **kwargs) -> str:

@@ -108,6 +108,7 @@ class Settings:
     damp: float
     act_order: bool
     jit: bool
+    kv_cache: bool = False
 
 
 def check_settings(
@@ -139,4 +140,5 @@ def check_settings(
         damp=_check_damp(options["gptq_damp"]),
         act_order=checks.check_flag(options["gptq_act_order"], OP, "gptq_act_order"),
         jit=checks.check_flag(options["jit"], OP, "jit"),
+        kv_cache=checks.check_flag(options.get("kv_cache", False), OP, "kv_cache"),
     )
