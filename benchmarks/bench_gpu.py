@@ -4,7 +4,8 @@
     python benchmarks/bench_gpu.py --out benchmarks/results/gpu_DEVICE_DATE_bench.txt
     python benchmarks/bench_gpu.py --allow-cpu --size 256 --iters 2  # smoke test, no GPU
 
-Kernels: quantize RN / SR / RHT (1x16 blocks, the amax computed by the op) and dequantize to
+Kernels: quantize RN / SR / RHT / MS-EDEN (1x16 blocks, the amax computed by the op; MS-EDEN
+where the last axis is a multiple of 128, its rotation groups) and dequantize to
 bf16 of a heavy-tailed bf16 tensor (bench_kernels.heavy_tailed), each a jitted call of the
 public op with implementation="ffi", timed as the median of --iters calls after --warmup,
 each ended by `block_until_ready` (bench_kernels.median_seconds). GB/s counts the minimum
@@ -134,6 +135,8 @@ def kernel_cases(x, key):
     def quantize(**flags):
         def make(impl):
             def fn(x, k):
+                if flags.get("ms_eden"):
+                    flags["rotation_key"] = jax.random.fold_in(k, 1)
                 q = nvfp4_jax.quantize(x, key=k, implementation=impl, **flags)
                 return q.codes, q.scales, q.amax
 
@@ -146,12 +149,14 @@ def kernel_cases(x, key):
 
     q = jax.block_until_ready(nvfp4_jax.quantize(x, implementation="ffi"))
     quant_bytes = x.nbytes + codes_scales
-    return [
+    cases = [
         ("quantize RN", quantize(), (x, key), quant_bytes),
         ("quantize SR", quantize(stochastic_rounding=True), (x, key), quant_bytes),
         ("quantize RHT", quantize(rht=True), (x, key), quant_bytes),
-        ("dequantize bf16", dequantize, (q,), codes_scales + 2 * n),
     ]
+    if x.shape[-1] % nvfp4_jax.MS_EDEN_GROUP == 0:
+        cases.append(("quantize MS-EDEN", quantize(ms_eden=True), (x, key), quant_bytes))
+    return [*cases, ("dequantize bf16", dequantize, (q,), codes_scales + 2 * n)]
 
 
 def bench_kernels(x, key, copy_gbs, *, warmup, iters) -> list[dict]:

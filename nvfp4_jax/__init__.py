@@ -29,7 +29,7 @@ from nvfp4_jax import (
     rules,
 )
 from nvfp4_jax._src.core.array import NVFP4Array, is_nvfp4_array, validate_nvfp4_array
-from nvfp4_jax._src.core.formats import BLOCK_SIZE, E4M3_MAX, FP4_MAX
+from nvfp4_jax._src.core.formats import BLOCK_SIZE, E4M3_MAX, FP4_MAX, MS_EDEN_GROUP
 from nvfp4_jax._src.core.layout import (
     GEMM_ALIGNMENT,
     packed_shape,
@@ -109,6 +109,7 @@ __all__ = [
     "linen",
     "load_hf_checkpoint",
     "mixtral_name_map",
+    "MS_EDEN_GROUP",
     "ModelReport",
     "nnx",
     "nvfp4_dot_general",

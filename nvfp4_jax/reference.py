@@ -5,6 +5,8 @@ The public face of `nvfp4_jax._src.core.reference`: it re-exports only (docs/ARC
 
 from nvfp4_jax._src.core.reference import (
     apply_rht,
+    apply_rotation,
+    block_uniforms,
     block_values,
     decode_scale,
     dequantize,
@@ -14,14 +16,20 @@ from nvfp4_jax._src.core.reference import (
     get_rht_matrix,
     get_sign_from_vector,
     get_wgrad_sign_vector,
+    ms_eden_decode_scale,
+    ms_eden_encode_scale,
     quantize,
     random_bytes,
+    rotation_words,
+    round_scale,
     stochastic_magnitude,
     tensor_amax,
 )
 
 __all__ = [
     "apply_rht",
+    "apply_rotation",
+    "block_uniforms",
     "block_values",
     "decode_scale",
     "dequantize",
@@ -31,8 +39,12 @@ __all__ = [
     "get_rht_matrix",
     "get_sign_from_vector",
     "get_wgrad_sign_vector",
+    "ms_eden_decode_scale",
+    "ms_eden_encode_scale",
     "quantize",
     "random_bytes",
+    "rotation_words",
+    "round_scale",
     "stochastic_magnitude",
     "tensor_amax",
 ]

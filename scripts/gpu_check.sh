@@ -338,6 +338,8 @@ sanitize() { # tool budget kernel-filter test-files...
   fi
 }
 
+# The MS-EDEN kernels' oracle cases (docs/NUMERICS.md section 14): their CUDA parameters.
+MS_EDEN_ORACLE=tests/core/test_ms_eden.py::test_quantize_matches_the_oracle
 KERNEL_FILTER=""
 if [[ -n "$SANITIZER" ]]; then
   help="$("$SANITIZER" --help 2>&1)"
@@ -353,14 +355,16 @@ elif [[ -z "$SANITIZER" ]]; then
   record "sanitizer" "FAIL (compute-sanitizer missing)" 0 "-"
 elif [[ $QUICK -eq 1 ]]; then
   RESERVE_S=60
-  sanitize memcheck 90 nvfp4 tests/core/test_kernels.py
+  sanitize memcheck 90 nvfp4 tests/core/test_kernels.py "$MS_EDEN_ORACLE"
 else
   # memcheck and racecheck instrument only our kernels (their names hold "nvfp4"); initcheck
   # must see XLA's kernels write the buffers ours read, so it instruments all of them.
   RESERVE_S=135
-  sanitize memcheck 60 nvfp4 tests/core/test_kernels.py tests/core/test_quantize.py
+  sanitize memcheck 60 nvfp4 tests/core/test_kernels.py tests/core/test_quantize.py \
+    tests/core/test_ms_eden.py
   RESERVE_S=105
-  sanitize racecheck 30 nvfp4 tests/core/test_kernels.py
+  # MS-EDEN's kernels share the rotation's sign bits through shared memory.
+  sanitize racecheck 30 nvfp4 tests/core/test_kernels.py "$MS_EDEN_ORACLE"
   RESERVE_S=60
   sanitize initcheck 45 "" tests/core/test_kernels.py
 fi

@@ -1,4 +1,4 @@
-"""An independent NumPy oracle for docs/NUMERICS.md sections 2-5, 7, 8 and 13 (Four Over Six).
+"""An independent NumPy oracle for docs/NUMERICS.md sections 2-5, 7, 8, 13 and 14.
 
 Written straight from the specification, for clarity rather than speed: every formula is a
 sequence of np.float32 operations in exactly the order docs/NUMERICS.md writes them, the E4M3
@@ -373,3 +373,121 @@ def dequantize(res: OracleResult, *, axis: int = -1, rht: bool = False, dtype=np
     if rht:
         v = (v.reshape(-1, 16) @ rht_matrix().T).reshape(v.shape).astype(np.float32)
     return np.moveaxis(v, -1, axis).astype(dtype)
+
+
+# ----------------------------------------------------------------------------- MS-EDEN (14)
+
+MS_EDEN_GROUP = 128
+MS_EDEN_V = F32(6.0 / (17.0 / 16.0 * 0.93))  # Quartet II's val_max, 6 / scale_override
+MS_EDEN_C = F32(F32(256.0) * MS_EDEN_V)
+MS_EDEN_RCPV = F32(F32(1.0) / MS_EDEN_V)
+MS_EDEN_RCPC = F32(F32(1.0) / MS_EDEN_C)
+MS_EDEN_R = F32(1.0 / np.sqrt(128.0))
+# Every finite non-negative E4M3 value, ascending (bytes 0x00..0x7E).
+E4M3_GRID = np.arange(0x7F, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+
+
+def ms_eden_signs(rotation_words) -> np.ndarray:
+    """The 128 signs (+-1 f32) of the rotation: -1 where bit i % 32 of word i // 32 is set."""
+    words = np.asarray(rotation_words, np.uint32)
+    i = np.arange(MS_EDEN_GROUP)
+    bits = (words[i // 32] >> (i % 32).astype(np.uint32)) & np.uint32(1)
+    return np.where(bits == 1, F32(-1.0), F32(1.0))
+
+
+def ms_eden_rotate(x: np.ndarray, rotation_words) -> np.ndarray:
+    """Section 14's rotation of every 128-group of the last axis, in f32: signs, butterflies
+    h = 1, 2, ..., 64 (pair (i, i + h), i & h == 0), times R."""
+    v = (x.astype(np.float32).reshape(-1, MS_EDEN_GROUP) * ms_eden_signs(rotation_words)).copy()
+    h = 1
+    while h < MS_EDEN_GROUP:
+        for i in range(MS_EDEN_GROUP):
+            if i & h == 0:
+                a, b = v[:, i].copy(), v[:, i + h].copy()
+                v[:, i], v[:, i + h] = a + b, a - b
+        h *= 2
+    return (v * MS_EDEN_R).astype(np.float32).reshape(x.shape)
+
+
+def ms_eden_block_uniforms(k0: int, k1: int, n_blocks: int) -> np.ndarray:
+    """Block b's uniform: the top 24 bits of the first threefry word of counter 2b, / 2^24."""
+    j = np.arange(n_blocks, dtype=np.uint64) * np.uint64(2)
+    hi = (j >> np.uint64(32)).astype(np.uint32)
+    lo = (j & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+    w0, _ = threefry2x32(k0, k1, hi, lo)
+    return ((w0 >> np.uint32(8)).astype(np.float64) / 2.0**24).astype(np.float32)
+
+
+def ms_eden_round_scale(target: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """Stochastic rounding of f32 targets in [0, 448] to E4M3 (bytes): lo the largest grid
+    value <= target, hi the next; hi where u * (hi - lo) < target - lo."""
+    lo = np.searchsorted(E4M3_GRID, target, side="right") - 1  # index = byte
+    hi = np.minimum(lo + 1, len(E4M3_GRID) - 1)
+    step = (E4M3_GRID[hi] - E4M3_GRID[lo]).astype(np.float32)
+    up = (u * step).astype(np.float32) < (target - E4M3_GRID[lo]).astype(np.float32)
+    up &= lo < len(E4M3_GRID) - 1  # 448 has no E4M3 value above it
+    return np.where(up, lo + 1, lo).astype(np.uint8)
+
+
+def ms_eden_quantize(x, key_words, rotation_words, *, axis=-1, amax=None) -> OracleResult:
+    """MS-EDEN (docs/NUMERICS.md section 14) of ``x`` along ``axis`` (a multiple of 128)."""
+    xm = np.moveaxis(np.asarray(x), axis, -1)
+    stored_shape = xm.shape
+    y_rot = ms_eden_rotate(xm.astype(np.float32), rotation_words)
+    ys = y_rot.reshape(-1, stored_shape[-1])
+    r, c = ys.shape
+    a = F32(np.max(np.abs(ys), initial=0)) if amax is None else F32(amax)
+    bad = not np.all(np.isfinite(ys)) or not (np.isfinite(a) and a >= 0)
+    if bad:
+        a = F32(np.nan)
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        s_enc = np.minimum(F32(MS_EDEN_C / a), FLT_MAX)
+    if a == 0 or s_enc == 0:
+        s_enc = F32(1.0)
+    s_dec = F32(F32(1.0) / s_enc)
+    blocks = ys.reshape(r, c // 16, 16)
+    ab = np.max(np.abs(blocks), axis=-1)
+    with np.errstate(invalid="ignore"):
+        scaled = np.minimum(ab * F32(s_enc * MS_EDEN_RCPV), E4M3_MAX).astype(np.float32)
+    sb = e4m3_rne(scaled).astype(np.float32)
+    sb = np.where(sb == 0, F32(1.0), sb)
+    enc = _encode_factors(sb.astype(ml_dtypes.float8_e4m3fn), s_dec)
+    with np.errstate(over="ignore", invalid="ignore"):
+        yq = (blocks * enc[..., None]).astype(np.float32)
+    codes = e2m1_code_rn(yq)
+    v = e2m1_value(codes)
+    num_b = np.zeros(ab.shape, np.float32)
+    den_b = np.zeros(ab.shape, np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        for k in range(16):
+            num_b = (num_b + (yq[..., k] * yq[..., k]).astype(np.float32)).astype(np.float32)
+            den_b = (den_b + (yq[..., k] * v[..., k]).astype(np.float32)).astype(np.float32)
+        groups = (r, c // MS_EDEN_GROUP, 8)
+        num = np.zeros(groups[:2], np.float32)
+        den = np.zeros(groups[:2], np.float32)
+        for j in range(8):
+            num = (num + num_b.reshape(groups)[..., j]).astype(np.float32)
+            den = (den + den_b.reshape(groups)[..., j]).astype(np.float32)
+        corr = np.where(den == 0, F32(1.0), num / np.where(den == 0, F32(1.0), den))
+        target = np.minimum(sb * np.repeat(corr, 8, axis=1), E4M3_MAX).astype(np.float32)
+    u = ms_eden_block_uniforms(*key_words, r * (c // 16)).reshape(r, c // 16)
+    if bad:
+        scale_bytes = np.full(ab.shape, 0x7F, np.uint8)
+        codes = np.zeros(codes.shape, np.uint8)
+    else:
+        scale_bytes = ms_eden_round_scale(target, u)
+    scales = scale_bytes.view(ml_dtypes.float8_e4m3fn)
+    d = F32(a * MS_EDEN_RCPC)
+    dec = np.repeat((scales.astype(np.float32) * d).astype(np.float32), 16, axis=1)
+    codes = codes.reshape(r, c)
+    deq = (e2m1_value(codes) * dec).astype(np.float32)
+    return OracleResult(
+        codes=codes.reshape(stored_shape),
+        packed=pack_nibbles(codes).reshape(stored_shape[:-1] + (c // 2,)),
+        scales=scales.reshape(stored_shape[:-1] + (c // 16,)),
+        amax=a,
+        s_enc=s_enc,
+        y=yq.reshape(stored_shape),
+        dec=dec.reshape(stored_shape),
+        dequant_stored=deq.reshape(stored_shape),
+    )

@@ -26,6 +26,9 @@ XLA_FFI_Error* NVFP4_HANDLER(NvFp4Quantize4over6)(XLA_FFI_CallFrame* call_frame)
 XLA_FFI_Error* NVFP4_HANDLER(NvFp4FakeQuantize4over6)(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* NVFP4_HANDLER(NvFp4Dequantize)(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* NVFP4_HANDLER(NvFp4Rht)(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* NVFP4_HANDLER(NvFp4AmaxMsEden)(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* NVFP4_HANDLER(NvFp4QuantizeMsEden)(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* NVFP4_HANDLER(NvFp4FakeQuantizeMsEden)(XLA_FFI_CallFrame* call_frame);
 #if defined(NVFP4_CPU_VARIANTS)
 XLA_FFI_Error* NvFp4GemmCpu(XLA_FFI_CallFrame* call_frame);  // CPU only
 XLA_FFI_Error* NvFp4W4a16Cpu(XLA_FFI_CallFrame* call_frame);  // CPU only
@@ -67,6 +70,10 @@ const Target kTargets[] = {
      reinterpret_cast<void*>(NVFP4_HANDLER(NvFp4FakeQuantize4over6))},
     {"nvfp4_dequantize", reinterpret_cast<void*>(NVFP4_HANDLER(NvFp4Dequantize))},
     {"nvfp4_rht", reinterpret_cast<void*>(NVFP4_HANDLER(NvFp4Rht))},
+    {"nvfp4_amax_ms_eden", reinterpret_cast<void*>(NVFP4_HANDLER(NvFp4AmaxMsEden))},
+    {"nvfp4_quantize_ms_eden", reinterpret_cast<void*>(NVFP4_HANDLER(NvFp4QuantizeMsEden))},
+    {"nvfp4_fake_quantize_ms_eden",
+     reinterpret_cast<void*>(NVFP4_HANDLER(NvFp4FakeQuantizeMsEden))},
 #if defined(NVFP4_CPU_VARIANTS)
     {"nvfp4_gemm", reinterpret_cast<void*>(NvFp4GemmCpu)},
     {"nvfp4_w4a16", reinterpret_cast<void*>(NvFp4W4a16Cpu)},

@@ -113,6 +113,32 @@ def four_over_six_case(case, error="mae", e4m3_max=256):
     return f"{target}_4over6", args, results, dict(attrs, error=error, e4m3_max=np.int32(e4m3_max))
 
 
+ROTATION = np.array([0xDEADBEEF, 0x01234567, 0x89ABCDEF, 0x0F0F0F0F], U32)
+XG = np.ones((2, 128), F32)  # MS-EDEN's rows: whole 128-groups
+
+
+def ms_eden_amax_case(x=None, rotation=None, result=None):
+    x = XG if x is None else x
+    args = [x, ROTATION if rotation is None else rotation]
+    return "nvfp4_amax_ms_eden", args, sds((), F32) if result is None else result, {}
+
+
+def ms_eden_quantize_case(x=None, amax=None, key=None, rotation=None, results=None):
+    x = XG if x is None else x
+    results = quantize_results(x) if results is None else results
+    args = [x, F32(1.0) if amax is None else amax, KEY if key is None else key]
+    args.append(ROTATION if rotation is None else rotation)
+    return "nvfp4_quantize_ms_eden", args, tuple(results), {}
+
+
+def ms_eden_fake_case(x=None, amax=None, key=None, rotation=None, results=None, global_scale=True):
+    x = XG if x is None else x
+    results = fake_results(x) if results is None else results
+    args = [x, F32(1.0) if amax is None else amax, KEY if key is None else key]
+    args.append(ROTATION if rotation is None else rotation)
+    return "nvfp4_fake_quantize_ms_eden", args, tuple(results), dict(global_scale=global_scale)
+
+
 def with_result(results, i, value):
     results = list(results)
     results[i] = value
@@ -125,6 +151,8 @@ SCALAR_MSG = "expected an f32 scalar of shape ()"
 KEY_MSG = "expected uint32[4] (k0, k1, counter offset lo, hi), got dtype"
 COLS_MSG = "the quantized (last) axis must be a multiple of 16"
 ROWS_MSG = "16x16 blocks need a row count that is a multiple of 16"
+GROUPS_MSG = "the quantized (last) axis must be a multiple of 128 (MS-EDEN's rotation groups)"
+ROTATION_MSG = "expected uint32[4] (the 128 sign bits of the rotation)"
 
 # (id, case, the exact message): each names the target, operand, shape and dtype.
 ERROR_CASES = [
@@ -445,6 +473,68 @@ ERROR_CASES = [
         four_over_six_case(fake_case(amax=np.float64(1.0))),
         f"nvfp4_fake_quantize_4over6: amax of shape () and dtype f64: {SCALAR_MSG}",
     ),
+    # MS-EDEN (docs/NUMERICS.md section 14): the plain checks, the groups and the rotation.
+    (
+        "amax_ms_eden-x-f64",
+        ms_eden_amax_case(np.ones((2, 128), np.float64)),
+        f"nvfp4_amax_ms_eden: x of shape (2, 128) and dtype f64: {FLOAT_MSG}",
+    ),
+    (
+        "amax_ms_eden-x-groups",
+        ms_eden_amax_case(np.ones((2, 64), F32)),
+        f"nvfp4_amax_ms_eden: x of shape (2, 64) and dtype f32: {GROUPS_MSG}",
+    ),
+    (
+        "amax_ms_eden-rotation-s32",
+        ms_eden_amax_case(rotation=np.zeros(4, np.int32)),
+        f"nvfp4_amax_ms_eden: rotation of shape (4,) and dtype s32: {ROTATION_MSG}",
+    ),
+    (
+        "amax_ms_eden-result-shape",
+        ms_eden_amax_case(result=sds((1,), F32)),
+        f"nvfp4_amax_ms_eden: result of shape (1,) and dtype f32: {SCALAR_MSG}",
+    ),
+    (
+        "quantize_ms_eden-x-cols",
+        ms_eden_quantize_case(np.ones((2, 24), F32)),
+        f"nvfp4_quantize_ms_eden: x of shape (2, 24) and dtype f32: {COLS_MSG}",
+    ),
+    (
+        "quantize_ms_eden-x-groups",
+        ms_eden_quantize_case(np.ones((2, 96), F32)),
+        f"nvfp4_quantize_ms_eden: x of shape (2, 96) and dtype f32: {GROUPS_MSG}",
+    ),
+    (
+        "quantize_ms_eden-key-short",
+        ms_eden_quantize_case(key=np.zeros(2, U32)),
+        f"nvfp4_quantize_ms_eden: key words of shape (2,): {KEY_MSG} u32",
+    ),
+    (
+        "quantize_ms_eden-rotation-long",
+        ms_eden_quantize_case(rotation=np.zeros(8, U32)),
+        f"nvfp4_quantize_ms_eden: rotation of shape (8,) and dtype u32: {ROTATION_MSG}",
+    ),
+    (
+        "quantize_ms_eden-scales-count",
+        ms_eden_quantize_case(results=with_result(quantize_results(XG), 1, sds((2, 4), E4M3))),
+        "nvfp4_quantize_ms_eden: scales of shape (2, 4) and dtype f8e4m3fn: expected 16 "
+        "elements of dtype f8e4m3fn",
+    ),
+    (
+        "fake_quantize_ms_eden-amax-shape",
+        ms_eden_fake_case(amax=np.ones((2,), F32)),
+        f"nvfp4_fake_quantize_ms_eden: amax of shape (2,) and dtype f32: {SCALAR_MSG}",
+    ),
+    (
+        "fake_quantize_ms_eden-rotation-2x2",
+        ms_eden_fake_case(rotation=np.zeros((2, 2), U32)),
+        f"nvfp4_fake_quantize_ms_eden: rotation of shape (2, 2) and dtype u32: {ROTATION_MSG}",
+    ),
+    (
+        "fake_quantize_ms_eden-result-f64",
+        ms_eden_fake_case(results=fake_results(XG, np.float64)),
+        f"nvfp4_fake_quantize_ms_eden: result of shape (2, 128) and dtype f64: {FLOAT_MSG}",
+    ),
 ]
 
 
@@ -468,7 +558,8 @@ def test_valid_cases_run():
     """The base operands of the error cases are valid: only the override is wrong."""
     four_over_six = (four_over_six_case(quantize_case()), four_over_six_case(fake_case()))
     base = (amax_case(), quantize_case(), fake_case(), dequantize_case(), rht_case())
-    for case in base + four_over_six:
+    ms_eden = (ms_eden_amax_case(), ms_eden_quantize_case(), ms_eden_fake_case())
+    for case in base + four_over_six + ms_eden:
         target, args, results, attrs = case
         call(target, args, results, **attrs)
 
@@ -574,6 +665,44 @@ def test_negative_zero_amax_is_zero():
     x = np.zeros((16, 32), F32)
     codes, scales, stored = quantize(x, -0.0)
     assert stored == 0 and np.all(scales.view(U8) == 0) and np.all(codes == 0)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf], ids=["nan", "inf", "-inf"])
+def test_ms_eden_non_finite_element_and_amax(bad):
+    x = data((4, 256))
+    amax = call(*ms_eden_amax_case(x)[:3])
+    assert np.isfinite(amax)
+    codes, scales, stored = call(*ms_eden_quantize_case(x, amax=F32(amax))[:3])
+    assert stored == amax and np.all(scales.view(U8) != 0x7F)
+    x[2, 200] = bad
+    assert np.isnan(call(*ms_eden_amax_case(x)[:3]))
+    assert_non_finite_result(*call(*ms_eden_quantize_case(x, amax=F32(amax))[:3]))
+    for global_scale in (True, False):
+        values, stored = call(*ms_eden_fake_case(x, amax=F32(amax), global_scale=global_scale)[:3],
+                              global_scale=global_scale)  # fmt: skip
+        assert_all_nan(values)
+        assert np.isnan(stored)
+    # A bad amax operand alone: the non-finite result without reading x.
+    clean = data((4, 256), seed=1)
+    assert_non_finite_result(*call(*ms_eden_quantize_case(clean, amax=F32(-1.0))[:3]))
+
+
+def test_ms_eden_rotation_overflow_is_non_finite():
+    # Finite f32 input whose rotated group overflows: 128 equal values near FLT_MAX sum to inf.
+    x = np.full((1, 128), 3e38, F32)
+    assert np.isnan(call(*ms_eden_amax_case(x, rotation=np.zeros(4, U32))[:3]))
+    zero_signs = ms_eden_quantize_case(x, amax=F32(3e38), rotation=np.zeros(4, U32))
+    assert_non_finite_result(*call(*zero_signs[:3]))
+
+
+@pytest.mark.parametrize("shape", [(0, 128), (4, 0), (0,)], ids=str)
+def test_ms_eden_zero_size(shape):
+    x = np.zeros(shape, F32)
+    assert call(*ms_eden_amax_case(x)[:3]) == 0
+    codes, scales, stored = call(*ms_eden_quantize_case(x, amax=F32(2.5))[:3])
+    assert codes.size == 0 and scales.size == 0 and stored == 2.5
+    values, stored = call(*ms_eden_fake_case(x, amax=F32(0.0))[:3], global_scale=True)
+    assert values.shape == shape and stored == 0
 
 
 # --- zero-size inputs --------------------------------------------------------------------------

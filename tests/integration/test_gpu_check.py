@@ -131,7 +131,9 @@ def test_bench_gpu_smoke_on_cpu(tmp_path):
     assert result["platform"] == "cpu" and result["size"] == [128, 256]
     assert result["copy"]["GBps"] > 0
     ops = [row["op"] for row in result["kernels"]]
-    assert ops == ["quantize RN", "quantize SR", "quantize RHT", "dequantize bf16"]
+    assert ops == [
+        "quantize RN", "quantize SR", "quantize RHT", "quantize MS-EDEN", "dequantize bf16"
+    ]  # fmt: skip
     n = 128 * 256
     for row in result["kernels"]:
         assert row["ms"] > 0 and row["reference_ms"] > 0

@@ -100,6 +100,48 @@ auto FakeQuantize4over6() {
   return WithFourOverSix(FakeQuantize<Platform>());
 }
 
+// MS-EDEN (docs/NUMERICS.md section 14): the operand `rotation` is u32 (4,), the 128 sign
+// bits of the group rotation; x's last axis is a multiple of 128.
+// nvfp4_amax_ms_eden(x, rotation) -> result: f32 (), max |y| of the rotated x.
+template <class Platform>
+auto MsEdenAmax() {
+  return ffi::Ffi::Bind()
+      .Ctx<Platform>()
+      .template Arg<Buffer>()   // x
+      .template Arg<Buffer>()   // rotation
+      .template Ret<Buffer>();  // result
+}
+
+// nvfp4_quantize_ms_eden(x, amax, key, rotation) -> (codes, scales, stored_amax): the
+// operands and results of nvfp4_quantize, then the rotation; no attributes.
+template <class Platform>
+auto MsEdenQuantize() {
+  return ffi::Ffi::Bind()
+      .Ctx<Platform>()
+      .template Arg<Buffer>()   // x
+      .template Arg<Buffer>()   // amax
+      .template Arg<Buffer>()   // key
+      .template Arg<Buffer>()   // rotation
+      .template Ret<Buffer>()   // codes
+      .template Ret<Buffer>()   // scales
+      .template Ret<Buffer>();  // stored_amax
+}
+
+// nvfp4_fake_quantize_ms_eden(x, amax, key, rotation) -> (result, stored_amax): the values
+// in the rotated basis.
+template <class Platform>
+auto MsEdenFakeQuantize() {
+  return ffi::Ffi::Bind()
+      .Ctx<Platform>()
+      .template Arg<Buffer>()  // x
+      .template Arg<Buffer>()  // amax
+      .template Arg<Buffer>()  // key
+      .template Arg<Buffer>()  // rotation
+      .template Ret<Buffer>()  // result
+      .template Ret<Buffer>()  // stored_amax
+      .template Attr<bool>("global_scale");
+}
+
 // nvfp4_dequantize(codes, scales, decode_scale) -> result: codes u8 (..., C/2); scales
 // f8e4m3fn (..., C/16); decode_scale f32 (); result bf16, f16 or f32 (..., C).
 template <class Platform>

@@ -16,6 +16,7 @@
 #include <string_view>
 
 #include "nvfp4/dtypes.h"
+#include "nvfp4/ms_eden.h"
 #include "nvfp4/numerics.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -174,6 +175,22 @@ class ArgChecker {
     }
   }
 
+  // MS-EDEN's rotation groups: the quantized (last) axis of x a multiple of 128.
+  void Groups(const char* what, const ffi::AnyBuffer& b, const RowLayout& l) {
+    if (failed() || l.cols % kMsEdenGroup == 0) return;
+    Fail(what, b,
+         "the quantized (last) axis must be a multiple of 128 (MS-EDEN's rotation groups)");
+  }
+
+  // MS-EDEN's rotation: uint32[4], the 128 sign bits.
+  void Rotation(const ffi::AnyBuffer& rotation) {
+    if (failed()) return;
+    const auto dims = rotation.dimensions();
+    if (rotation.element_type() != ffi::DataType::U32 || dims.size() != 1 || dims[0] != 4) {
+      Fail("rotation", rotation, "expected uint32[4] (the 128 sign bits of the rotation)");
+    }
+  }
+
   ffi::ErrorOr<CheckedArgs> Finish(const CheckedArgs& args) const {
     if (failed()) return ffi::Unexpected(error_);
     return args;
@@ -264,6 +281,57 @@ inline ffi::ErrorOr<CheckedArgs> CheckRhtArgs(const ffi::AnyBuffer& x,
   c.Dtype("result", result, x.element_type(), " (the dtype of x)");
   a.result = a.x;
   c.Count("result", result, a.layout.size());
+  return c.Finish(a);
+}
+
+// nvfp4_amax_ms_eden(x, rotation) -> f32 scalar (docs/NUMERICS.md section 14).
+inline ffi::ErrorOr<CheckedArgs> CheckMsEdenAmaxArgs(const ffi::AnyBuffer& x,
+                                                     const ffi::AnyBuffer& rotation,
+                                                     const ffi::AnyBuffer& result) {
+  ArgChecker c("nvfp4_amax_ms_eden");
+  CheckedArgs a;
+  a.x = c.Float("x", x);
+  a.layout = c.Layout("x", x, /*block_2d=*/false);
+  c.Groups("x", x, a.layout);
+  c.Rotation(rotation);
+  c.ScalarF32("result", result);
+  return c.Finish(a);
+}
+
+// nvfp4_quantize_ms_eden(x, amax, key, rotation) -> codes, scales, stored_amax.
+inline ffi::ErrorOr<CheckedArgs> CheckMsEdenQuantizeArgs(
+    const ffi::AnyBuffer& x, const ffi::AnyBuffer& amax, const ffi::AnyBuffer& key,
+    const ffi::AnyBuffer& rotation, const ffi::AnyBuffer& codes, const ffi::AnyBuffer& scales,
+    const ffi::AnyBuffer& stored_amax) {
+  ArgChecker c("nvfp4_quantize_ms_eden");
+  CheckedArgs a;
+  a.x = c.Float("x", x);
+  a.layout = c.Layout("x", x, /*block_2d=*/false);
+  c.Groups("x", x, a.layout);
+  c.ScalarF32("amax", amax);
+  c.Key(key);
+  c.Rotation(rotation);
+  c.CodesAndScales(a.layout, codes, scales);
+  c.ScalarF32("stored_amax", stored_amax);
+  return c.Finish(a);
+}
+
+// nvfp4_fake_quantize_ms_eden(x, amax, key, rotation) -> result (the values), stored_amax.
+inline ffi::ErrorOr<CheckedArgs> CheckMsEdenFakeQuantizeArgs(
+    const ffi::AnyBuffer& x, const ffi::AnyBuffer& amax, const ffi::AnyBuffer& key,
+    const ffi::AnyBuffer& rotation, const ffi::AnyBuffer& result,
+    const ffi::AnyBuffer& stored_amax) {
+  ArgChecker c("nvfp4_fake_quantize_ms_eden");
+  CheckedArgs a;
+  a.x = c.Float("x", x);
+  a.layout = c.Layout("x", x, /*block_2d=*/false);
+  c.Groups("x", x, a.layout);
+  c.ScalarF32("amax", amax);
+  c.Key(key);
+  c.Rotation(rotation);
+  a.result = c.Float("result", result);
+  c.Count("result", result, a.layout.size());
+  c.ScalarF32("stored_amax", stored_amax);
   return c.Finish(a);
 }
 

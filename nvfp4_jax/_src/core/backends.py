@@ -32,6 +32,7 @@ import jax.numpy as jnp
 
 from nvfp4_jax._src.core import kernels, reference
 from nvfp4_jax._src.core.array import NVFP4Array
+from nvfp4_jax._src.core.reference import ms_eden
 from nvfp4_jax._src.core.reference.quantize import fake_quantize_stored, quantize_stored
 from nvfp4_jax._src.core.seed import SRSeed
 from nvfp4_jax._src.core.spec import QuantSpec
@@ -83,19 +84,23 @@ class Backend(Protocol):
         (new tokens per sequence) for "kv_attention".
         """
 
-    def amax(self, x: jax.Array, *, rht: bool) -> jax.Array:
-        """Max |x| as f32 (after the RHT with `rht`); NaN if x is not finite."""
+    def amax(self, x: jax.Array, rotation: jax.Array | None = None, *, rht: bool) -> jax.Array:
+        """Max |x| as f32, NaN if a value is not finite.
+
+        After the RHT with `rht`; of MS-EDEN's rotated x when `rotation` is given.
+        """
 
     def quantize(
-        self, x, amax: jax.Array | None, seed: SRSeed | None, spec: QuantSpec
+        self, x, amax: jax.Array | None, seed: SRSeed | None, rotation, spec: QuantSpec
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """(packed codes, scales, stored amax); `amax` None: computed; `seed` None: RN.
 
-        `spec` is checked and of the stored layout (`QuantSpec.stored`).
+        `spec` is checked and of the stored layout (`QuantSpec.stored`); `rotation`: MS-EDEN's
+        uint32 (4,) words when `spec.ms_eden`, else None.
         """
 
-    def fake_quantize(self, x, amax, seed, spec: QuantSpec) -> jax.Array:
-        """The dequantized values of `quantize` (no inverse RHT), in `spec.dtype`."""
+    def fake_quantize(self, x, amax, seed, rotation, spec: QuantSpec) -> jax.Array:
+        """The dequantized values of `quantize` (no inverse transform), in `spec.dtype`."""
 
     def dequantize(self, codes, scales, decode_scale, *, rht: bool, dtype) -> jax.Array:
         """`value(code) * (f32(s_b) * D)` (the inverse RHT with `rht`) in `dtype`; D: f32."""
@@ -119,16 +124,24 @@ class ReferenceBackend:
         del op, args
         return False
 
-    def amax(self, x, *, rht):
-        """`reference.tensor_amax`."""
+    def amax(self, x, rotation=None, *, rht):
+        """`reference.tensor_amax`, or of MS-EDEN's rotated x."""
+        if rotation is not None:
+            return ms_eden.tensor_amax_stored(x, rotation)
         return reference.tensor_amax(x, rht=rht)
 
-    def quantize(self, x, amax, seed, spec):
+    def quantize(self, x, amax, seed, rotation, spec):
         """(codes, scales, stored amax): `reference.quantize` of the stored layout."""
+        if spec.ms_eden:
+            return ms_eden.quantize_stored(x, amax, seed, rotation)
         return quantize_stored(x, amax, seed, spec)
 
-    def fake_quantize(self, x, amax, seed, spec):
+    def fake_quantize(self, x, amax, seed, rotation, spec):
         """`reference.fake_quantize` of the stored layout (checked by `ops`)."""
+        if spec.ms_eden:
+            return ms_eden.fake_quantize_stored(
+                x, amax, seed, rotation, global_scale=spec.global_scale, dtype=spec.dtype
+            )
         return fake_quantize_stored(x, amax, seed, spec)
 
     def dequantize(self, codes, scales, decode_scale, *, rht, dtype):
@@ -176,27 +189,29 @@ class FfiBackend:
             return args["tokens"] <= KV_ATTENTION_MAX_TOKENS
         return True
 
-    def amax(self, x, *, rht):
-        """The `nvfp4_amax` kernel."""
-        return kernels.amax(x, rht=rht)
+    def amax(self, x, rotation=None, *, rht):
+        """The `nvfp4_amax` kernel (`nvfp4_amax_ms_eden` with a rotation)."""
+        return kernels.amax(x, rht=rht, rotation=rotation)
 
-    def quantize(self, x, amax, seed, spec):
+    def quantize(self, x, amax, seed, rotation, spec):
         """The `nvfp4_quantize` kernel, after `nvfp4_amax` when no amax is given.
 
-        Under Four Over Six its twin target `nvfp4_quantize_4over6`.
+        Under Four Over Six its twin target `nvfp4_quantize_4over6`, under MS-EDEN
+        `nvfp4_quantize_ms_eden`.
         """
         if amax is None:
-            amax = kernels.amax(x, rht=spec.rht)
-        return kernels.quantize(x, amax, seed, spec)
+            amax = kernels.amax(x, rht=spec.rht, rotation=rotation)
+        return kernels.quantize(x, amax, seed, spec, rotation=rotation)
 
-    def fake_quantize(self, x, amax, seed, spec):
+    def fake_quantize(self, x, amax, seed, rotation, spec):
         """The `nvfp4_fake_quantize` kernel, after `nvfp4_amax` when no amax is given.
 
-        Under Four Over Six its twin target `nvfp4_fake_quantize_4over6`.
+        Under Four Over Six its twin target `nvfp4_fake_quantize_4over6`, under MS-EDEN
+        `nvfp4_fake_quantize_ms_eden`.
         """
         if amax is None:
-            amax = kernels.amax(x, rht=spec.rht)
-        return kernels.fake_quantize(x, amax, seed, spec)
+            amax = kernels.amax(x, rht=spec.rht, rotation=rotation)
+        return kernels.fake_quantize(x, amax, seed, spec, rotation=rotation)
 
     def dequantize(self, codes, scales, decode_scale, *, rht, dtype):
         """The `nvfp4_dequantize` kernel."""

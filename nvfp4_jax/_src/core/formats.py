@@ -35,6 +35,18 @@ FOUR_OVER_SIX_DEFAULT_E4M3_MAX = 256
 # The expansion factor of map-to-4: the block amax goes to 4 instead of 6.
 MAP_TO_4 = np.float32(1.5)
 
+# MS-EDEN (docs/NUMERICS.md section 14): the rotation group, the E2M1 value the block amax
+# maps to, V = f32(6 / (17/16 * 0.93)) (Quartet II's backward `scale_override`, 0.93 times
+# its 17/16), the E4M3 value the tensor amax maps to (256: room for the correction to scale
+# a block up), C = 256 * V (exact), and the f32 reciprocals every implementation multiplies by.
+MS_EDEN_GROUP = 128
+MS_EDEN_VAL_MAX = np.float32(6.0 / (17.0 / 16.0 * 0.93))  # bits 0x40C24EB2
+MS_EDEN_E4M3_MAX = 256
+MS_EDEN_C = np.float32(MS_EDEN_E4M3_MAX) * MS_EDEN_VAL_MAX  # bits 0x44C24EB2
+MS_EDEN_RCP_VAL_MAX = np.float32(1.0) / MS_EDEN_VAL_MAX  # bits 0x3E28A3D7
+MS_EDEN_RCP_C = np.float32(1.0) / MS_EDEN_C  # bits 0x3A28A3D7
+MS_EDEN_RCP_SQRT_GROUP = np.float32(1.0 / np.sqrt(128.0))  # bits 0x3DB504F3
+
 # Round-to-nearest-even decision edges between consecutive E2M1 magnitudes. An edge that
 # is a tie rounds to the even code: ties at 0.25, 1.25, 2.5 and 5 go down (">" below),
 # ties at 0.75, 1.75 and 3.5 go up (">=" below).
@@ -68,6 +80,11 @@ def decode_scale(amax, e4m3_max: int = 448) -> jax.Array:
     (256 for a Four Over Six tensor quantized with its default, section 13).
     """
     return jnp.asarray(amax).astype(jnp.float32) * rcp_fp4_e4m3_max(e4m3_max)
+
+
+def ms_eden_decode_scale(amax) -> jax.Array:
+    """MS-EDEN's tensor decode factor `D = A * f32(1/C)` (docs/NUMERICS.md section 14)."""
+    return jnp.asarray(amax).astype(jnp.float32) * MS_EDEN_RCP_C
 
 
 def e2m1_magnitude_code(magnitude: jax.Array) -> jax.Array:

@@ -33,7 +33,7 @@ from nvfp4_jax._src.core.array import NVFP4Array, bind_dequantize
 from nvfp4_jax._src.core.backends import Backend, Implementation
 from nvfp4_jax._src.core.interception import opaque
 from nvfp4_jax._src.core.seed import SRSeed
-from nvfp4_jax._src.core.spec import QuantSpec, check_dequantize_call
+from nvfp4_jax._src.core.spec import QuantSpec, check_dequantize_call, rotation_words
 
 _F32 = jnp.float32
 
@@ -107,39 +107,48 @@ def tensor_amax(
     axis: int = -1,
     rht: bool = False,
     implementation: Implementation | None = None,
+    rotation_key: jax.Array | None = None,
 ) -> jax.Array:
     """Returns the f32 tensor amax `max |x|` that `quantize` would use, NaN if x holds NaN/inf.
 
-    With `rht`, the amax of the transformed tensor (the RHT applied along `axis`). Pass the
-    result (or its maximum over devices) as `quantize(..., amax=...)`.
+    With `rht`, the amax of the transformed tensor (the RHT applied along `axis`); with
+    `rotation_key`, of MS-EDEN's rotated tensor (`quantize(..., ms_eden=True)` with that
+    `rotation_key`; `x.shape[axis]` a multiple of 128). Pass the result (or its maximum over
+    devices) as `quantize(..., amax=...)`.
 
     Example:
       >>> float(tensor_amax(jnp.array([1.0, -3.0] * 8)))
       3.0
     """
     spec = QuantSpec(axis=axis, rht=rht, op="tensor_amax")
-    x, spec, _, _ = spec.check_call(x, None, None)
+    x, spec, _, _, _ = spec.check_call(x, None, None)
+    rotation = None
+    if rotation_key is not None:
+        spec = spec.replace(ms_eden=True).check_shape(x.shape)  # groups of 128, no RHT
+        rotation = rotation_words(rotation_key, "tensor_amax")
     backend = backends.resolve(implementation, "tensor_amax")
-    return _amax(jnp.moveaxis(x, spec.axis, -1), spec.rht, backend)
+    return _amax(jnp.moveaxis(x, spec.axis, -1), rotation, spec.rht, backend)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
-def _amax(x, rht: bool, backend: Backend):
-    return _on_backend(backend, "amax", x, rht=rht)
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3))
+def _amax(x, rotation, rht: bool, backend: Backend):
+    return _on_backend(backend, "amax", x, rotation, rht=rht)
 
 
-def _max_abs(x, rht: bool):
-    """`max |x|` (of the RHT of x) in jnp: the function whose derivative `_amax` has."""
+def _max_abs(x, rotation, rht: bool):
+    """`max |x|` (of the RHT or the rotation of x) in jnp: the function `_amax` differentiates."""
     y = reference.apply_rht(x) if rht else x
+    if rotation is not None:
+        y = reference.apply_rotation(x, rotation)
     return jnp.max(jnp.abs(y.astype(_F32)), initial=_F32(0))
 
 
 @_amax.defjvp
 @opaque
 def _amax_jvp(rht, backend, primals, tangents):
-    (x,), (dx,) = primals, tangents
-    _, d_amax = jax.jvp(functools.partial(_max_abs, rht=rht), (x,), (dx,))
-    return _amax(x, rht, backend), d_amax
+    (x, rotation), (dx, _) = primals, tangents
+    _, d_amax = jax.jvp(lambda v: _max_abs(v, rotation, rht), (x,), (dx,))
+    return _amax(x, rotation, rht, backend), d_amax
 
 
 # --- quantize -------------------------------------------------------------------------------
@@ -158,6 +167,8 @@ def quantize(
     implementation: Implementation | None = None,
     four_over_six: str | None = None,
     four_over_six_e4m3_max: int = formats.FOUR_OVER_SIX_DEFAULT_E4M3_MAX,
+    ms_eden: bool = False,
+    rotation_key: jax.Array | None = None,
 ) -> NVFP4Array:
     """Quantizes `x` to NVFP4 in blocks of 16 along `axis`.
 
@@ -185,12 +196,23 @@ def quantize(
       four_over_six_e4m3_max: the E4M3 maximum M of the global scale under 4/6,
         `S_enc = 6M / A`: 256 (the default, TransformerEngine's: room for the x1.5 of
         map-to-4) or 448. Ignored when `four_over_six` is None (plain NVFP4 uses 448).
+      ms_eden: MS-EDEN, Quartet II's unbiased quantizer (docs/NUMERICS.md section 14): every
+        128 values along `axis` are rotated (a Hadamard transform with random signs), rounded
+        to nearest, and each block's E4M3 scale is corrected (EDEN) and rounded
+        stochastically, so the quantized tensor is the rotated one in expectation. Needs
+        `key` (the scales' rounding) and `rotation_key`, and `x.shape[axis]` a multiple of
+        128; excludes `block_2d`, `rht`, `stochastic_rounding` and `four_over_six`.
+      rotation_key: with `ms_eden`, the PRNG key of the rotation's 128 signs
+        (`reference.rotation_words`); give both operands of a GEMM the same one (their
+        product is then the product of the unrotated ones) and their own `key`.
 
     Returns:
       An `NVFP4Array` with packed codes, E4M3 scales and the f32 tensor amax. Its leaves
       carry no derivative (see the module docstring). Under 4/6 it records `four_over_six`
       and `e4m3_max`, and carries its decode factor `D = A * f32(1/(6M))` as `decode_scale`;
-      the stored format is plain NVFP4.
+      the stored format is plain NVFP4. Under MS-EDEN it holds the rotated tensor (the
+      rotation is not stored: `reference.apply_rotation(..., inverse=True)` undoes it), with
+      `D = A * f32(1/C)` as `decode_scale`.
 
     Example:
       >>> x = jnp.linspace(-3.0, 3.0, 32).reshape(2, 16)
@@ -206,9 +228,12 @@ def quantize(
         stochastic_rounding=stochastic_rounding,
         four_over_six=four_over_six,
         e4m3_max=four_over_six_e4m3_max,
+        ms_eden=ms_eden,
         op="quantize",
     )
-    return quantize_with_spec(x, spec, key=key, amax=amax, implementation=implementation)
+    return quantize_with_spec(
+        x, spec, key=key, amax=amax, implementation=implementation, rotation=rotation_key
+    )
 
 
 @opaque
@@ -220,22 +245,26 @@ def quantize_with_spec(
     amax: jax.Array | None = None,
     implementation: Implementation | None = None,
     amax_is_data: bool = False,
+    rotation: jax.Array | None = None,
 ) -> NVFP4Array:
     """`quantize` with its options as one `QuantSpec`: what the public `quantize` runs.
 
     The entry point of internal callers (the GEMM operands, whose specs `NVFP4Recipe.spec`
     makes). With `amax_is_data` (an amax the library computed or stores) a NaN, inf or
     negative `amax` gives the NaN tensor, run eagerly as under `jit`, where `quantize`
-    raises for a caller's concrete one.
+    raises for a caller's concrete one. `rotation`: MS-EDEN's `rotation_key`, or its
+    uint32 (4,) words.
     """
-    x, spec, seed, amax = spec.check_call(x, key, amax, amax_is_data=amax_is_data)
+    x, spec, seed, amax, rotation = spec.check_call(
+        x, key, amax, rotation=rotation, amax_is_data=amax_is_data
+    )
     backend = backends.resolve(implementation, spec.op)
     # A step function: no derivative flows through it, and the kernels are never traced
     # for one (their tangents are symbolically zero).
     stored = lax.stop_gradient(jnp.moveaxis(x, spec.axis, -1))
     amax = None if amax is None else lax.stop_gradient(amax)
     codes, scales, stored_amax = _on_backend(
-        backend, "quantize", stored, amax, seed, spec=spec.stored()
+        backend, "quantize", stored, amax, seed, rotation, spec=spec.stored()
     )
     return spec.array(codes, scales, stored_amax, x.dtype)
 
@@ -251,6 +280,7 @@ def quantize_with_data_amax(
     *,
     key: jax.Array | SRSeed | None = None,
     implementation: Implementation | None = None,
+    rotation: jax.Array | None = None,
 ) -> NVFP4Array:
     """`quantize(x, amax=amax, ...)` for an amax the library computed or stores: data.
 
@@ -259,7 +289,13 @@ def quantize_with_data_amax(
     concrete one. Every other argument is checked as `quantize` checks it.
     """
     return quantize_with_spec(
-        x, spec, key=key, amax=amax, implementation=implementation, amax_is_data=True
+        x,
+        spec,
+        key=key,
+        amax=amax,
+        implementation=implementation,
+        amax_is_data=True,
+        rotation=rotation,
     )
 
 
@@ -281,6 +317,8 @@ def fake_quantize(
     implementation: Implementation | None = None,
     four_over_six: str | None = None,
     four_over_six_e4m3_max: int = formats.FOUR_OVER_SIX_DEFAULT_E4M3_MAX,
+    ms_eden: bool = False,
+    rotation_key: jax.Array | None = None,
 ) -> jax.Array:
     """Quantizes and dequantizes in one step, without materializing packed codes.
 
@@ -308,6 +346,9 @@ def fake_quantize(
       implementation: as in `quantize`.
       four_over_six: as in `quantize`.
       four_over_six_e4m3_max: as in `quantize`.
+      ms_eden: as in `quantize`; the values stay in the rotated basis, and without
+        `global_scale` the factor left out is MS-EDEN's `A * f32(1/C)`.
+      rotation_key: as in `quantize`.
 
     Example:
       >>> x = jnp.linspace(-3.0, 3.0, 32).reshape(2, 16)
@@ -321,11 +362,14 @@ def fake_quantize(
         stochastic_rounding=stochastic_rounding,
         four_over_six=four_over_six,
         e4m3_max=four_over_six_e4m3_max,
+        ms_eden=ms_eden,
         global_scale=global_scale,
         dtype=dtype,
         op="fake_quantize",
     )
-    return fake_quantize_with_spec(x, spec, key=key, amax=amax, implementation=implementation)
+    return fake_quantize_with_spec(
+        x, spec, key=key, amax=amax, implementation=implementation, rotation=rotation_key
+    )
 
 
 @opaque
@@ -337,15 +381,19 @@ def fake_quantize_with_spec(
     amax: jax.Array | None = None,
     implementation: Implementation | None = None,
     amax_is_data: bool = False,
+    rotation: jax.Array | None = None,
 ) -> jax.Array:
     """`fake_quantize` with its options as one `QuantSpec` (`dtype` None: x's dtype).
 
-    `amax_is_data` as in `quantize_with_spec`.
+    `amax_is_data` and `rotation` as in `quantize_with_spec`.
     """
-    x, spec, seed, amax = spec.check_call(x, key, amax, amax_is_data=amax_is_data)
+    x, spec, seed, amax, rotation = spec.check_call(
+        x, key, amax, rotation=rotation, amax_is_data=amax_is_data
+    )
     spec = spec.with_dtype(x.dtype)
     backend = backends.resolve(implementation, spec.op)
-    values = _fake_quantize(jnp.moveaxis(x, spec.axis, -1), amax, seed, spec.stored(), backend)
+    stored = jnp.moveaxis(x, spec.axis, -1)
+    values = _fake_quantize(stored, amax, seed, rotation, spec.stored(), backend)
     return jnp.moveaxis(values, -1, spec.axis)
 
 
@@ -361,6 +409,7 @@ def fake_quantize_with_data_amax(
     key: jax.Array | SRSeed | None = None,
     dtype=None,
     implementation: Implementation | None = None,
+    rotation: jax.Array | None = None,
 ) -> jax.Array:
     """`fake_quantize(x, amax=amax, ...)` for an amax the library computed or stores.
 
@@ -371,29 +420,48 @@ def fake_quantize_with_data_amax(
     if dtype is not None:
         spec = spec.replace(dtype=dtype)
     return fake_quantize_with_spec(
-        x, spec, key=key, amax=amax, implementation=implementation, amax_is_data=True
+        x,
+        spec,
+        key=key,
+        amax=amax,
+        implementation=implementation,
+        amax_is_data=True,
+        rotation=rotation,
     )
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4))
-def _fake_quantize(x, amax, seed, spec: QuantSpec, backend: Backend):
-    return _on_backend(backend, "fake_quantize", x, amax, seed, spec=spec)
+@functools.partial(jax.custom_jvp, nondiff_argnums=(4, 5))
+def _fake_quantize(x, amax, seed, rotation, spec: QuantSpec, backend: Backend):
+    return _on_backend(backend, "fake_quantize", x, amax, seed, rotation, spec=spec)
+
+
+def _transform(x, rotation, spec: QuantSpec):
+    """The basis the values of `spec` are in: the RHT or MS-EDEN's rotation of x, or x."""
+    if spec.rht:
+        return reference.apply_rht(x)
+    if spec.ms_eden:
+        return reference.apply_rotation(x, rotation)
+    return x
 
 
 @_fake_quantize.defjvp
 @opaque
 def _fake_quantize_jvp(spec: QuantSpec, backend: Backend, primals, tangents):
-    x, amax, seed = primals
+    x, amax, seed, rotation = primals
     dx = tangents[0]
-    out = _fake_quantize(x, amax, seed, spec, backend)
-    d_out = reference.apply_rht(dx) if spec.rht else dx  # the values are in the rotated basis
+    out = _fake_quantize(x, amax, seed, rotation, spec, backend)
+    d_out = _transform(dx, rotation, spec)  # the values are in the rotated basis
     if amax is not None:
-        y = reference.apply_rht(x) if spec.rht else x
+        y = _transform(x, rotation, spec)
         d_out = jnp.where(jnp.abs(y.astype(_F32)) <= amax, d_out, jnp.zeros_like(d_out))
     if not spec.global_scale:
         # value(code) * s_b approximates x * S_enc.
-        used = amax if amax is not None else backend.amax(x, rht=spec.rht)
-        d_out = d_out.astype(_F32) * reference.encode_scale(used, spec.e4m3_max)
+        used = amax if amax is not None else backend.amax(x, rht=spec.rht, rotation=rotation)
+        if spec.ms_eden:
+            s_enc = reference.ms_eden_encode_scale(used)
+        else:
+            s_enc = reference.encode_scale(used, spec.e4m3_max)
+        d_out = d_out.astype(_F32) * s_enc
     return out, d_out.astype(spec.dtype)
 
 

@@ -50,6 +50,11 @@ class QuantSpec:
       four_over_six: None (plain NVFP4), "mae" or "mse" (docs/NUMERICS.md section 13).
       e4m3_max: the E4M3 maximum M of the global scale, `S_enc = 6M / A`: given as
         `four_over_six_e4m3_max` (256 or 448), and 448 whenever `four_over_six` is None.
+      ms_eden: MS-EDEN (docs/NUMERICS.md section 14): a random rotation of every 128
+        values along `axis`, round to nearest, the EDEN correction of each 128-group and the
+        corrected E4M3 scales rounded stochastically; the key and the rotation are
+        arguments of their own. Excludes `block_2d`, `rht`, `stochastic_rounding` and
+        `four_over_six`; the quantized axis must be a multiple of 128.
       global_scale: `fake_quantize` only: multiply the values by the tensor decode factor.
       dtype: `fake_quantize` only: the dtype of the values (None: the input's).
       op: the op named in error messages; not part of the value (neither compared nor hashed).
@@ -67,17 +72,26 @@ class QuantSpec:
     stochastic_rounding: bool = False
     four_over_six: str | None = None
     e4m3_max: int = 448
+    ms_eden: bool = False
     global_scale: bool = True
     dtype: jnp.dtype | None = None
     op: str = dataclasses.field(default="quantize", compare=False, repr=False)
 
     def __post_init__(self):
         op = self.op
-        for name in ("block_2d", "rht", "stochastic_rounding"):
+        for name in ("block_2d", "rht", "stochastic_rounding", "ms_eden"):
             object.__setattr__(self, name, checks.check_flag(getattr(self, name), op, name))
         mode, e4m3_max = checks.check_four_over_six(self.four_over_six, self.e4m3_max, op)
         object.__setattr__(self, "four_over_six", mode)
         object.__setattr__(self, "e4m3_max", e4m3_max)
+        if self.ms_eden:
+            others = ("block_2d", "rht", "stochastic_rounding", "four_over_six")
+            clash = [f"{name}={getattr(self, name)!r}" for name in others if getattr(self, name)]
+            if clash:
+                raise ValueError(
+                    f"{op}: ms_eden=True rotates and rounds in its own way; it cannot be "
+                    f"combined with {', '.join(clash)}"
+                )
         global_scale = checks.check_flag(self.global_scale, op, "global_scale")
         object.__setattr__(self, "global_scale", global_scale)
         if self.dtype is not None:
@@ -116,27 +130,42 @@ class QuantSpec:
             raise ValueError(f"{op}: x must have at least one dimension, got shape {shape}")
         axis = checks.normalize_axis(self.axis, shape, op)
         checks.check_blocks(shape, axis, self.block_2d, op)
+        if self.ms_eden and shape[axis] % formats.MS_EDEN_GROUP:
+            raise ValueError(
+                f"{op}: ms_eden=True rotates groups of {formats.MS_EDEN_GROUP}: the quantized "
+                f"axis (axis={axis}) of x with shape {tuple(shape)} has size {shape[axis]}, "
+                f"which is not a multiple of {formats.MS_EDEN_GROUP}"
+            )
         return self if axis == self.axis else self.replace(axis=axis)
 
-    def check_call(self, x, key, amax, *, amax_is_data: bool = False):
-        """Validated (x, the spec for x's shape, SR seed or None, f32 amax or None).
+    @property
+    def random(self) -> bool:
+        """Whether the quantization draws random bits from a key (SR or MS-EDEN)."""
+        return self.stochastic_rounding or self.ms_eden
+
+    def check_call(self, x, key, amax, *, rotation=None, amax_is_data: bool = False):
+        """Validated (x, the spec for x's shape, seed or None, f32 amax or None, rotation).
 
         The argument checks of a quantizing call that the spec (validated when it was made)
         cannot do alone, shared by every entry point and implementation, so they raise the
-        same errors. A caller's concrete amax that is negative, NaN or inf is an error; with
+        same errors. The seed is the `SRSeed` of `key` when the spec draws random bits (SR,
+        MS-EDEN); the rotation is MS-EDEN's uint32 (4,) words (`rotation_words`), None
+        otherwise. A caller's concrete amax that is negative, NaN or inf is an error; with
         `amax_is_data` (an amax the library computed or stores, e.g. a GEMM operand's
         `tensor_amax`) only its type is checked: such an amax is NaN exactly when the data
         is, and gives the NaN tensor eagerly as under `jit`.
         """
         op = self.op
         x = checks.as_float_array(x, op)
-        if self.stochastic_rounding and key is None:
-            raise ValueError(f"{op}: stochastic_rounding=True needs a PRNG key, got key=None")
+        for flag in ("stochastic_rounding", "ms_eden"):
+            if getattr(self, flag) and key is None:
+                raise ValueError(f"{op}: {flag}=True needs a PRNG key, got key=None")
         spec = self.check_shape(x.shape)
-        seed = as_seed(key, op) if spec.stochastic_rounding else None
+        seed = as_seed(key, op) if spec.random else None
+        rotation = rotation_words(rotation, op) if spec.ms_eden else None
         if amax is not None and amax_is_data:
-            return x, spec, seed, _amax_data(amax, op)
-        return x, spec, seed, checks.check_amax(amax, op)
+            return x, spec, seed, _amax_data(amax, op), rotation
+        return x, spec, seed, checks.check_amax(amax, op), rotation
 
     def stored(self) -> QuantSpec:
         """The spec of the stored layout (the quantized axis last): what backends receive."""
@@ -154,6 +183,11 @@ class QuantSpec:
         decode it right whatever they make of the metadata.
         """
         fos = self.four_over_six
+        decode = None
+        if fos is not None:
+            decode = formats.decode_scale(stored_amax, self.e4m3_max)
+        elif self.ms_eden:
+            decode = formats.ms_eden_decode_scale(stored_amax)
         return NVFP4Array(
             codes=codes,
             scales=scales,
@@ -162,20 +196,34 @@ class QuantSpec:
             axis=self.axis,
             block_2d=self.block_2d,
             rht=self.rht,
-            decode_scale=None if fos is None else formats.decode_scale(stored_amax, self.e4m3_max),
+            decode_scale=decode,
             four_over_six=fos,
             e4m3_max=self.e4m3_max,
         )
+
+    def decode_scale(self, amax) -> jax.Array:
+        """The tensor decode factor D of a tensor of amax `amax` quantized by this spec.
+
+        `A * f32(1/(6M))` (`A * RCP2688` for plain NVFP4), or MS-EDEN's `A * f32(1/C)`.
+        """
+        if self.ms_eden:
+            return formats.ms_eden_decode_scale(amax)
+        return formats.decode_scale(amax, self.e4m3_max)
 
     def ffi_target(self, name: str) -> tuple[str, dict]:
         """The FFI target and attributes of the quantizing target `name` for this spec.
 
         `name` is "nvfp4_quantize" or "nvfp4_fake_quantize". The plain targets take
         `block_2d`, `rht` and `stochastic_rounding` (and fake quantize `global_scale`); under
-        Four Over Six their `_4over6` twins take `error` and `e4m3_max` (i32) as well.
+        Four Over Six their `_4over6` twins take `error` and `e4m3_max` (i32) as well; under
+        MS-EDEN the `_ms_eden` twins take the rotation as a fourth operand and no flags but
+        fake quantize's `global_scale`.
         """
         if name not in _QUANTIZE_TARGETS:
             raise ValueError(f"QuantSpec.ffi_target: unknown target {name!r}")
+        if self.ms_eden:  # operands (x, amax, key, rotation); no flags but global_scale
+            attrs = dict(global_scale=self.global_scale) if name == "nvfp4_fake_quantize" else {}
+            return f"{name}_ms_eden", attrs
         attrs = dict(
             block_2d=self.block_2d, rht=self.rht, stochastic_rounding=self.stochastic_rounding
         )
@@ -185,6 +233,30 @@ class QuantSpec:
             return name, attrs
         attrs.update(error=self.four_over_six, e4m3_max=np.int32(self.e4m3_max))
         return f"{name}_4over6", attrs
+
+
+def rotation_words(rotation, op: str) -> jax.Array:
+    """MS-EDEN's rotation as uint32 (4,): a PRNG key's bits, or such words as they are.
+
+    A key gives `jax.random.bits(key, (4,), uint32)`: bit `i % 32` of word `i // 32` set
+    means that sign i of the 128 is -1 (docs/NUMERICS.md section 14).
+    """
+    if rotation is None:
+        raise ValueError(
+            f"{op}: ms_eden=True needs rotation_key (the random signs of the rotation, shared "
+            "by the two operands of a GEMM), got None"
+        )
+    dtype = getattr(rotation, "dtype", None)
+    if dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key):
+        if jnp.shape(rotation) != ():
+            raise ValueError(f"{op}: rotation_key must be one PRNG key, got shape {rotation.shape}")
+        return jax.random.bits(rotation, (4,), jnp.uint32)
+    if dtype is not None and jnp.dtype(dtype) == jnp.uint32 and jnp.shape(rotation) == (4,):
+        return jnp.asarray(rotation)
+    raise TypeError(
+        f"{op}: rotation_key must be a JAX PRNG key (or its uint32 (4,) rotation words), got "
+        f"{getattr(rotation, 'dtype', type(rotation).__name__)}{list(jnp.shape(rotation))}"
+    )
 
 
 def _amax_data(amax, op: str) -> jax.Array:
@@ -229,4 +301,4 @@ def check_dequantize_call(q, dtype, op: str) -> jnp.dtype:
     return checks.check_dtype(dtype, op)
 
 
-__all__ = ["QuantSpec", "check_dequantize_call", "spec_of_call"]
+__all__ = ["QuantSpec", "check_dequantize_call", "rotation_words", "spec_of_call"]

@@ -29,6 +29,7 @@ from nvfp4_jax._src.core.kernels._partition import pmax_keep_nan
 from nvfp4_jax._src.core.kernels._quantize import fake_quantize, quantize
 from nvfp4_jax._src.core.kernels._rht import rht
 from nvfp4_jax._src.core.kernels._threefry import (
+    bits_words,
     fold_in_words,
     is_threefry_key,
     split_bits_words,
@@ -39,6 +40,7 @@ __all__ = [
     "CPU_TARGETS",
     "TARGETS",
     "amax",
+    "bits_words",
     "cpu_isa",
     "current_platform",
     "dequantize",

@@ -32,6 +32,9 @@ TARGETS = (
     "nvfp4_rht",
     "nvfp4_quantize_4over6",
     "nvfp4_fake_quantize_4over6",
+    "nvfp4_amax_ms_eden",
+    "nvfp4_quantize_ms_eden",
+    "nvfp4_fake_quantize_ms_eden",
 )
 # Targets only the CPU library has (the NVFP4 GEMM, the weight-only GEMM, ragged_dot's grouped
 # quantize, the threefry hash of the SR keys, the NVFP4 KV cache's write, read and attention).

@@ -62,17 +62,23 @@ def divisible(mesh, spec_entries, shape) -> list:
     return [e if e is None or n % ways(mesh, e) == 0 else None for e, n in pairs]
 
 
-def keep_whole_blocks(mesh, spec_entries, shape, dim: int = -1) -> list:
-    """Keeps `dim` sharded only when every shard holds whole 16-blocks of it."""
+def keep_whole_blocks(
+    mesh, spec_entries, shape, dim: int = -1, block: int = formats.BLOCK_SIZE
+) -> list:
+    """Keeps `dim` sharded only when every shard holds whole blocks (of `block`) of it."""
     if spec_entries and spec_entries[dim] is not None:
-        if (shape[dim] // ways(mesh, spec_entries[dim])) % formats.BLOCK_SIZE:
+        if (shape[dim] // ways(mesh, spec_entries[dim])) % block:
             spec_entries[dim] = None
     return spec_entries
 
 
-def blockwise_entries(mesh, sharding, shape) -> list:
-    """The sharding a blockwise op keeps: divisible dims, the last one in whole blocks."""
-    return keep_whole_blocks(mesh, divisible(mesh, entries(sharding, len(shape)), shape), shape)
+def blockwise_entries(mesh, sharding, shape, block: int = formats.BLOCK_SIZE) -> list:
+    """The sharding a blockwise op keeps: divisible dims, the last one in whole blocks.
+
+    `block`: 16 (NVFP4's blocks), or MS-EDEN's 128-element rotation groups.
+    """
+    spec_entries = divisible(mesh, entries(sharding, len(shape)), shape)
+    return keep_whole_blocks(mesh, spec_entries, shape, block=block)
 
 
 def named(mesh, spec_entries) -> NamedSharding:

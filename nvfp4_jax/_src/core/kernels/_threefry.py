@@ -74,6 +74,19 @@ def fold_in_words(k0, k1, data, hash_=threefry2x32) -> tuple[jax.Array, jax.Arra
     return hash_(k0, k1, jnp.zeros_like(data), data)
 
 
+def bits_words(k0, k1, count: int, hash_=threefry2x32) -> jax.Array:
+    """`jax.random.bits(k, (count,), uint32)` for threefry keys of words (k0, k1) of shape S.
+
+    uint32 `(*S, count)`: word i is `y0 ^ y1` of `threefry2x32(k, (0, i))` (JAX's
+    partitionable bits). One hash of `count` lanes per key.
+    """
+    shape = (*jnp.shape(k0), count)
+    k0, k1 = (jnp.broadcast_to(jnp.asarray(k)[..., None], shape) for k in (k0, k1))
+    low = jnp.broadcast_to(jnp.arange(count, dtype=_U32), shape)
+    y0, y1 = hash_(k0, k1, jnp.zeros(shape, _U32), low)
+    return y0 ^ y1
+
+
 def split_bits_words(k0, k1, hash_=threefry2x32) -> jax.Array:
     """`jax.random.bits(k, (2,), uint32)` of both keys k of `jax.random.split(key)`.
 

@@ -21,6 +21,14 @@ from nvfp4_jax._src.core.reference.hadamard import (
     get_sign_from_vector,
     get_wgrad_sign_vector,
 )
+from nvfp4_jax._src.core.reference.ms_eden import (
+    apply_rotation,
+    block_uniforms,
+    rotation_words,
+    round_scale,
+)
+from nvfp4_jax._src.core.reference.ms_eden import decode_scale as ms_eden_decode_scale
+from nvfp4_jax._src.core.reference.ms_eden import encode_scale as ms_eden_encode_scale
 from nvfp4_jax._src.core.reference.quantize import (
     block_values,
     decode_scale,
@@ -34,6 +42,8 @@ from nvfp4_jax._src.core.reference.stochastic import random_bytes, stochastic_ma
 
 __all__ = [
     "apply_rht",
+    "apply_rotation",
+    "block_uniforms",
     "block_values",
     "decode_scale",
     "dequantize",
@@ -43,8 +53,12 @@ __all__ = [
     "get_rht_matrix",
     "get_sign_from_vector",
     "get_wgrad_sign_vector",
+    "ms_eden_decode_scale",
+    "ms_eden_encode_scale",
     "quantize",
     "random_bytes",
+    "rotation_words",
+    "round_scale",
     "stochastic_magnitude",
     "tensor_amax",
 ]

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from nvfp4_jax._src.core import formats, types
 from nvfp4_jax._src.core.array import NVFP4Array
 from nvfp4_jax._src.core.formats import decode_scale
-from nvfp4_jax._src.core.reference import hadamard, stochastic
+from nvfp4_jax._src.core.reference import hadamard, ms_eden, stochastic
 from nvfp4_jax._src.core.seed import SRSeed
 from nvfp4_jax._src.core.spec import QuantSpec, check_dequantize_call, spec_of_call
 
@@ -212,7 +212,7 @@ def tensor_amax(x: jax.Array, *, axis: int = -1, rht: bool = False) -> jax.Array
       3.0
     """
     spec = QuantSpec(axis=axis, rht=rht, op="tensor_amax")
-    x, spec, _, _ = spec.check_call(x, None, None)
+    x, spec, _, _, _ = spec.check_call(x, None, None)
     _, _, _, stored_amax = _prepare(jnp.moveaxis(x, spec.axis, -1), spec.rht, None)
     return stored_amax
 
@@ -223,6 +223,7 @@ def quantize(
     *,
     key: jax.Array | SRSeed | None = None,
     amax: jax.Array | None = None,
+    rotation_key: jax.Array | None = None,
     **options,
 ) -> NVFP4Array:
     """Quantizes `x` to NVFP4 in blocks of 16 along `axis` (the specification).
@@ -232,8 +233,11 @@ def quantize(
       spec: the options as one `QuantSpec`; or, instead, `options`.
       key: as in `nvfp4_jax.quantize`.
       amax: as in `nvfp4_jax.quantize`.
+      rotation_key: as in `nvfp4_jax.quantize` (MS-EDEN's rotation; or its uint32 (4,)
+        words, `rotation_words`).
       **options: the keyword options of `nvfp4_jax.quantize` (`axis`, `block_2d`, `rht`,
-        `stochastic_rounding`, `four_over_six`, `four_over_six_e4m3_max`), when no `spec`.
+        `stochastic_rounding`, `four_over_six`, `four_over_six_e4m3_max`, `ms_eden`), when
+        no `spec`.
 
     Example:
       >>> x = jnp.linspace(-3.0, 3.0, 32).reshape(2, 16)
@@ -245,9 +249,12 @@ def quantize(
 
     """
     spec = spec_of_call(spec, options, "quantize").replace(op="quantize")
-    x, spec, seed, amax = spec.check_call(x, key, amax)
+    x, spec, seed, amax, rotation = spec.check_call(x, key, amax, rotation=rotation_key)
     stored = jnp.moveaxis(x, spec.axis, -1)
-    codes, scales, stored_amax = quantize_stored(stored, amax, seed, spec.stored())
+    if spec.ms_eden:
+        codes, scales, stored_amax = ms_eden.quantize_stored(stored, amax, seed, rotation)
+    else:
+        codes, scales, stored_amax = quantize_stored(stored, amax, seed, spec.stored())
     return spec.array(codes, scales, stored_amax, x.dtype)
 
 
@@ -257,19 +264,25 @@ def fake_quantize(
     *,
     key: jax.Array | SRSeed | None = None,
     amax: jax.Array | None = None,
+    rotation_key: jax.Array | None = None,
     **options,
 ) -> jax.Array:
     """Quantizes and dequantizes in one step (the specification); see `nvfp4_jax.fake_quantize`.
 
     The values are `value(code) * (f32(s_b) * D)`, or `value(code) * f32(s_b)` without
-    `global_scale`, in x's layout, with no inverse RHT, cast to `dtype` (default x's).
-    `spec`, `key`, `amax` and `options` as in `quantize` (`options` also `global_scale` and
-    `dtype`).
+    `global_scale`, in x's layout, with no inverse RHT (or rotation), cast to `dtype`
+    (default x's). `spec`, `key`, `amax`, `rotation_key` and `options` as in `quantize`
+    (`options` also `global_scale` and `dtype`).
     """
     spec = spec_of_call(spec, options, "fake_quantize").replace(op="fake_quantize")
-    x, spec, seed, amax = spec.check_call(x, key, amax)
+    x, spec, seed, amax, rotation = spec.check_call(x, key, amax, rotation=rotation_key)
     spec = spec.with_dtype(x.dtype)
-    values = fake_quantize_stored(jnp.moveaxis(x, spec.axis, -1), amax, seed, spec.stored())
+    stored = jnp.moveaxis(x, spec.axis, -1)
+    if spec.ms_eden:
+        options = dict(global_scale=spec.global_scale, dtype=spec.dtype)
+        values = ms_eden.fake_quantize_stored(stored, amax, seed, rotation, **options)
+    else:
+        values = fake_quantize_stored(stored, amax, seed, spec.stored())
     return jnp.moveaxis(values, -1, spec.axis)
 
 
