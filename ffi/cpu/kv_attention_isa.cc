@@ -30,52 +30,56 @@ namespace {
 NVFP4_VINLINE int64_t MinI64(int64_t a, int64_t b) { return a < b ? a : b; }
 NVFP4_VINLINE int64_t MaxI64(int64_t a, int64_t b) { return a > b ? a : b; }
 
-// The 16 codes of one block (8 bytes at p, element 2i in the low nibble of byte i) as 16
-// lanes; only the low 4 bits of a lane are meaningful (E2m1Value reads no others).
-NVFP4_VINLINE VI ExpandCodes(const uint8_t* p) {
-  VI r;
+// The 16 values of one block: lane l is row[code l], the 16 codes 8 bytes at p (element 2i
+// in the low nibble of byte i), row the 16 table entries of the block's scale byte. The
+// expansion of w4a16_isa.cc's DecodeBlock (the same per-ISA choices): with AVX2, each 8
+// lanes from 4 code bytes broadcast to every lane, the magnitude (3 bits) looked up in the
+// row's positive half and the sign bit xor-ed in (entry 8 + c is entry c negated).
+NVFP4_VINLINE VF LookupBlock(const float* row, const uint8_t* p) {
+  VF r;
 #if defined(NVFP4_SIMD_AVX512)
   __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
   b = _mm_unpacklo_epi8(b, b);
   const __m512i shifts = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
-  r.p[0] = (NI)_mm512_srlv_epi32(_mm512_cvtepu8_epi32(b), shifts);
+  const __m512i idx = _mm512_srlv_epi32(_mm512_cvtepu8_epi32(b), shifts);
+  r.p[0] = (NF)_mm512_permutexvar_ps(idx, _mm512_loadu_ps(row));
 #elif defined(NVFP4_SIMD_AVX2)
-  __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-  b = _mm_unpacklo_epi8(b, b);
-  const __m256i shifts = _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4);
-  r.p[0] = (NI)_mm256_srlv_epi32(_mm256_cvtepu8_epi32(b), shifts);
-  r.p[1] = (NI)_mm256_srlv_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8)), shifts);
+  const __m256 magnitudes = _mm256_loadu_ps(row);
+  const __m256i right = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+  const __m256i left = _mm256_setr_epi32(28, 24, 20, 16, 12, 8, 4, 0);
+  const __m256i sign = _mm256_set1_epi32(static_cast<int32_t>(0x80000000u));
+  for (int j = 0; j < 2; ++j) {
+    int32_t word;
+    __builtin_memcpy(&word, p + 4 * j, 4);
+    const __m256i codes = _mm256_set1_epi32(word);
+    const __m256 w = _mm256_permutevar8x32_ps(magnitudes, _mm256_srlv_epi32(codes, right));
+    const __m256i s = _mm256_and_si256(_mm256_sllv_epi32(codes, left), sign);
+    r.p[j] = (NF)_mm256_xor_ps(w, _mm256_castsi256_ps(s));
+  }
 #else
   for (int i = 0; i < 8; ++i) {
-    r.p[(2 * i) / kLanes][(2 * i) % kLanes] = p[i] & 15;
-    r.p[(2 * i + 1) / kLanes][(2 * i + 1) % kLanes] = p[i] >> 4;
+    r.p[(2 * i) / kLanes][(2 * i) % kLanes] = row[p[i] & 15];
+    r.p[(2 * i + 1) / kLanes][(2 * i + 1) % kLanes] = row[p[i] >> 4];
   }
 #endif
   return r;
 }
 
-// Lane l: table[idx[l] & 15] (the 16 entries of one scale byte's row).
-NVFP4_VINLINE VF Lookup16(VF table, VI idx) {
-  VF r;
-#if defined(NVFP4_SIMD_AVX512)
-  r.p[0] = (NF)_mm512_permutexvar_ps((__m512i)idx.p[0], (__m512)table.p[0]);
-#elif defined(NVFP4_SIMD_AVX2)
-  for (int j = 0; j < 2; ++j) {
-    const __m256 lo = _mm256_permutevar8x32_ps((__m256)table.p[0], (__m256i)idx.p[j]);
-    const __m256 hi = _mm256_permutevar8x32_ps((__m256)table.p[1], (__m256i)idx.p[j]);
-    const __m256 upper = _mm256_castsi256_ps(_mm256_slli_epi32((__m256i)idx.p[j], 28));
-    r.p[j] = (NF)_mm256_blendv_ps(lo, hi, upper);
-  }
-#else
-  float t[16];
-  StoreV(t, table);
-  for (int l = 0; l < 16; ++l) r.p[l / kLanes][l % kLanes] = t[Lane(idx, l) & 15];
-#endif
-  return r;
-}
-
-// The fixed tree over the 16 lanes.
+// The fixed tree over the 16 lanes: s8[l] = a[l] + a[l + 8], s4[l] = s8[l] + s8[l + 4],
+// s2[l] = s4[l] + s4[l + 2], s2[0] + s2[1] (in registers on AVX2 and AVX-512: the same adds).
 NVFP4_VINLINE float Reduce16(VF acc) {
+#if defined(NVFP4_SIMD_AVX512) || defined(NVFP4_SIMD_AVX2)
+#if defined(NVFP4_SIMD_AVX512)
+  const __m512 a = (__m512)acc.p[0];
+  const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(a),
+                                  _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+#else
+  const __m256 s8 = _mm256_add_ps((__m256)acc.p[0], (__m256)acc.p[1]);
+#endif
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+#else
   float a[16];
   StoreV(a, acc);
   float s8[8], s4[4], s2[2];
@@ -83,6 +87,7 @@ NVFP4_VINLINE float Reduce16(VF acc) {
   for (int l = 0; l < 4; ++l) s4[l] = s8[l] + s8[l + 4];
   for (int l = 0; l < 2; ++l) s2[l] = s4[l] + s4[l + 2];
   return s2[0] + s2[1];
+#endif
 }
 
 // Arithmetic shift right by one, lane by lane.
@@ -130,7 +135,7 @@ NVFP4_VINLINE Slot SlotAt(const KvAttentionJob& job, int side, int64_t b, int64_
 // row of its scale byte (the 16 codes' values, computed once per call).
 NVFP4_VINLINE VF DecodeBlock(const Slot& slot, const float* tables, int64_t c) {
   const float* row = tables + kBlock * slot.bytes[slot.scale_at[c] + slot.head];
-  return Lookup16(LoadV<VF>(row), ExpandCodes(slot.codes + 8 * c));
+  return LookupBlock(row, slot.codes + 8 * c);
 }
 
 // Rows [m0, m0 + rows) of one item.
@@ -185,24 +190,28 @@ void Rows(const KvAttentionJob& job, int64_t b, int64_t g, int64_t u, int64_t m0
     job.part_max[base + r] = mx;
     job.part_sum[base + r] = bad ? AsFloat(kNanBits) : sum;
   }
-  VF out[kKvRows][kKvMaxBlocks];
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t c = 0; c < blocks; ++c) out[r][c] = SplatF(0.0f);
-  }
+  // p.v block by block: each block's accumulators stay in registers over the chunk's slots
+  // (every element still sums its slots in ascending j).
+  Slot slots[kKvChunk];
+  int64_t first[kKvChunk];
   for (int64_t j = j0; j < jmax; ++j) {
-    const Slot slot = SlotAt(job, 1, b, g, j);
-    int64_t first = 0;
-    while (first < rows && j >= end[first]) ++first;
-    VF p[kKvRows];
-    for (int64_t r = first; r < rows; ++r) p[r] = SplatF(scores[r][j - j0]);
-    for (int64_t c = 0; c < blocks; ++c) {
-      const VF v_hat = DecodeBlock(slot, job.tables[1], c);
-      for (int64_t r = first; r < rows; ++r) out[r][c] = out[r][c] + p[r] * v_hat;
-    }
+    slots[j - j0] = SlotAt(job, 1, b, g, j);
+    int64_t f = 0;
+    while (f < rows && j >= end[f]) ++f;
+    first[j - j0] = f;
   }
-  for (int64_t r = 0; r < rows; ++r) {
-    float* dst = job.part_out + (base + r) * e;
-    for (int64_t c = 0; c < blocks; ++c) StoreV(dst + kBlock * c, out[r][c]);
+  for (int64_t c = 0; c < blocks; ++c) {
+    VF acc[kKvRows];
+    for (int64_t r = 0; r < rows; ++r) acc[r] = SplatF(0.0f);
+    for (int64_t j = j0; j < jmax; ++j) {
+      const VF v_hat = DecodeBlock(slots[j - j0], job.tables[1], c);
+      for (int64_t r = first[j - j0]; r < rows; ++r) {
+        acc[r] = acc[r] + SplatF(scores[r][j - j0]) * v_hat;
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      StoreV(job.part_out + (base + r) * e + kBlock * c, acc[r]);
+    }
   }
 }
 
