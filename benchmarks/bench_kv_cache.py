@@ -73,8 +73,6 @@ def _attention_fn(kind: str):
 
 
 def _layer(cache, i: int):
-    if isinstance(cache, dict):
-        return {"k": cache["k"][i], "v": cache["v"][i]}
     return cache[i]
 
 

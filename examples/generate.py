@@ -18,7 +18,7 @@ step over (weights, cache, token, position) and a KV cache preallocated to the p
 length plus `--tokens`, updated in place. The math is lm_model's (its own modules compute
 every layer; only attention reads the cache). The cache (`--kv-cache`):
 
-* bf16 (the default): keys and values (depth, B, length, G, E) in bf16, written with
+* bf16 (the default): each layer's keys and values (B, length, G, E) in bf16, written with
   `jax.lax.dynamic_update_slice`, read by `jax.nn.dot_product_attention`.
 * nvfp4, nvfp4_4over6: `nvfp4_jax.kv_cache`, vLLM's `--kv-cache-dtype` of the same name: each
   layer's keys and values in NVFP4 pages (9/32 of bf16's bytes at head size 128), appended in
@@ -419,13 +419,18 @@ def kv_config(cfg: LMConfig, kind: str) -> kv_cache.KVCacheConfig | None:
 
 
 def empty_cache(cfg: LMConfig, batch: int, length: int, kind: str = "bf16", scales=None):
-    """The KV cache, empty: bf16 keys and values (depth, B, length, G, E) as a dict, or for
-    NVFP4 a tuple of one `kv_cache.NVFP4KVCache` per layer (its `scales[i]` = (k_scale,
-    v_scale), or 1.0 until the prefill calibrates them)."""
+    """The KV cache, empty: a tuple of one cache per layer, each either bf16 keys and values
+    (B, length, G, E) as a dict {"k", "v"}, or a `kv_cache.NVFP4KVCache` (its `scales[i]` =
+    (k_scale, v_scale), or 1.0 until the prefill calibrates them). One buffer per layer and
+    side, so that a donated cache is updated in place (a stack of the layers would be copied
+    whole every step)."""
     config = kv_config(cfg, kind)
     if config is None:
-        shape = (cfg.depth, batch, length, cfg.kv_heads, cfg.head_dim)
-        return {"k": jnp.zeros(shape, jnp.bfloat16), "v": jnp.zeros(shape, jnp.bfloat16)}
+        shape = (batch, length, cfg.kv_heads, cfg.head_dim)
+        return tuple(
+            {"k": jnp.zeros(shape, jnp.bfloat16), "v": jnp.zeros(shape, jnp.bfloat16)}
+            for _ in range(cfg.depth)
+        )
     scales = [(1.0, 1.0)] * cfg.depth if scales is None else scales
     return tuple(
         kv_cache.init_cache(config, batch, length, k_scale=k_scale, v_scale=v_scale)
@@ -441,16 +446,15 @@ def _calibrated(layer_cache, k: jax.Array, v: jax.Array):
 
 
 def _attend(cache, i: int, q, k, v, pos, mask, calibrate: bool):
-    """Layer i's attention output (B, T, H, E) and its cache (layer i's, or the bf16 one's
-    new keys and values)."""
-    if isinstance(cache, dict):
+    """Layer i's attention output (B, T, H, E) and layer i's cache, the new tokens written."""
+    if isinstance(cache[i], dict):
         start = (0, pos, 0, 0)
-        k_all = jax.lax.dynamic_update_slice(cache["k"][i], k.astype(jnp.bfloat16), start)
-        v_all = jax.lax.dynamic_update_slice(cache["v"][i], v.astype(jnp.bfloat16), start)
+        k_all = jax.lax.dynamic_update_slice(cache[i]["k"], k.astype(jnp.bfloat16), start)
+        v_all = jax.lax.dynamic_update_slice(cache[i]["v"], v.astype(jnp.bfloat16), start)
         attended = jax.nn.dot_product_attention(
             q, k_all.astype(q.dtype), v_all.astype(q.dtype), mask=mask
         )
-        return attended, (k_all, v_all)
+        return attended, {"k": k_all, "v": v_all}
     layer = _calibrated(cache[i], k, v) if calibrate else cache[i]
     layer = kv_cache.append(layer, k, v, pos)
     return kv_cache.attention(q, layer, pos + k.shape[1]), layer
@@ -467,8 +471,8 @@ def forward_cached(
     b, t = tokens.shape
     positions = pos + jnp.arange(t, dtype=jnp.int32)
     mask = None
-    if isinstance(cache, dict):
-        length = cache["k"].shape[2]
+    if isinstance(cache[0], dict):
+        length = cache[0]["k"].shape[1]
         # Query i (at pos + i) sees the cached positions j <= pos + i.
         mask = (jnp.arange(length, dtype=jnp.int32)[None, :] <= positions[:, None])[None, None]
     x = model.embed_tokens(tokens)
@@ -487,11 +491,6 @@ def forward_cached(
         y = y[0] if isinstance(layer.mlp, MoE) else y
         x = x + y.astype(x.dtype)
     logits = model.head(model.norm(x))
-    if isinstance(cache, dict):
-        return logits, {
-            "k": jnp.stack([k for k, _ in layers]),
-            "v": jnp.stack([v for _, v in layers]),
-        }
     return logits, tuple(layers)
 
 
