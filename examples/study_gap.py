@@ -4,6 +4,7 @@
     python examples/study_gap.py --only width-128 policy-suggested
     python examples/study_gap.py --plot-only           # redraw from the saved runs
     python examples/study_gap.py --study accuracy      # Four Over Six, the finish (~60 min)
+    python examples/study_gap.py --study recipes       # SR vs MS-EDEN backward, 3 draws (~60 min)
 
 Each study point is one `examples/train_lm.py` run (NVFP4 and bf16 from the same initial
 weights and batches) in its own folder under `--out`; a point already run is read back, not
@@ -18,6 +19,14 @@ trained again. The figure has three panels, each showing the relative gap
 * against training steps, from the validation curves of the default configuration.
 
 It writes `study.json` (every point's losses and gap) and `study.png` under `--out`.
+
+`--study recipes` compares the backward's quantization, NVIDIA's stochastic rounding against
+Quartet II's MS-EDEN (`--backward`), on the plain recipe, the default recipe, and the default
+recipe with the attention projections in bf16 ("MLP only", as NVIDIA's MaxText recipe
+does), each with three rounding draws (the default streams, `--sr-seed 2` and `--sr-seed
+3`: the same weights and batches), against one bf16 run; it writes `recipes.json` (every
+draw's gap, their mean and spread) and `recipes.png`. Every run has its own folder, so an
+interrupted study picks up where it stopped.
 """
 
 from __future__ import annotations
@@ -26,6 +35,8 @@ import argparse
 import json
 import pathlib
 import sys
+
+import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import train_lm
@@ -116,6 +127,103 @@ def accuracy_flags(name: str) -> list[str]:
     if "--four-over-six" not in flags:
         flags += ["--four-over-six", "none"]
     return flags
+
+
+# The recipe study (`--study recipes`): each point pins every flag it depends on, so that it
+# means the same whatever train_lm's defaults are.
+PLAIN_RECIPE = [*PLAIN, "--four-over-six", "none"]
+DEFAULT_RECIPE = [
+    "--bf16-first", "1", "--bf16-last", "2", "--high-precision-final", "0.2",
+    "--four-over-six", "all",
+]  # fmt: skip
+MLP_ONLY = [*DEFAULT_RECIPE, "--keep-bf16", "/self_attn/"]
+RECIPE_POINTS = {
+    "plain-sr": ("plain recipe, SR", [*PLAIN_RECIPE, "--backward", "nvidia"]),
+    "plain-ms_eden": ("plain recipe, MS-EDEN", [*PLAIN_RECIPE, "--backward", "ms_eden"]),
+    "default-sr": ("default recipe, SR", [*DEFAULT_RECIPE, "--backward", "nvidia"]),
+    "default-ms_eden": ("default recipe, MS-EDEN", [*DEFAULT_RECIPE, "--backward", "ms_eden"]),
+    "mlp_only-sr": ("default, MLP only (attention bf16), SR", [*MLP_ONLY, "--backward", "nvidia"]),
+    "mlp_only-ms_eden": (
+        "default, MLP only (attention bf16), MS-EDEN",
+        [*MLP_ONLY, "--backward", "ms_eden"],
+    ),
+}
+# The rounding draws: the default streams (from --seed), then --sr-seed 2 and 3.
+DRAWS = (None, 2, 3)
+
+
+def draw_folder(out: pathlib.Path, name: str, draw: int | None) -> pathlib.Path:
+    """Where a recipe point's run of one draw lives: `name` for the default streams."""
+    return out / (name if draw is None else f"{name}@sr{draw}")
+
+
+def run_recipe_point(name: str, draw: int | None, out: pathlib.Path, common: list[str]) -> dict:
+    """The results of one recipe point and draw, against the study's bf16 run."""
+    folder = draw_folder(out, name, draw)
+    if not (folder / "results.json").exists():
+        seed = [] if draw is None else ["--sr-seed", str(draw)]
+        flags = [*common, "--recipe", "nvfp4", *RECIPE_POINTS[name][1], *seed]
+        train_lm.main([*flags, "--out", str(folder)])
+    results = json.loads((folder / "results.json").read_text())
+    base = out / "bf16"
+    if not (base / "results.json").exists():
+        train_lm.main([*common, "--recipe", "bf16", "--out", str(base)])
+    return with_baseline(results, json.loads((base / "results.json").read_text()))
+
+
+def plot_recipes(study: dict, path: pathlib.Path) -> None:
+    """The gap of every recipe point: the mean of its draws, and each draw."""
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    points = list(study["points"].values())
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    colors = ["tab:blue" if "MS-EDEN" not in p["label"] else "tab:orange" for p in points]
+    ax.barh([p["label"] for p in points], [p["gap_percent"] for p in points], color=colors)
+    for i, p in enumerate(points):
+        ax.plot(p["gaps_percent"], [i] * len(p["gaps_percent"]), "k.", ms=6)
+    ax.plot([], [], "k.", label="each rounding draw")
+    ax.legend(loc="lower right", fontsize=8)
+    ax.invert_yaxis()
+    ax.set(xlabel="relative validation-loss gap (%), mean of the draws")
+    ax.grid(alpha=0.3)
+    fig.suptitle("The backward's rounding: NVIDIA's SR (blue) vs Quartet II's MS-EDEN (orange)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def recipes_main(args, common: list[str]) -> dict:
+    """`--study recipes`: runs (or reads back) every recipe point's draws; recipes.json/png."""
+    names = [n for n in RECIPE_POINTS if not args.only or n in args.only]
+    points = {}
+    for name in names:
+        draws = [
+            d
+            for d in DRAWS
+            if not args.plot_only or (draw_folder(args.out, name, d) / "results.json").exists()
+        ]
+        rows = [run_recipe_point(name, d, args.out, common)["results"] for d in draws]
+        if not rows:
+            continue
+        gaps = [100 * r["nvfp4"]["relative_val_gap"] for r in rows]
+        points[name] = {
+            "label": RECIPE_POINTS[name][0],
+            "flags": RECIPE_POINTS[name][1],
+            "draws": ["default" if d is None else f"--sr-seed {d}" for d in draws],
+            "gaps_percent": gaps,
+            "gap_percent": float(np.mean(gaps)),
+            "spread_percent": float(np.std(gaps)),
+            "vals_nvfp4": [r["nvfp4"]["final_val_loss"] for r in rows],
+            "val_nvfp4": float(np.mean([r["nvfp4"]["final_val_loss"] for r in rows])),
+            "val_bf16": rows[0]["bf16"]["final_val_loss"],
+            "ms_per_step_nvfp4": [r["nvfp4"]["step_ms"] for r in rows],
+        }
+    if not points:
+        raise SystemExit(f"no recipe point has been run under {args.out}")
+    return write_study({"steps": args.steps, "points": points}, args.out, "recipes", plot_recipes)
 
 
 def point_folder(out: pathlib.Path, name: str, seed: int) -> pathlib.Path:
@@ -290,13 +398,17 @@ def main(argv=None) -> dict:
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs/study_gap"))
     parser.add_argument(
         "--study",
-        choices=("gap", "accuracy"),
+        choices=("gap", "accuracy", "recipes"),
         default="gap",
         help="gap: width, bf16 layers and steps; accuracy: Four Over Six and the "
-        "high-precision finish (writes accuracy.json and accuracy.png)",
+        "high-precision finish (writes accuracy.json and accuracy.png); recipes: the "
+        "backward's SR against MS-EDEN, three draws each (recipes.json and recipes.png)",
     )
     parser.add_argument(
-        "--only", nargs="+", choices=sorted([*POINTS, *ACCURACY_POINTS]), default=None
+        "--only",
+        nargs="+",
+        choices=sorted([*POINTS, *ACCURACY_POINTS, *RECIPE_POINTS]),
+        default=None,
     )
     parser.add_argument("--plot-only", action="store_true", help="redraw from saved runs")
     parser.add_argument(
@@ -313,6 +425,8 @@ def main(argv=None) -> dict:
     common = ["--steps", str(args.steps), "--eval-every", "100"]
     if args.study == "accuracy":
         return accuracy_main(args, common)
+    if args.study == "recipes":
+        return recipes_main(args, common)
     # The plain recipe whatever train_lm's defaults (a point's own flags come after these).
     common += ["--bf16-first", "0", "--high-precision-final", "0"]
     names = args.only or sorted(POINTS)

@@ -96,6 +96,7 @@ RESUME_FLAGS = (
     "four_over_six_error",
     "four_over_six_e4m3_max",
     "sr_seed",
+    "backward",
 )
 # What a checkpoint made before a flag existed was made with (it records no value for it).
 RESUME_DEFAULTS = {
@@ -109,7 +110,12 @@ RESUME_DEFAULTS = {
     "four_over_six_error": "mse",
     "four_over_six_e4m3_max": 256,
     "sr_seed": None,
+    "backward": "nvidia",
 }
+# --backward: the NVFP4 backward GEMMs' quantization (NVFP4Recipe.backward), NVIDIA's recipe
+# (dy stochastically rounded) or Quartet II's MS-EDEN; and the default.
+BACKWARDS = ("nvidia", "ms_eden")
+DEFAULT_BACKWARD = "nvidia"
 # The Four Over Six fields a --rules recipe may set (null, "mae" or "mse"), over the flags'.
 RULE_FOUR_OVER_SIX = ("weight_four_over_six", "activation_four_over_six", "gradient_four_over_six")
 # --four-over-six: the operand classes of the NVFP4 GEMMs quantized with Four Over Six, and
@@ -389,13 +395,22 @@ def build_parser() -> argparse.ArgumentParser:
         "the default; the backward stays NVFP4) or all three",
     )
     p.add_argument(
+        "--backward",
+        choices=BACKWARDS,
+        default=DEFAULT_BACKWARD,
+        help="the NVFP4 backward GEMMs: nvidia (NVIDIA's recipe: dy stochastically rounded, the "
+        "wgrad operands rotated by a 16-point RHT) or ms_eden (Quartet II: dy and the forward's "
+        f"quantized W and x re-quantized with MS-EDEN); default {DEFAULT_BACKWARD}",
+    )
+    p.add_argument(
         "--four-over-six",
         action="append",
         default=None,
         choices=(*FOUR_OVER_SIX_CLASSES, "all", "none"),
         help="quantize this operand class of the NVFP4 GEMMs with Four Over Six (repeatable; "
         "weight: W, activation: x, gradient: dy; all: the three, the default (weight with "
-        "--experts); none: plain NVFP4)",
+        "--experts; weight and activation with --backward ms_eden, whose dy is MS-EDEN's); "
+        "none: plain NVFP4)",
     )
     p.add_argument(
         "--four-over-six-error",
@@ -498,6 +513,11 @@ def _check_four_over_six_flags(p: argparse.ArgumentParser, args: argparse.Namesp
             p.error(f"--four-over-six {word} cannot be combined with other classes")
     if "all" in named:
         named = set(FOUR_OVER_SIX_CLASSES)
+        if args.backward == "ms_eden":
+            named -= {"gradient"}  # dy is quantized with MS-EDEN
+    elif args.backward == "ms_eden" and "gradient" in named:
+        p.error("--four-over-six gradient cannot be combined with --backward ms_eden (dy is "
+                "quantized with MS-EDEN)")  # fmt: skip
     args.four_over_six = sorted(named - {"none"})
     if args.experts and set(args.four_over_six) - {"weight"}:
         p.error(
@@ -632,11 +652,16 @@ def four_over_six_fields(args) -> dict:
     } | {"four_over_six_e4m3_max": getattr(args, "four_over_six_e4m3_max", 256)}
 
 
+def _backward(args) -> dict:
+    """The `NVFP4Recipe.backward` field --backward asks for."""
+    return dict(backward=getattr(args, "backward", DEFAULT_BACKWARD))
+
+
 def nvfp4_recipe(args) -> nvfp4_jax.NVFP4Recipe:
     """The NVFP4 training recipe, all switches on but those `--disable` names, with Four Over
     Six on the operand classes --four-over-six names."""
     return nvfp4_jax.NVFP4Recipe(
-        **{name: False for name in args.disable}, **four_over_six_fields(args)
+        **{name: False for name in args.disable}, **four_over_six_fields(args), **_backward(args)
     )
 
 
@@ -672,7 +697,9 @@ def model_rules(args) -> list[nvfp4_jax.Rule]:
                 pattern,
                 None
                 if switches is None
-                else nvfp4_jax.NVFP4Recipe(**(four_over_six_fields(args) | dict(switches))),
+                else nvfp4_jax.NVFP4Recipe(
+                    **(four_over_six_fields(args) | _backward(args) | dict(switches))
+                ),
             )
         )
     return [*rules, nvfp4_jax.Rule(".*", recipe)]

@@ -7,6 +7,7 @@ every function here gives `jax.random`'s bits exactly:
   (`step_key`, what `stream()` gives);
 * the backward's keys: `jax.random.split(key)` into dgrad's and wgrad's (`sr_seeds`), and
   without a caller's key one derived from the output gradient's bits (`gradient_key`);
+  under MS-EDEN each GEMM's rotation and operand seeds from its key (`ms_eden_randomness`);
 * a batch element's or a group's key, `fold_in(key, i)` (`element_keys`), and `ragged_dot`'s
   per-group keys and key words (`group_sr_words`), each group's gradient key from its own
   rows of dy (`group_digests`);
@@ -18,6 +19,8 @@ The random *bits* of a tensor under one key are `reference.random_bytes`' (secti
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.extend.random
@@ -162,6 +165,60 @@ def sr_seeds(key, implementation=None) -> tuple:
     data = jax.random.key_data(key)
     words = kernels.split_bits_words(data[0], data[1], _hash(implementation))  # key 0, key 1
     return SRSeed(words[:2], _ZERO_OFFSET), SRSeed(words[2:], _ZERO_OFFSET)
+
+
+class GemmRandomness(NamedTuple):
+    """MS-EDEN's randomness of one backward GEMM (docs/NUMERICS.md section 14).
+
+    Attributes:
+      rotation: uint32 (4,), the rotation's 128 sign bits, shared by both operands.
+      gradient: the `SRSeed` of the scales' rounding of dy (the left operand).
+      other: the `SRSeed` of the other operand's (W for dgrad, x for wgrad).
+    """
+
+    rotation: jax.Array
+    gradient: SRSeed
+    other: SRSeed
+
+
+def ms_eden_randomness(key, implementation=None) -> tuple[GemmRandomness, GemmRandomness]:
+    """MS-EDEN's randomness of dgrad and wgrad from the backward's key.
+
+    GEMM g (0 dgrad, 1 wgrad) has the key `k_g` whose data are the words `sr_seeds(key)[g]`
+    has (for non-threefry keys, `jax.random.split(key)[g]` itself): its rotation is
+    `jax.random.bits(k_g, (4,), uint32)`, and `jax.random.split(k_g)` gives the seeds of the
+    gradient operand (key 0) and of the other one (key 1), each `SRSeed.from_key`. Where
+    `native_hash(implementation)`, the hashes of both GEMMs run as native custom calls (three
+    of eight lanes each, after `sr_seeds`' two); tests hold them equal to `jax.random`'s.
+    """
+    seeds = sr_seeds(key, implementation)
+    if not isinstance(seeds[0], SRSeed):  # not a threefry key: split and draw with JAX
+        return tuple(_gemm_randomness_of_key(k) for k in seeds)
+    words = jnp.stack([seed.key_words for seed in seeds])  # (2, 2): dgrad's, wgrad's
+    both = words_ms_eden_randomness(words, implementation)
+    return tuple(jax.tree.map(lambda leaf, g=g: leaf[g], both) for g in range(2))
+
+
+def words_ms_eden_randomness(words, implementation=None) -> GemmRandomness:
+    """MS-EDEN's randomness of GEMMs whose keys are the threefry key words `words` (G, 2).
+
+    Leaves batched over G: the rotations (G, 4) are `jax.random.bits(k, (4,), uint32)` of
+    each key k, and the seeds (G, 2) those of `jax.random.split(k)`'s keys 0 (the gradient
+    operand) and 1 (the other). `ragged_dot` gives each group's SR words (`group_sr_words`).
+    """
+    hash_ = _hash(implementation)
+    k0, k1 = words[:, 0], words[:, 1]
+    rotation = kernels.bits_words(k0, k1, 4, hash_)  # (G, 4)
+    split = kernels.split_bits_words(k0, k1, hash_)  # (G, 4): key 0's words, key 1's
+    offset = jnp.zeros((words.shape[0], 2), _U32)
+    return GemmRandomness(rotation, SRSeed(split[:, :2], offset), SRSeed(split[:, 2:], offset))
+
+
+def _gemm_randomness_of_key(key) -> GemmRandomness:
+    keys = jax.random.split(key)
+    return GemmRandomness(
+        jax.random.bits(key, (4,), _U32), SRSeed.from_key(keys[0]), SRSeed.from_key(keys[1])
+    )
 
 
 # --- a key per group (ragged_dot) -------------------------------------------------------------

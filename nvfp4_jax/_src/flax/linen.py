@@ -107,7 +107,7 @@ class Dense(nn.Dense):
         else:
             inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
             key = None
-            if self.recipe.stochastic_rounding and self.has_rng(self.rng_collection):
+            if self.recipe.random_backward and self.has_rng(self.rng_collection):
                 key = self.make_rng(self.rng_collection)
             y = dot_general(
                 inputs,
@@ -190,7 +190,7 @@ class Experts(nn.Module):
                 return jnp.einsum("gck,gkn->gcn", inputs, kernel, precision=self.precision)
             return weight_only.lax_ragged_dot(inputs, kernel, group_sizes, self.precision)
         key = None
-        if self.recipe.stochastic_rounding and self.has_rng(self.rng_collection):
+        if self.recipe.random_backward and self.has_rng(self.rng_collection):
             key = self.make_rng(self.rng_collection)
         if group_sizes is None:
             dims = (((2,), (1,)), ((0,), (0,)))

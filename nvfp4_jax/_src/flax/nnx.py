@@ -103,7 +103,7 @@ class Linear(nnx.Linear):
             raise TypeError("nvfp4_jax.nnx.Linear: dot_general is fixed to the NVFP4 one")
         super().__init__(in_features, out_features, rngs=rngs, **kwargs)
         self.recipe = recipe
-        if recipe.stochastic_rounding:
+        if recipe.random_backward:
             self.quantize_rngs = rngs[rng_collection].fork()
         else:
             self.quantize_rngs = nnx.data(None)
@@ -342,7 +342,7 @@ class Experts(nnx.Module):
         A recipe with stochastic rounding needs an rng stream: forked from `rngs` (its
         `rng_collection` stream, else its default), or the layer's own if it has one.
         """
-        if recipe is not None and recipe.stochastic_rounding and self.quantize_rngs is None:
+        if recipe is not None and recipe.random_backward and self.quantize_rngs is None:
             if rngs is None:
                 raise ValueError(
                     "nvfp4_jax.nnx.Experts: a stochastic-rounding recipe needs rngs to draw "

@@ -285,7 +285,7 @@ class NVFP4Provider(qwix.QtProvider):
         )
 
     def _key(self, rule: NVFP4Rule) -> jax.Array | None:
-        if rule.rng_stream is None or not rule.recipe.stochastic_rounding:
+        if rule.rng_stream is None or not rule.recipe.random_backward:
             return None
         return flax_util.make_rng(rule.rng_stream)
 

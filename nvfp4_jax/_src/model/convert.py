@@ -88,7 +88,7 @@ def _to_nvfp4(layer: nnx.Linear, recipe: NVFP4Recipe, rngs: nnx.Rngs, stream: st
         )
     )
     new.input_amax = nvfp4_nnx.InputAmax(jnp.zeros(stack, jnp.float32))
-    if not recipe.stochastic_rounding:
+    if not recipe.random_backward:
         new.quantize_rngs = nnx.data(None)
     else:
         new.quantize_rngs = rngs[stream].split(stack) if stack else rngs[stream].fork()
@@ -118,7 +118,7 @@ def _set_experts_recipe(
     """Points an `Experts` layer (in place) at `recipe`, with a stacked SR stream if stacked."""
     if layer.recipe == recipe:
         return
-    if recipe is not None and recipe.stochastic_rounding and layer.quantize_rngs is None:
+    if recipe is not None and recipe.random_backward and layer.quantize_rngs is None:
         stack = experts_stack(layer) or ()
         layer.quantize_rngs = rngs[stream].split(stack) if stack else rngs[stream].fork()
     layer.set_recipe(recipe)

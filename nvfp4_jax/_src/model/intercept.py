@@ -61,7 +61,7 @@ def _linen_problem(module: nn.Module, args: tuple, kwargs: dict) -> str:
 
 
 def _linen_key(module: nn.Module, recipe: NVFP4Recipe, stream: str) -> jax.Array | None:
-    if recipe.stochastic_rounding and module.has_rng(stream):
+    if recipe.random_backward and module.has_rng(stream):
         return module.make_rng(stream)
     return None
 

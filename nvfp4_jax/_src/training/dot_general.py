@@ -34,11 +34,11 @@ from jax.sharding import PartitionSpec as P
 
 from nvfp4_jax._src.core import checks, formats, types
 from nvfp4_jax._src.core.interception import opaque
-from nvfp4_jax._src.core.keys import element_keys, gradient_key, sr_seeds
+from nvfp4_jax._src.core.keys import element_keys, gradient_key, ms_eden_randomness, sr_seeds
 from nvfp4_jax._src.core.ops import quantize_with_spec
 from nvfp4_jax._src.core.spec import QuantSpec
 from nvfp4_jax._src.core.types import PrimalTypes
-from nvfp4_jax._src.training import gemm
+from nvfp4_jax._src.training import gemm, ms_eden
 from nvfp4_jax._src.training.recipe import NVFP4Recipe, forward_flag
 
 _F32 = jnp.float32
@@ -79,11 +79,25 @@ def _quantize_weight(w, recipe: NVFP4Recipe, gemm_name: str = "fprop"):
     return quantize_with_spec(w, spec, implementation=recipe.implementation)
 
 
+def _quantize_activation(x, recipe: NVFP4Recipe):
+    """The packed x (M, K), quantized along K as the fprop does: MS-EDEN's wgrad residual."""
+    spec = recipe.spec("activation", "fprop")
+    return quantize_with_spec(x, spec, implementation=recipe.implementation)
+
+
 def _fprop_operands(x, w, recipe: NVFP4Recipe):
-    """The fprop's operands (x along K, W packed for reuse) and the packed W."""
+    """The fprop's operands (x along K, W packed for reuse), the packed W and x.
+
+    The packed x only under `backward="ms_eden"` (its wgrad re-quantizes it; else None):
+    then the fprop multiplies the packed tensor's block values, the same bits as the
+    operand `gemm.quantize_operand` makes.
+    """
     qw = _quantize_weight(w, recipe)
-    qx = _operand(x, recipe, recipe.spec("activation", "fprop"))  # stored (M, K)
-    return qx, _array_operand(qw, recipe), qw
+    if recipe.backward == "ms_eden":
+        qx = _quantize_activation(x, recipe)
+        return _array_operand(qx, recipe), _array_operand(qw, recipe), qw, qx
+    x_operand = _operand(x, recipe, recipe.spec("activation", "fprop"))  # stored (M, K)
+    return x_operand, _array_operand(qw, recipe), qw, None
 
 
 # --- the GEMMs a recipe puts in high precision (`fprop`, `dgrad` or `wgrad` False) -------------
@@ -113,7 +127,7 @@ def _high_precision_wgrad(dy, x, w_aval, out_dtype):
 
 
 def _forward(x, w, recipe: NVFP4Recipe, out_dtype, high_precision=None):
-    """The forward: y in `out_dtype`, and the fprop's quantized W (None in high precision).
+    """The forward: y in `out_dtype`, and the fprop's quantized W and x (None where not made).
 
     `high_precision` (`recipe.forward_flag`; None: NVFP4): a bool scalar choosing at run time
     between the NVFP4 GEMM and the high-precision one. The operands are quantized either way
@@ -122,17 +136,17 @@ def _forward(x, w, recipe: NVFP4Recipe, out_dtype, high_precision=None):
     so each branch gives the bits of its recipe's own program.
     """
     if not recipe.fprop:
-        return _high_precision(x, w, out_dtype), None
-    qx, w_operand, qw = _fprop_operands(x, w, recipe)
+        return _high_precision(x, w, out_dtype), None, None
+    x_operand, w_operand, qw, qx = _fprop_operands(x, w, recipe)
     if high_precision is None:
-        y = gemm.matmul(qx, w_operand)
+        y = gemm.matmul(x_operand, w_operand)
     else:
         y = jax.lax.cond(
             high_precision,
             lambda: _high_precision(x, w, _F32),
-            lambda: gemm.matmul(qx, w_operand),
+            lambda: gemm.matmul(x_operand, w_operand),
         )
-    return y.astype(out_dtype), qw
+    return y.astype(out_dtype), qw, qx
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
@@ -140,14 +154,36 @@ def _nvfp4_matmul(x, w, key, high_precision, recipe, out_dtype):
     return _forward(x, w, recipe, out_dtype, high_precision)[0]
 
 
+def _ms_eden_residuals(x, w, qw, qx, recipe: NVFP4Recipe):
+    """MS-EDEN's residuals (W's, x's) for the backward GEMMs the recipe runs.
+
+    The forward's packed W and x (quantized here when the forward ran in high precision),
+    or W and x themselves for a high-precision dgrad and wgrad.
+    """
+    w_res = x_res = None
+    if not recipe.dgrad:
+        w_res = w
+    else:
+        w_res = _quantize_weight(w, recipe) if qw is None else qw  # stored (N, K)
+    if not recipe.wgrad:
+        x_res = x
+    else:
+        x_res = _quantize_activation(x, recipe) if qx is None else qx  # stored (M, K)
+    return w_res, x_res
+
+
 def _nvfp4_matmul_fwd(x, w, key, high_precision, recipe, out_dtype):
     """The forward and the residuals, each only where a backward GEMM needs it.
 
     For an NVFP4 dgrad the packed W it multiplies (the fprop's when 2D), for a
     high-precision one W itself; for an NVFP4 wgrad the packed x along the tokens, for a
-    high-precision one x itself.
+    high-precision one x itself. Under `backward="ms_eden"` the fprop's packed W and x
+    (along K), which the backward re-quantizes.
     """
-    y, qw = _forward(x, w, recipe, out_dtype, high_precision)
+    y, qw, qx = _forward(x, w, recipe, out_dtype, high_precision)
+    if recipe.backward == "ms_eden":
+        w_res, x_res = _ms_eden_residuals(x, w, qw, qx, recipe)
+        return y, (w_res, x_res, key, PrimalTypes.of(x, w))
     w_res = x_res = None
     if not recipe.dgrad:
         w_res = w
@@ -165,7 +201,28 @@ def _nvfp4_matmul_fwd(x, w, key, high_precision, recipe, out_dtype):
     return y, (w_res, x_res, key, PrimalTypes.of(x, w))
 
 
+def _ms_eden_backward(recipe, out_dtype, residuals, dy):
+    """The gradients (dx, dW) of `backward="ms_eden"` (training/ms_eden.py) or high precision."""
+    qw, qx, key, types = residuals
+    x_aval, w_aval = types.avals
+    if recipe.dgrad or recipe.wgrad:
+        key = gradient_key(dy, recipe.implementation) if key is None else key
+        dgrad_random, wgrad_random = ms_eden_randomness(key, recipe.implementation)
+    if recipe.dgrad:
+        dx = ms_eden.dgrad(dy, qw, dgrad_random, recipe)
+    else:
+        dx = _high_precision_dgrad(dy, qw, x_aval, out_dtype)
+    if recipe.wgrad:
+        dw = ms_eden.wgrad(dy, qx, wgrad_random, recipe)
+    else:
+        dw = _high_precision_wgrad(dy, qx, w_aval, out_dtype)
+    dx, dw = types.conform(dx.astype(x_aval.dtype), dw.astype(w_aval.dtype))
+    return dx, dw, None, None
+
+
 def _nvfp4_matmul_bwd(recipe, out_dtype, residuals, dy):
+    if recipe.backward == "ms_eden":
+        return _ms_eden_backward(recipe, out_dtype, residuals, dy)
     qw, qx_tokens, key, types = residuals
     x_aval, w_aval = types.avals
     sr = recipe.stochastic_rounding and (recipe.dgrad or recipe.wgrad)

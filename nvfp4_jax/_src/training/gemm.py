@@ -137,6 +137,7 @@ def quantize_operand(
     backend: GemmBackend,
     dtype=jnp.bfloat16,
     implementation: Implementation | None = None,
+    rotation: jax.Array | None = None,
     **options,
 ) -> Operand:
     """Quantizes `x` along its contraction axis `spec.axis` into a GEMM operand (stored layout).
@@ -156,22 +157,28 @@ def quantize_operand(
       backend: the resolved GEMM backend, "emulated" or "scaled_matmul".
       dtype: the emulated GEMM's operand dtype.
       implementation: as in `nvfp4_jax.quantize`.
+      rotation: MS-EDEN's rotation (`spec.ms_eden`): a PRNG key or its uint32 (4,) words;
+        the decode factor is then MS-EDEN's `D = amax * f32(1/C)`.
       **options: `nvfp4_jax.quantize`'s options as keywords instead of `spec` (deprecated).
 
     Returns:
       The `Operand`, in the stored layout `(..., rows, K)`.
     """
     spec = spec_of_call(spec, options, "quantize_operand", deprecated=True).replace(op="quantize")
+    quantized = dict(key=key, implementation=implementation, rotation=rotation)
     if backend == "scaled_matmul":
-        q = ops.quantize_with_spec(x, spec, key=key, implementation=implementation)
+        q = ops.quantize_with_spec(x, spec, **quantized)
         return Operand(q, q.global_scale)
-    amax = ops.tensor_amax(x, axis=spec.axis, rht=spec.rht, implementation=implementation)
-    decode = formats.decode_scale(amax, spec.e4m3_max)
+    rotation_key = rotation if spec.ms_eden else None
+    amax = ops.tensor_amax(
+        x, axis=spec.axis, rht=spec.rht, implementation=implementation, rotation_key=rotation_key
+    )
+    decode = spec.decode_scale(amax)
     if uses_native_gemm(backend, implementation):
-        q = ops.quantize_with_data_amax(x, amax, spec, key=key, implementation=implementation)
+        q = ops.quantize_with_data_amax(x, amax, spec, **quantized)
         return Operand(NativeBlocks(q, jnp.dtype(dtype)), decode)
     fake = spec.replace(global_scale=False, dtype=dtype, op="fake_quantize")
-    values = ops.fake_quantize_with_data_amax(x, amax, fake, key=key, implementation=implementation)
+    values = ops.fake_quantize_with_data_amax(x, amax, fake, **quantized)
     return Operand(jnp.moveaxis(values, spec.axis, -1), decode)
 
 

@@ -52,7 +52,7 @@ from nvfp4_jax._src.core import checks, formats, keys, types
 from nvfp4_jax._src.core.interception import opaque
 from nvfp4_jax._src.core.reference import decode_scale
 from nvfp4_jax._src.core.types import PrimalTypes
-from nvfp4_jax._src.training import gemm
+from nvfp4_jax._src.training import gemm, ms_eden
 from nvfp4_jax._src.training.group_blocks import block_values, pack, unpack
 from nvfp4_jax._src.training.group_operands import (
     quantize_rows,
@@ -88,7 +88,7 @@ def _forward(x, w, groups: Groups, recipe: NVFP4Recipe, out_dtype, flag=None):
     the GEMM sits in the `jax.lax.cond`, as in `dot_general`.
     """
     if not recipe.fprop:
-        return high_precision(x, w, groups.sizes, out_dtype), None
+        return high_precision(x, w, groups.sizes, out_dtype), None, None
     g = w.shape[0]
     qx, amax_x = quantize_rows(x, groups, g, recipe)
     qw = quantize_weights(w, recipe, "fprop")  # stored (G, N, K)
@@ -103,7 +103,7 @@ def _forward(x, w, groups: Groups, recipe: NVFP4Recipe, out_dtype, flag=None):
         y = nvfp4()
     else:
         y = jax.lax.cond(flag, lambda: high_precision(x, w, groups.sizes, _F32), nvfp4)
-    return y.astype(out_dtype), qw
+    return y.astype(out_dtype), qw, (qx, amax_x)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
@@ -124,8 +124,16 @@ def _ragged_matmul_fwd(x, w, group_sizes, group_ids, key, flag, recipe, out_dtyp
     packed operands the NVFP4 GEMMs need.
     """
     groups = find_groups(group_sizes, x.shape[0])
-    y, qw = _forward(x, w, groups, recipe, out_dtype, flag)
+    y, qw, rows = _forward(x, w, groups, recipe, out_dtype, flag)
     qw = _dgrad_weight(w, qw, recipe)
+    if recipe.backward == "ms_eden":  # the fprop's packed rows of x, each group's decode
+        if not recipe.wgrad:
+            x_res, d_x = x, None
+        else:
+            qx, amax_x = quantize_rows(x, groups, w.shape[0], recipe) if rows is None else rows
+            x_res, d_x = pack(qx), decode_scale(amax_x)
+        residuals = (qw, x_res, d_x, group_sizes, group_ids, key, PrimalTypes.of(x, w))
+        return y, residuals
     if not recipe.wgrad:
         x_res, d_x_tokens = x, None
     else:
@@ -136,10 +144,13 @@ def _ragged_matmul_fwd(x, w, group_sizes, group_ids, key, flag, recipe, out_dtyp
 
 
 def _dgrad_weight(w, qw, recipe: NVFP4Recipe):
-    """The dgrad's W: W itself in high precision, else quantized (the fprop's `qw` if 2D)."""
+    """The dgrad's W: W itself in high precision, else quantized (the fprop's `qw` if 2D).
+
+    MS-EDEN re-quantizes the fprop's W whatever its blocks.
+    """
     if not recipe.dgrad:
         return w
-    if not recipe.weight_2d:
+    if not recipe.weight_2d and recipe.backward != "ms_eden":
         return quantize_weights(w, recipe, "dgrad")  # 1x16 along N, stored (G, K, N)
     if qw is None:
         return quantize_weights(w, recipe, "fprop")  # stored (G, N, K), as in fprop
@@ -147,6 +158,8 @@ def _dgrad_weight(w, qw, recipe: NVFP4Recipe):
 
 
 def _ragged_matmul_bwd(recipe, out_dtype, residuals, dy):
+    if recipe.backward == "ms_eden":
+        return _ms_eden_backward(recipe, residuals, dy)
     qw, qx_tokens, d_x_tokens, group_sizes, group_ids, key, primal_types = residuals
     x_dtype, w_dtype = (aval.dtype for aval in primal_types.avals)
     g = qw.shape[0] if not recipe.dgrad else qw.global_scale.shape[0]
@@ -193,6 +206,55 @@ def _wgrad(qx_tokens, d_x_tokens, dy, groups: Groups, g, recipe: NVFP4Recipe, wo
     dy_values = block_values(q_dy_tokens, recipe.gemm_dtype).T  # (Mp, N)
     product = ragged_gemm(0, 0, None)(x_values, dy_values, groups.padded_sizes)  # (G, K, N)
     return product * group_alpha(d_x_tokens, decode_scale(amax_dy_tokens))[:, None, None]
+
+
+# --- Quartet II's backward (`backward="ms_eden"`) ------------------------------------------------
+
+
+def _ms_eden_backward(recipe: NVFP4Recipe, residuals, dy):
+    """The gradients with MS-EDEN, every group its own dense layer (training/ms_eden.py).
+
+    Group g's operands are full-size tensors whose rows outside group g are zero: its rows
+    of dy, the fprop's x rows of the group (block values, decoded by its own D), and expert
+    g's fprop weight. Each group's GEMMs take its MS-EDEN randomness from its SR key words
+    (`keys.group_sr_words`, `keys.words_ms_eden_randomness`); the groups run under `vmap`.
+    """
+    qw, x_res, d_x, group_sizes, group_ids, key, primal_types = residuals
+    x_dtype, w_dtype = (aval.dtype for aval in primal_types.avals)
+    g = qw.shape[0] if not recipe.dgrad else qw.global_scale.shape[0]
+    groups = find_groups(group_sizes, dy.shape[0])
+    dgrad_random = wgrad_random = None
+    if recipe.dgrad or recipe.wgrad:
+        dgrad_words, wgrad_words = keys.group_sr_words(
+            key, dy, groups.row_group, g, recipe.implementation, group_ids
+        )
+        dgrad_random = keys.words_ms_eden_randomness(dgrad_words, recipe.implementation)
+        wgrad_random = keys.words_ms_eden_randomness(wgrad_words, recipe.implementation)
+    masks = groups.row_group[None, :] == jnp.arange(g, dtype=groups.row_group.dtype)[:, None]
+    if recipe.dgrad:
+        w_values, d_w = weight_values(qw, recipe)  # (G, N, K)
+
+        def group_dgrad(mask, w_nk, d, random):
+            dy_g = jnp.where(mask[:, None], dy, jnp.zeros_like(dy))
+            return ms_eden.dgrad_of_values(dy_g, w_nk.T, d, random, recipe)
+
+        per_group = jax.vmap(group_dgrad)(masks, w_values, d_w, dgrad_random)  # (G, M, K)
+        dx = jnp.sum(jnp.where(masks[:, :, None], per_group, _F32(0)), axis=0)
+    else:
+        dx = high_precision_dgrad(dy, qw, groups.sizes, x_dtype)
+    if recipe.wgrad:
+        x_values = block_values(unpack(x_res), recipe.gemm_dtype)  # (M, K)
+
+        def group_wgrad(mask, d, random):
+            dy_g = jnp.where(mask[:, None], dy, jnp.zeros_like(dy))
+            x_g = jnp.where(mask[:, None], x_values, jnp.zeros_like(x_values))
+            return ms_eden.wgrad_of_values(dy_g, x_g, d, random, recipe)
+
+        dw = jax.vmap(group_wgrad)(masks, d_x, wgrad_random)  # (G, K, N)
+    else:
+        dw = high_precision_wgrad(x_res, dy, groups.sizes, w_dtype)
+    dx, dw = primal_types.conform(dx.astype(x_dtype), dw.astype(w_dtype))
+    return dx, dw, None, None, None, None
 
 
 # The backward is traced when JAX differentiates, maybe inside another library's interceptor.

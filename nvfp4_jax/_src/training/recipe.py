@@ -16,6 +16,9 @@ from nvfp4_jax._src.core import backends, checks, formats
 from nvfp4_jax._src.core.backends import Implementation
 from nvfp4_jax._src.core.spec import QuantSpec
 
+# The backward quantizations: NVIDIA's recipe, or Quartet II's MS-EDEN (docs/NUMERICS.md 14).
+Backward = Literal["nvidia", "ms_eden"]
+BACKWARDS = ("nvidia", "ms_eden")
 # The GEMM backends of `nvfp4_jax.gemm`: emulated anywhere, or `jax.nn.scaled_matmul`.
 GemmBackend = Literal["emulated", "scaled_matmul"]
 GEMM_BACKENDS = ("emulated", "scaled_matmul")
@@ -58,8 +61,18 @@ class NVFP4Recipe:
     `jax.lax.dot_general(..., preferred_element_type=float32)` and its autodiff compute it
     (docs/NUMERICS.md section 9). The other switches only concern the GEMMs in NVFP4.
 
+    `backward="ms_eden"` is Quartet II's backward (docs/NUMERICS.md section 14): the forward
+    is as above (round to nearest, 16x16 W with `weight_2d`, Four Over Six on W and x where
+    set), and dgrad and wgrad multiply the forward's quantized operands and dy, each
+    re-quantized with MS-EDEN along the GEMM's contraction axis (zero-padded to a multiple
+    of 128), the two operands of a GEMM rotated with the same random signs, fresh every step
+    from the layer's key. `stochastic_rounding` and `wgrad_rht` (NVIDIA's backward) do not
+    apply; `gradient_four_over_six` cannot be combined with it.
+
     Example:
       >>> NVFP4Recipe(stochastic_rounding=False).weight_2d
+      True
+      >>> NVFP4Recipe(backward="ms_eden").random_backward
       True
     """
 
@@ -87,6 +100,10 @@ class NVFP4Recipe:
     activation_four_over_six: str | None = None
     gradient_four_over_six: str | None = None
     four_over_six_e4m3_max: int = formats.FOUR_OVER_SIX_DEFAULT_E4M3_MAX
+    # The backward GEMMs' quantization: "nvidia" (the switches above: dy stochastically
+    # rounded, the wgrad operands rotated by the 16-point RHT) or "ms_eden" (Quartet II:
+    # MS-EDEN on dy and the forward's quantized W and x, a random 128-point rotation).
+    backward: Backward = "nvidia"
 
     def __post_init__(self):
         for name in ("weight_2d", "wgrad_rht", "stochastic_rounding", "fprop", "dgrad", "wgrad"):
@@ -104,6 +121,15 @@ class NVFP4Recipe:
         if self.implementation is not None and self.implementation not in backends.REGISTRY:
             raise ValueError(
                 f"NVFP4Recipe.implementation must be one of {names}, got {self.implementation!r}"
+            )
+        if self.backward not in BACKWARDS:
+            raise ValueError(
+                f"NVFP4Recipe.backward must be one of {BACKWARDS}, got {self.backward!r}"
+            )
+        if self.backward == "ms_eden" and self.gradient_four_over_six is not None:
+            raise ValueError(
+                "NVFP4Recipe: backward='ms_eden' quantizes dy with MS-EDEN; it cannot be "
+                f"combined with gradient_four_over_six={self.gradient_four_over_six!r}"
             )
         if self.gemm_backend not in (None, *GEMM_BACKENDS):
             raise ValueError(
@@ -141,13 +167,18 @@ class NVFP4Recipe:
         (2D: 16x16 blocks with `weight_2d`, else 1x16; SR: `stochastic_rounding`.) Each
         operand class has its Four Over Six (`four_over_six(operand)`). The weight of dgrad
         is fprop's when `weight_2d` (16x16 tiles transpose exactly), else quantized again
-        along N.
+        along N. Under `backward="ms_eden"` the four operands of dgrad and wgrad are MS-EDEN
+        along their contraction axis (N for dgrad: axis 1 of W; M for wgrad: axis 0 of x;
+        -1 for dy and dy^T), of dy and of the forward's quantized W and x.
         """
         if (operand, gemm) not in GEMM_OPERANDS:
             raise ValueError(
                 f"NVFP4Recipe.spec: (operand, gemm) must be one of {GEMM_OPERANDS}, got "
                 f"{(operand, gemm)!r}"
             )
+        if gemm != "fprop" and self.backward == "ms_eden":
+            axis = {"weight": 1, "activation": 0, "gradient": -1}[operand]
+            return QuantSpec(axis=axis, ms_eden=True)
         axis, block_2d, sr = -1, False, False
         if operand == "weight":
             axis = 0 if self.weight_2d or gemm != "dgrad" else 1
@@ -165,6 +196,19 @@ class NVFP4Recipe:
             four_over_six=getattr(self, f"{operand}_four_over_six"),
             e4m3_max=self.four_over_six_e4m3_max,
         )
+
+    def ms_eden_spec(self) -> QuantSpec:
+        """The `QuantSpec` of an MS-EDEN backward operand in its stored layout (along -1)."""
+        return QuantSpec(ms_eden=True)
+
+    @property
+    def random_backward(self) -> bool:
+        """True when the backward draws random bits: the layers give such a recipe a key.
+
+        Stochastic rounding of dy under `backward="nvidia"` (`stochastic_rounding`);
+        MS-EDEN's rotation and scale rounding under `backward="ms_eden"`.
+        """
+        return self.backward == "ms_eden" or self.stochastic_rounding
 
     @property
     def uses_four_over_six(self) -> bool:

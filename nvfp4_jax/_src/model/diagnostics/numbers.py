@@ -23,11 +23,12 @@ import jax
 import jax.numpy as jnp
 
 from nvfp4_jax._src.core import formats, ops, reference
-from nvfp4_jax._src.core.keys import sr_seeds
-from nvfp4_jax._src.core.spec import QuantSpec, spec_of_call
+from nvfp4_jax._src.core.keys import ms_eden_randomness, sr_seeds
+from nvfp4_jax._src.core.spec import QuantSpec, rotation_words, spec_of_call
 from nvfp4_jax._src.flax.layer_info import weight_problem
 from nvfp4_jax._src.model.rules import recipe_from_dict, recipe_to_dict
 from nvfp4_jax._src.training.dot_general import dot_general, pad_tokens
+from nvfp4_jax._src.training.ms_eden import pad_contraction
 from nvfp4_jax._src.training.recipe import NVFP4Recipe
 
 _F32 = jnp.float32
@@ -162,6 +163,7 @@ def operand_stats(
     *,
     key: jax.Array | None = None,
     implementation=None,
+    rotation: jax.Array | None = None,
     **options,
 ) -> dict[str, jax.Array]:
     """The `OperandStats` numbers (as f32 scalars) of `x` quantized by `spec`.
@@ -173,6 +175,8 @@ def operand_stats(
       spec: how it is quantized (a `QuantSpec`, e.g. `NVFP4Recipe.spec`'s).
       key: the stochastic rounding's key, when the spec rounds stochastically.
       implementation: as in `nvfp4_jax.quantize`.
+      rotation: MS-EDEN's `rotation_key` (or its words), when `spec.ms_eden`: the error is
+        then measured against the rotated x, the tensor MS-EDEN quantizes.
       **options: `nvfp4_jax.quantize`'s options as keywords instead of `spec` (deprecated).
 
     Example:
@@ -181,15 +185,23 @@ def operand_stats(
       ['amax', 'rel_error', 'saturated', 'underflow']
     """
     spec = spec_of_call(spec, options, "operand_stats", deprecated=True)
-    q = ops.quantize_with_spec(x, spec, key=key, implementation=implementation)
-    rel_error = _relative(ops.dequantize(q, _F32, implementation=implementation), x)
-    stored = jnp.moveaxis(x, spec.axis, -1)
+    q = ops.quantize_with_spec(
+        x, spec, key=key, implementation=implementation, rotation=rotation
+    )  # fmt: skip
+    stored = jnp.moveaxis(x, q.axis, -1)
     if spec.rht:
         stored = ops.apply_rht(stored, implementation=implementation)
+    if spec.ms_eden:  # MS-EDEN's values are those of the rotated x
+        stored = reference.apply_rotation(stored, rotation_words(rotation, "operand_stats"))
+    exact = jnp.moveaxis(stored, -1, q.axis) if spec.ms_eden else x
+    rel_error = _relative(ops.dequantize(q, _F32, implementation=implementation), exact)
     blocks = jnp.abs(stored.astype(_F32)).reshape(*q.scales.shape, formats.BLOCK_SIZE)
     scales = q.scales.astype(_F32)
     underflow = (scales == 0) & (jnp.max(blocks, axis=-1) > 0)
-    s_dec = _F32(1) / reference.encode_scale(q.amax, q.e4m3_max)
+    if spec.ms_eden:
+        s_dec = _F32(1) / reference.ms_eden_encode_scale(q.amax)
+    else:
+        s_dec = _F32(1) / reference.encode_scale(q.amax, q.e4m3_max)
     encode = jnp.minimum(_F32(1) / (scales * s_dec), _F32(formats.FLT_MAX))
     clipped = (blocks * encode[..., None] > formats.FP4_MAX) & (scales > 0)[..., None]
     return dict(
@@ -208,6 +220,8 @@ def _gemms(x, w, dy, key, recipe: NVFP4Recipe) -> tuple[jax.Array, ...]:
 
 
 def _operands(x, w, dy, key, recipe: NVFP4Recipe) -> dict[str, dict[str, jax.Array]]:
+    if recipe.backward == "ms_eden":
+        return _ms_eden_operands(x, w, dy, key, recipe)
     sr, impl = recipe.stochastic_rounding, recipe.implementation
     # The keys `nvfp4_jax.dot_general` gives dgrad's and wgrad's dy (from core/keys.py).
     dgrad_key, wgrad_key = sr_seeds(key, impl) if sr else (None, None)
@@ -220,6 +234,34 @@ def _operands(x, w, dy, key, recipe: NVFP4Recipe) -> dict[str, dict[str, jax.Arr
         "x_wgrad": operand_stats(pad_tokens(x), spec("activation", "wgrad"), implementation=impl),
         "dy_wgrad": operand_stats(
             pad_tokens(dy), spec("gradient", "wgrad").replace(axis=0), key=wgrad_key,
+            implementation=impl,
+        ),
+    }  # fmt: skip
+
+
+def _ms_eden_operands(x, w, dy, key, recipe: NVFP4Recipe) -> dict[str, dict[str, jax.Array]]:
+    """The operand stats under `backward="ms_eden"`.
+
+    dy (dgrad, along N) and x and dy (wgrad, along the tokens) with MS-EDEN, each padded to
+    its groups of 128 as the backward pads them, with the randomness `dot_general` gives
+    them (x as given, not re-quantized as the backward does).
+    """
+    impl = recipe.implementation
+    dgrad, wgrad = ms_eden_randomness(key, impl)
+    spec = QuantSpec(ms_eden=True)
+    return {
+        "x": operand_stats(x, recipe.spec("activation", "fprop"), implementation=impl),
+        "w": operand_stats(w, recipe.spec("weight", "fprop"), implementation=impl),
+        "dy": operand_stats(
+            pad_contraction(dy), spec, key=dgrad.gradient, rotation=dgrad.rotation,
+            implementation=impl,
+        ),
+        "x_wgrad": operand_stats(
+            pad_contraction(x.T), spec, key=wgrad.other, rotation=wgrad.rotation,
+            implementation=impl,
+        ),
+        "dy_wgrad": operand_stats(
+            pad_contraction(dy.T), spec, key=wgrad.gradient, rotation=wgrad.rotation,
             implementation=impl,
         ),
     }  # fmt: skip
