@@ -453,8 +453,8 @@ def test_recorded_amaxes_become_input_scales_shared_in_fused_groups(tmp_path):
     for i in range(2):
         for n, amax in (("query", 3.0), ("key", 5.0), ("value", 4.0), ("out", 7.0)):
             recorded[f"decoder/layers_{i}/self_attention/{n}/kernel"] = np.float32(amax + i)
-        for n, amax in (("wi_0", 2.0), ("wi_1", 2.0), ("wo", 9.0)):
-            recorded[f"decoder/layers_{i}/MoeBlock_0/{n}"] = np.float32(amax + i)
+        for n, amax in enumerate((2.0, 2.0, 9.0)):  # RoutedMoE's ragged_dots: wi_0, wi_1, wo
+            recorded[f"decoder/layers_{i}/MoeBlock_0/ragged_dot{n}"] = np.float32(amax + i)
     write_export(tmp_path / "out", random_params(spec), spec, decisions, recorded_amaxes=recorded)
     tensors = nvfp4_jax.hf.read_safetensors(tmp_path / "out" / "model.safetensors")
     rcp = np.float32(1) / np.float32(2688)

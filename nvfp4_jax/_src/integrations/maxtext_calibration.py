@@ -3,11 +3,12 @@
 `AmaxRecorder` is the `NVFP4Provider` the launcher trains with, which also records, for
 every op it computes in NVFP4, the amax of the activation operand (`max |x|`, what the fprop
 GEMM quantizes x with) under the key `<module path>/<parameter name>` of the weight, the
-MaxText leaf: `decoder/layers_0/self_attention/query/kernel`, or
-`decoder/layers_0/MoeBlock_0/wi_0` for an expert stack (its `ragged_dot` takes all the tokens
-routed to the block's experts: the maximum over the experts, the one input scale per
-projection engines use). Recording goes through `jax.debug.callback`, so it works with the
-model's forward jitted or not; `amaxes` holds the running maximum over the calls.
+MaxText leaf: `decoder/layers_0/self_attention/query/kernel`; an MoE block's `ragged_dot`s
+under `<block path>/ragged_dot<n>`, n = 0, 1, 2 for wi_0, wi_1, wo, the order MaxText's
+`RoutedMoE` calls them in (each takes all the tokens routed to the block's experts: the
+maximum over the experts, the one input scale per projection engines use). Recording goes
+through `jax.debug.callback`, so it works with the model's forward jitted or not; `amaxes`
+holds the running maximum over the calls.
 
 Importing this module imports qwix (as `nvfp4_jax.qwix` does).
 """
@@ -20,6 +21,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from qwix._src.utils import flax_util
 
 from nvfp4_jax._src.integrations.qwix import NVFP4Provider
 
@@ -75,8 +77,18 @@ class AmaxRecorder(NVFP4Provider):
         return super().einsum(einsum_str, *operands, **kwargs)
 
     def ragged_dot(self, lhs, rhs, *args, **kwargs):
-        self._observe("ragged_dot", lhs, rhs)
-        return super().ragged_dot(lhs, rhs, *args, **kwargs)
+        out = super().ragged_dot(lhs, rhs, *args, **kwargs)
+        rule = self._nvfp4_rule("ragged_dot")
+        if rule is not None and rule.recipe is not None:
+            # The experts' weights reach ragged_dot inside MaxText's shard_map, where they
+            # cannot be told by identity: the op's index in its module names it instead
+            # (`RoutedMoE` calls it for wi_0, wi_1, then wo).
+            _, op_id = self._get_current_rule_and_op_id("ragged_dot", repeated_call=True)
+            path = "/".join(map(str, flax_util.get_current_module_path()))
+            amax = jnp.max(jnp.abs(lhs)).astype(jnp.float32)
+            key = f"{path}/{op_id}"
+            jax.debug.callback(lambda value, key=key: self.record(key, value), amax)
+        return out
 
 
 __all__ = ["AmaxRecorder"]

@@ -45,9 +45,10 @@ from nvfp4_jax._src.model.rules import Rule, check_rules
 from nvfp4_jax._src.training.recipe import NVFP4Recipe
 
 PROG = "python -m nvfp4_jax.maxtext.export"
-# Files of a released checkpoint that are its weights or the configs the export writes.
-_NOT_TOKENIZER = (".safetensors", ".safetensors.index.json", ".bin", ".pt", ".npz", ".npy")
-_CONFIGS = (CONFIG_NAME, "hf_quant_config.json")
+# The files of a released checkpoint the export carries over: its tokenizer and generation
+# settings (its weights, configs and other notes are not the export's).
+_CARRIED = ("tokenizer", "special_tokens_map", "added_tokens", "generation_config", "vocab")
+_CARRIED_SUFFIXES = (".model", ".tiktoken", ".jinja", "merges.txt")
 
 
 def name_map_of(spec: names.ModelSpec) -> NameMap:
@@ -144,28 +145,22 @@ def _tokenizer_files(base: str | None, config) -> list[tuple[str, str]]:
     or a SentencePiece model).
     """
     if base is not None:
-        return [
-            (str(p), p.name)
-            for p in sorted(pathlib.Path(base).iterdir())
-            if p.is_file() and p.name not in _CONFIGS and not p.name.endswith(_NOT_TOKENIZER)
-        ]
+        return [(str(p), p.name) for p in sorted(pathlib.Path(base).iterdir()) if _carried(p)]
     found = mt.tokenizer_file(config)
     if found is None:
         return []
     path, kind = found
     if os.path.isdir(path):
-        return [
-            (str(p), p.name)
-            for p in sorted(pathlib.Path(path).iterdir())
-            if p.is_file()
-            and (
-                p.name.startswith(("tokenizer", "special_tokens"))
-                or p.suffix in (".model", ".tiktoken", ".jinja")
-            )
-        ]
+        return [(str(p), p.name) for p in sorted(pathlib.Path(path).iterdir()) if _carried(p)]
     if kind == "sentencepiece":
         return [(path, "tokenizer.model")]
     return [(path, os.path.basename(path))]
+
+
+def _carried(path: pathlib.Path) -> bool:
+    """Whether a released checkpoint's file is one the export carries over."""
+    name = path.name
+    return path.is_file() and (name.startswith(_CARRIED) or name.endswith(_CARRIED_SUFFIXES))
 
 
 def _write_tokenizer(folder: str, files: list[tuple[str, str]], spec) -> None:
@@ -264,9 +259,10 @@ def write_export(
         amaxes = plan_module.input_amaxes(spec, plan, recorded_amaxes or {})
         missing = plan_module.missing_input_amaxes(plan, amaxes)
         if missing:
+            example = hf_module(name_map_of(spec), missing[0])
             raise ValueError(
                 f"{PROG}: W4A4 (quant_algo NVFP4) needs each NVFP4 linear's activation amax, "
-                f"and {len(missing)} have none (e.g. {missing[0]}): calibrate over MaxText's "
+                f"and {len(missing)} have none (e.g. {example}): calibrate over MaxText's "
                 "data pipeline with calibration_batches=N (--calibration-batches N), or export "
                 "weight-only with quant_algo='W4A16_NVFP4' (--quant-algo W4A16_NVFP4)"
             )
@@ -500,7 +496,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             force=options.force,
             max_shard_size=options.max_shard_size,
         )
-    except (ValueError, TypeError, FileExistsError) as error:
+    except (ValueError, TypeError, FileExistsError, ImportError) as error:
         print(f"{PROG}: error: {error}", file=sys.stderr)
         raise SystemExit(1) from None
     print(_summary(result))

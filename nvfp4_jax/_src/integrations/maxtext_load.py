@@ -150,7 +150,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         parser.error(f"unrecognized flag {unknown[0]}")
     try:
         items = import_checkpoint(options.checkpoint, options.out, rest, force=options.force)
-    except (ValueError, TypeError, FileExistsError) as error:
+    except (ValueError, TypeError, FileExistsError, ImportError) as error:
         print(f"{PROG}: error: {error}", file=sys.stderr)
         raise SystemExit(1) from None
     print(f"MaxText parameter checkpoint written: load_parameters_path={items}")

@@ -42,7 +42,9 @@ def import_maxtext(module: str):
 
 
 def _short(error: BaseException) -> str:
-    text = f"{type(error).__name__}: {error}".strip().splitlines()[0]
+    """The error's first lines (pydantic puts the field on the second), at most 400 chars."""
+    lines = [line.strip() for line in f"{type(error).__name__}: {error}".splitlines()]
+    text = " ".join(line for line in lines[:3] if line and not line.startswith("For further"))
     return text if len(text) <= 400 else text[:400] + " ..."
 
 
@@ -56,7 +58,8 @@ def maxtext_config(argv: Sequence[str], what: str, **overrides: Any):
     """
     pyconfig = import_maxtext("maxtext.configs.pyconfig")
     args = [a for a in argv if a.split("=", 1)[0] not in overrides]
-    args += [f"{key}={value}" for key, value in overrides.items()]
+    # An empty value is MaxText's default: MaxText reads `key=` as None, so it is left out.
+    args += [f"{key}={value}" for key, value in overrides.items() if value != ""]
     if not args or "=" in args[0]:
         raise ValueError(
             f"{what}: the first MaxText argument must be its config file (e.g. "
@@ -113,19 +116,67 @@ def trained_params(config, what: str) -> dict:
     Raises:
       ValueError: the checkpoint is missing or does not hold the config's model.
     """
-    checkpoint_items(config.load_parameters_path, what)
+    items = checkpoint_items(config.load_parameters_path, what)
+    spec = names.model_spec(config)
+
+    def mismatch(detail: str) -> ValueError:
+        return ValueError(
+            f"{what}: the checkpoint {config.load_parameters_path} does not hold the model "
+            f"the MaxText config makes (decoder_block={spec.family.block}, "
+            f"scan_layers={spec.scan_layers}): {detail}"
+        )
+
+    stored = stored_shapes(items)
+    if stored is not None:
+        problem = _shape_problem(stored, names.expected_shapes(spec))
+        if problem:
+            raise mismatch(problem)
     creation = import_maxtext("maxtext.utils.model_creation_utils")
     nnx = import_maxtext("flax.nnx")
     try:
         model, _ = creation.from_pretrained(config)
+        pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        return jax.tree.map(np.asarray, pure)
     except Exception as error:  # MaxText's and orbax's errors for a checkpoint of another tree
-        raise ValueError(
-            f"{what}: the checkpoint {config.load_parameters_path} does not hold the model "
-            f"the MaxText config makes (decoder_block={names.model_spec(config).family.block}, "
-            f"scan_layers={config.scan_layers}): {_short(error)}"
-        ) from error
-    pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    return jax.tree.map(np.asarray, pure)
+        raise mismatch(_short(error)) from error
+
+
+def stored_shapes(items: str) -> dict[tuple[str, ...], tuple[int, ...]] | None:
+    """`{leaf path: shape}` of the weights MaxText's checkpoint `items` folder holds.
+
+    Read from its metadata (no array is read); None when orbax cannot tell.
+    """
+    ocp = import_maxtext("orbax.checkpoint").v1
+    try:
+        tree = ocp.metadata(os.path.dirname(items), checkpointable_name="items").metadata
+        weights = tree["params"]["params"]
+    except Exception:  # noqa: BLE001  (MaxText's own load then reports what it finds)
+        return None
+    out = {}
+
+    def walk(node, path):
+        if isinstance(node, Mapping):
+            for key, value in node.items():
+                walk(value, (*path, str(key)))
+        elif hasattr(node, "shape"):
+            out[path] = tuple(node.shape)
+
+    walk(weights, ())
+    return out
+
+
+def _shape_problem(stored: Mapping, expected: Mapping) -> str:
+    """What first differs between the stored leaves and the config's model, or ""."""
+    for path, shape in expected.items():
+        if path not in stored:
+            held = sorted("/".join(p) for p in stored)[:4]
+            return f"it has no {'/'.join(path)} (it holds {held} ...)"
+        if tuple(stored[path]) != tuple(shape):
+            return f"its {'/'.join(path)} is {tuple(stored[path])}, the config's model {shape}"
+    extra = sorted(set(stored) - set(expected))
+    if extra:
+        return f"it holds {'/'.join(extra[0])}, which the config's model has not"
+    return ""
 
 
 def model_holding(config, params: Mapping):

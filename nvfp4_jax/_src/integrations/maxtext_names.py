@@ -172,6 +172,7 @@ _MUST_BE = (
     ("inhomogeneous_layer_cycle_interval", 1, "every layer is alike in these families"),
     ("sliding_window_size", 0, "the layers attend to the whole sequence"),
     ("share_kv_projections", False, "HF's key and value are two projections"),
+    ("prefuse_moe_weights", False, "a fused (X, D, 2F) expert kernel is not mapped"),
 )
 
 

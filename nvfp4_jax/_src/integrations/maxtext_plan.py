@@ -346,18 +346,29 @@ def input_amaxes(
 ) -> dict[str, np.float32]:
     """`export_hf_checkpoint`'s `input_amax=` for the NVFP4 linears, from recorded amaxes.
 
-    `recorded` is keyed by the unscanned MaxText leaf path (`AmaxRecorder.amaxes`:
-    `decoder/layers_0/self_attention/query/kernel`, `decoder/layers_0/MoeBlock_0/wi_0`).
+    `recorded` is `AmaxRecorder.amaxes`: keyed by the unscanned MaxText leaf path
+    (`decoder/layers_0/self_attention/query/kernel`), an MoE block's experts by the block's
+    `ragged_dot` index (`decoder/layers_0/MoeBlock_0/ragged_dot0` for wi_0, 1 for wi_1, 2 for
+    wo).
     A linear written from the released checkpoint keeps its released input scale.
     """
     unscanned = dataclasses.replace(spec, scan_layers=False)
-    source = {e.hf: "/".join(e.maxtext) for e in names.entries(unscanned)}
+    source = {e.hf: _recorded_key(e) for e in names.entries(unscanned)}
     out = {}
     for hf, key in source.items():
         module = _module(hf)
         if module in plan.nvfp4 and hf not in plan.from_base and key in recorded:
             out[module] = np.float32(recorded[key])
     return out
+
+
+_RAGGED_ORDER = {"wi_0": 0, "wi_1": 1, "wo": 2}
+
+
+def _recorded_key(entry: names.Entry) -> str:
+    if entry.kind == "experts":
+        return f"{entry.module}/ragged_dot{_RAGGED_ORDER[entry.maxtext[-1]]}"
+    return "/".join(entry.maxtext)
 
 
 def missing_input_amaxes(plan: Plan, amaxes: Mapping) -> list[str]:
