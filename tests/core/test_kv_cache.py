@@ -24,6 +24,13 @@ from nvfp4_jax import kv_cache as kc
 from nvfp4_jax._src.core import kernels as native
 
 
+def _native_cpu() -> None:
+    """Skips unless the native CPU kernels run here (the KV cache has no CUDA kernels)."""
+    make_impl("cpu")
+    if kernels.current_platform() != "cpu":
+        pytest.skip("the native KV cache kernels run on the CPU only")
+
+
 @pytest.fixture(params=["reference", "cpu"])
 def impl(request):
     """The reference and the native CPU kernels (the KV cache has no CUDA kernels)."""
@@ -238,7 +245,7 @@ def test_sequences_sharded_give_the_unsharded_bytes(impl):
 
 def test_native_program_holds_the_custom_calls():
     """The native path compiles to the custom calls, the reference to none."""
-    make_impl("cpu")
+    _native_cpu()
     config = kc.KVCacheConfig(**CONFIGS["hnd_v"])
     cache = kc.init_cache(config, 1, 16)
     k = _tokens(9, (1, 1, 2, 64))
@@ -333,7 +340,7 @@ def test_bad_scales_and_sizes_are_named():
 
 def test_the_native_write_refuses_a_wrong_operand():
     """The FFI handler names a bad operand (never reads outside a buffer)."""
-    make_impl("cpu")
+    _native_cpu()
     config = kc.KVCacheConfig(**CONFIGS["hnd_v"])
     pages = jnp.zeros((1, 2, 2, config.page_bytes + 1), jnp.uint8)
     k = jnp.zeros((1, 1, 2, 64), jnp.bfloat16)
