@@ -7,6 +7,8 @@ The native CPU kernel's results are, bit for bit, the NumPy model of its order
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import kv_cache_oracle as oracle
@@ -156,15 +158,23 @@ def test_jit_vmap_and_custom_call(impl):
 
 
 @pytest.mark.distributed
-def test_sequences_sharded_give_the_unsharded_result(impl):
+@pytest.mark.parametrize("mode", ["auto", "explicit"])
+def test_sequences_sharded_give_the_unsharded_result(impl, mode):
     q, cache, lengths = _setup("mha_t3", seed=6)
     cache = jax.tree.map(lambda a: jnp.concatenate([a, a]) if a.ndim else a, cache)
     q, lengths = jnp.concatenate([q, q]), jnp.concatenate([lengths, lengths])
-    mesh = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
-    put = lambda a: jax.device_put(a, NamedSharding(mesh, P("data") if a.ndim else P()))  # noqa: E731
-    fn = jax.jit(lambda q, c, n: kc.attention(q, c, n, implementation=impl.implementation))
-    got = fn(put(q), jax.tree.map(put, cache), put(lengths))
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(fn(q, cache, lengths)))
+    kind = jax.sharding.AxisType.Auto if mode == "auto" else jax.sharding.AxisType.Explicit
+    mesh = jax.make_mesh((4,), ("data",), axis_types=(kind,))
+    name = impl.implementation
+    want = jax.jit(lambda q, c, n: kc.attention(q, c, n, implementation=name))(q, cache, lengths)
+
+    def put(a):
+        return jax.device_put(a, NamedSharding(mesh, P("data") if a.ndim else P()))
+
+    with jax.set_mesh(mesh) if mode == "explicit" else contextlib.nullcontext():
+        fn = jax.jit(lambda q, c, n: kc.attention(q, c, n, implementation=name))
+        got = fn(put(q), jax.tree.map(put, cache), put(lengths))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 def test_bad_lengths_and_scale_are_named():

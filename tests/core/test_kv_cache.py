@@ -7,6 +7,7 @@ CPU kernels write the same bits, which are those of the independent NumPy model
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -223,23 +224,27 @@ def test_vmap_over_layers_is_the_loop(impl):
 
 
 @pytest.mark.distributed
-def test_sequences_sharded_give_the_unsharded_bytes(impl):
-    """Under jit with the sequences sharded over 4 devices: the same pages, the same reads."""
+@pytest.mark.parametrize("mode", ["auto", "explicit"])
+def test_sequences_sharded_give_the_unsharded_bytes(impl, mode):
+    """Under jit with the sequences sharded over 4 devices (Auto axes, or Explicit ones with
+    the mesh set): the same pages, the same reads, the pages still sharded."""
     config = kc.KVCacheConfig(**CONFIGS["hnd_v"])
-    mesh = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    kind = jax.sharding.AxisType.Auto if mode == "auto" else jax.sharding.AxisType.Explicit
+    mesh = jax.make_mesh((4,), ("data",), axis_types=(kind,))
     cache = kc.init_cache(config, 4, 24, k_scale=0.02, v_scale=0.04)
     k = _tokens(8, (4, 3, 2, 64))
     want = kc.append(cache, k, k, 2, implementation="reference")
-    shard = NamedSharding(mesh, P("data"))
-    sharded = jax.tree.map(
-        lambda a: jax.device_put(a, shard if a.ndim else NamedSharding(mesh, P())), cache
-    )
-    k_sharded = jax.device_put(k, shard)
-    got = jax.jit(lambda c, x: kc.append(c, x, x, 2, implementation=impl.implementation))(
-        sharded, k_sharded
-    )
+    name = impl.implementation
+
+    def put(a):
+        return jax.device_put(a, NamedSharding(mesh, P("data") if a.ndim else P()))
+
+    with jax.set_mesh(mesh) if mode == "explicit" else contextlib.nullcontext():
+        sharded, k_sharded = jax.tree.map(put, cache), put(k)
+        got = jax.jit(lambda c, x: kc.append(c, x, x, 2, implementation=name))(sharded, k_sharded)
+        read = jax.jit(lambda c: kc.read(c, implementation=name)[1])(got)
+        assert got.pages.sharding.spec[0] == "data"
     np.testing.assert_array_equal(np.asarray(got.pages), np.asarray(want.pages))
-    read = jax.jit(lambda c: kc.read(c, implementation=impl.implementation)[1])(got)
     np.testing.assert_array_equal(np.asarray(read), np.asarray(kc.read(want)[1]))
 
 

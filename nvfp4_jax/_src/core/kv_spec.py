@@ -145,24 +145,21 @@ class KVCacheConfig:
         """Bytes of one sequence's cache of `length` tokens (whole pages, both sides)."""
         return 2 * self.pages_for(length) * self.page_bytes
 
-    def data_offsets(self) -> np.ndarray:
-        """Byte offset in a side of a page of (token t, head h, byte i): int64 (page, G, E/2)."""
-        t = np.arange(self.page_size)[:, None, None]
-        h = np.arange(self.kv_heads)[None, :, None]
-        i = np.arange(self.data_dim)[None, None, :]
+    def data_offset(self, t, h, i):
+        """Byte offset in a side of a page of code byte i of (token t, head h).
+
+        Elementwise, with broadcasting, on ints or NumPy or JAX arrays.
+        """
         if self.layout == "HND":
             return (h * self.page_size + t) * self.data_dim + i
         return (t * self.kv_heads + h) * self.data_dim + i
 
-    def scale_offsets(self, side: int) -> np.ndarray:
-        """Byte offset in a side of a page of scale (t, h, s): int64 (page, G, E/16).
+    def scale_offset(self, side: int, t, h, s):
+        """Byte offset in a side of a page of scale s of (token t, head h); elementwise.
 
         A swizzled side moves (t, s) of a head's tile to
         `t' = 4 * (t // 4) + s // (S / 4)`, `s' = (s % (S / 4)) * 4 + t % 4` (S = E/16).
         """
-        t = np.arange(self.page_size)[:, None, None]
-        h = np.arange(self.kv_heads)[None, :, None]
-        s = np.arange(self.scale_dim)[None, None, :]
         if self.swizzled(side):
             group = self.scale_dim // SWIZZLE_TOKENS
             t, s = (
@@ -170,10 +167,22 @@ class KVCacheConfig:
                 (s % group) * SWIZZLE_TOKENS + t % SWIZZLE_TOKENS,
             )
         if self.layout == "HND":
-            offset = (h * self.page_size + t) * self.scale_dim + s
-        else:
-            offset = (t * self.kv_heads + h) * self.scale_dim + s
-        return self.data_bytes + offset
+            return self.data_bytes + (h * self.page_size + t) * self.scale_dim + s
+        return self.data_bytes + (t * self.kv_heads + h) * self.scale_dim + s
+
+    def data_offsets(self) -> np.ndarray:
+        """`data_offset` of every (t, h, i) of a page: int64 (page, G, E/2)."""
+        t, h, i = np.ix_(
+            np.arange(self.page_size), np.arange(self.kv_heads), np.arange(self.data_dim)
+        )
+        return self.data_offset(t, h, i)
+
+    def scale_offsets(self, side: int) -> np.ndarray:
+        """`scale_offset` of every (t, h, s) of a page: int64 (page, G, E/16)."""
+        t, h, s = np.ix_(
+            np.arange(self.page_size), np.arange(self.kv_heads), np.arange(self.scale_dim)
+        )
+        return self.scale_offset(side, t, h, s)
 
     def ffi_attributes(self) -> dict:
         """The FFI attributes of the KV cache targets (docs/NUMERICS.md section 15)."""

@@ -22,11 +22,14 @@ them when `implementation="reference"` and holds the native kernels to their bit
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
-from nvfp4_jax._src.core import formats
+from nvfp4_jax._src.core import formats, types
 from nvfp4_jax._src.core.kv_spec import KVCacheConfig
 
 _F32 = jnp.float32
@@ -119,33 +122,56 @@ def dequantize_heads(codes: jax.Array, scales: jax.Array, scale, dtype=_F32) -> 
 # --- the page layout -------------------------------------------------------------------------
 
 
-def _slot_index(config: KVCacheConfig, pages: jax.Array, positions, tokens: int):
-    """(page (B, T), offset in the page (B, T)); slots outside the cache get page P (dropped)."""
-    capacity = pages.shape[-3] * config.page_size
-    slots = jnp.asarray(positions, jnp.int32)[:, None] + jnp.arange(tokens, dtype=jnp.int32)
-    inside = (slots >= 0) & (slots < capacity)
-    page = jnp.where(inside, slots // config.page_size, pages.shape[-3])
-    return page, jnp.where(inside, slots % config.page_size, 0)
+def _write_sequence(config: KVCacheConfig, pages, codes, scales, position):
+    """One sequence's pages (P, 2, W) with its T tokens' codes and scale bytes written.
+
+    `codes` (2, T, G, E/2), `scales` (2, T, G, E/16) uint8, side by side; token t goes to
+    slot `position + t`; slots outside the cache are dropped (an out-of-range page index).
+    """
+    tokens = codes.shape[1]
+    slots = position + jnp.arange(tokens, dtype=jnp.int32)
+    inside = (slots >= 0) & (slots < pages.shape[0] * config.page_size)
+    page = jnp.where(inside, slots // config.page_size, pages.shape[0])[:, None, None]
+    offset = jnp.where(inside, slots % config.page_size, 0)[:, None, None]
+    heads = jnp.arange(config.kv_heads)[None, :, None]
+    data_at = config.data_offset(offset, heads, jnp.arange(config.data_dim))  # (T, G, E/2)
+    for side in range(2):
+        scale_at = config.scale_offset(side, offset, heads, jnp.arange(config.scale_dim))
+        pages = pages.at[page, side, data_at].set(codes[side], mode="drop")
+        pages = pages.at[page, side, scale_at].set(scales[side], mode="drop")
+    return pages
 
 
 def write(config: KVCacheConfig, pages, k_scale, v_scale, k, v, positions) -> jax.Array:
     """The pages with T new tokens of every sequence written at `positions` (B,) onwards.
 
     `pages` uint8 (B, P, 2, W); `k`, `v` (B, T, G, E). Token t of sequence b goes to slot
-    `positions[b] + t`; slots outside [0, L) are not written (vLLM's negative slot).
+    `positions[b] + t`; slots outside [0, L) are not written (vLLM's negative slot). The
+    sequences are written one by one (`vmap`): their pages, tokens and positions share the
+    batch axis, whatever its sharding.
     """
-    b, t = k.shape[:2]
-    page, offset = _slot_index(config, pages, positions, t)
-    for side, (x, scale) in enumerate(((k, k_scale), (v, v_scale))):
-        codes, scales = quantize_heads(x, scale, four_over_six=config.four_over_six)
-        data_at = jnp.asarray(config.data_offsets())[offset]  # (B, T, G, E/2)
-        scale_at = jnp.asarray(config.scale_offsets(side))[offset]  # (B, T, G, E/16)
-        rows = jnp.arange(b)[:, None, None, None]
-        where = page[..., None, None]
-        pages = pages.at[rows, where, side, data_at].set(codes, mode="drop")
-        scale_bytes = jax.lax.bitcast_convert_type(scales, jnp.uint8)
-        pages = pages.at[rows, where, side, scale_at].set(scale_bytes, mode="drop")
-    return pages
+    codes, scales = [], []
+    for x, scale in ((k, k_scale), (v, v_scale)):
+        c, s = quantize_heads(x, scale, four_over_six=config.four_over_six)
+        codes.append(c)
+        scales.append(jax.lax.bitcast_convert_type(s, jnp.uint8))
+    codes, scales = jnp.stack(codes, axis=1), jnp.stack(scales, axis=1)  # (B, 2, T, G, .)
+    positions = jnp.asarray(positions, jnp.int32)
+    codes, scales, positions = (_batch_like(x, pages) for x in (codes, scales, positions))
+    one = functools.partial(_write_sequence, config)
+    return jax.vmap(one)(pages, codes, scales, positions)
+
+
+def _batch_like(x: jax.Array, pages: jax.Array) -> jax.Array:
+    """`x` with its batch axis sharded as the pages' under Explicit mesh axes (else `x`).
+
+    `vmap` over the sequences needs the axis sharded alike on every operand.
+    """
+    sharding = types.explicit_spec(jax.typeof(pages))
+    if sharding is None:
+        return x
+    entry = types.spec_entries(pages)[0]
+    return jax.sharding.reshard(x, P(entry, *([None] * (x.ndim - 1))))
 
 
 def read_side(config: KVCacheConfig, pages: jax.Array, side: int):
@@ -154,9 +180,11 @@ def read_side(config: KVCacheConfig, pages: jax.Array, side: int):
     flat = pages[:, :, side, :]
     data = jnp.take(flat, jnp.asarray(config.data_offsets().reshape(-1)), axis=-1)
     scales = jnp.take(flat, jnp.asarray(config.scale_offsets(side).reshape(-1)), axis=-1)
-    length = p * config.page_size
-    codes = data.reshape(b, length, config.kv_heads, config.data_dim)
-    scales = scales.reshape(b, length, config.kv_heads, config.scale_dim)
+    # Split the page's bytes, then merge the pages' slots: two reshapes, each of which a
+    # batch axis sharded over Explicit mesh axes allows.
+    page, g = config.page_size, config.kv_heads
+    codes = data.reshape(b, p, page, g, config.data_dim).reshape(b, p * page, g, -1)
+    scales = scales.reshape(b, p, page, g, config.scale_dim).reshape(b, p * page, g, -1)
     return codes, jax.lax.bitcast_convert_type(scales, jnp.float8_e4m3fn)
 
 
