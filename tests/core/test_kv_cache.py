@@ -343,16 +343,44 @@ def test_bad_scales_and_sizes_are_named():
         kc.init_cache(config, 1.5, 8)
 
 
-def test_the_native_write_refuses_a_wrong_operand():
-    """The FFI handler names a bad operand (never reads outside a buffer)."""
+def _bad_native_calls(config):
+    """(target, call) pairs each of which hands the handler one operand it must refuse."""
+    bad_pages = jnp.zeros((1, 2, 2, config.page_bytes + 1), jnp.uint8)
+    pages = jnp.zeros((1, 2, 2, config.page_bytes), jnp.uint8)
+    k = jnp.zeros((1, 1, 2, 64), jnp.bfloat16)
+    q = jnp.zeros((1, 1, 4, 64), jnp.bfloat16)
+    one = jnp.zeros(1, jnp.int32)
+    return [
+        (
+            "nvfp4_kv_cache_write: pages of shape",
+            lambda: native.kv_cache_write(config, bad_pages, 1.0, 1.0, k, k, one),
+        ),
+        (
+            "nvfp4_kv_cache_write: k of shape",
+            lambda: native.kv_cache_write(config, pages, 1.0, 1.0, k[..., :32], k[..., :32], one),
+        ),
+        (
+            "nvfp4_kv_cache_read: pages of shape",
+            lambda: native.kv_cache_read(config, bad_pages, 1.0, 1.0, jnp.float32),
+        ),
+        (
+            "nvfp4_kv_attention: q of shape",
+            lambda: native.kv_attention(config, q[:, :, :3], pages, 1.0, 1.0, one, 1.0),
+        ),
+        (
+            "nvfp4_kv_attention: lengths of shape",
+            lambda: native.kv_attention(config, q, pages, 1.0, 1.0, jnp.zeros(2, jnp.int32), 1.0),
+        ),
+    ]
+
+
+def test_the_native_targets_refuse_a_wrong_operand():
+    """Each FFI handler names the bad operand (never reads or writes outside a buffer)."""
     _native_cpu()
     config = kc.KVCacheConfig(**CONFIGS["hnd_v"])
-    pages = jnp.zeros((1, 2, 2, config.page_bytes + 1), jnp.uint8)
-    k = jnp.zeros((1, 1, 2, 64), jnp.bfloat16)
-    with pytest.raises(Exception, match="nvfp4_kv_cache_write: pages of shape"):
-        jax.block_until_ready(
-            native.kv_cache_write(config, pages, 1.0, 1.0, k, k, jnp.zeros(1, jnp.int32))
-        )
+    for message, call in _bad_native_calls(config):
+        with pytest.raises(Exception, match=message):
+            jax.block_until_ready(call())
 
 
 def test_e4m3_scale_bytes_are_ml_dtypes_values():
