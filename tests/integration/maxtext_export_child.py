@@ -84,7 +84,7 @@ WIDE = [
     "base_mlp_dim=128",
     "base_num_decoder_layers=2",
     "head_dim=32",
-    "vocab_size=256",
+    "vocab_size=32000",  # MaxText's default tokenizer's (tokenizer.llama2): the export ships it
 ]
 MOE = [
     "decoder_block=mixtral",

@@ -244,6 +244,9 @@ def test_the_export_holds_a_config_and_maxtexts_tokenizer(child):
     ]
     assert part(child, "dense", "w4a16", "result", "tokenizer").endswith("tokenizer.llama2")
     assert part(child, "dense", "steps") == [0, 2]
+    # The Mixtral-style model has 256 tokens, MaxText's tokenizer 32000: none is shipped.
+    assert "tokenizer.model" not in part(child, "moe", "w4a16", "files")
+    assert part(child, "moe", "w4a16", "result", "tokenizer") == ""
 
 
 @pytest.mark.maxtext
@@ -414,3 +417,22 @@ def assert_vllm_holds(tree, doc, weights) -> None:
         same = (weights[module] == expected) | (np.isnan(weights[module]) & np.isnan(expected))
         assert np.all(same), module
     assert len(doc["nvfp4_modules"]) == 8  # per layer: qkv, o, gate_up, down
+
+
+@pytest.mark.maxtext
+@pytest.mark.vllm
+def test_the_serve_script_runs_the_export_from_text(child):
+    """examples/serve_vllm.py, as the MaxText guide runs it: text in (MaxText's tokenizer,
+    shipped in the export), text out."""
+    if not VLLM_PYTHON.exists():
+        pytest.skip(f"no vLLM environment at {VLLM_PYTHON}: run bash scripts/vllm_env.sh")
+    export = part(child, "dense", "w4a4", "dir")
+    run = subprocess.run(
+        [str(VLLM_PYTHON), str(ROOT / "examples" / "serve_vllm.py"), "generate", export]
+        + ["--prompt", "Hello world", "--max-tokens", "4"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    assert "Hello world" in run.stdout, run.stdout[-2000:]

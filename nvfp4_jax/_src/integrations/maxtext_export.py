@@ -45,6 +45,10 @@ from nvfp4_jax._src.model.rules import Rule, check_rules
 from nvfp4_jax._src.training.recipe import NVFP4Recipe
 
 PROG = "python -m nvfp4_jax.maxtext.export"
+NO_TOKENIZER = (
+    "none (MaxText's tokenizer_path not found, or its vocabulary is not the model's): add the "
+    "tokenizer's files to the folder"
+)
 # The files of a released checkpoint the export carries over: its tokenizer and generation
 # settings (its weights, configs and other notes are not the export's).
 _CARRIED = ("tokenizer", "special_tokens_map", "added_tokens", "generation_config", "vocab")
@@ -86,7 +90,8 @@ class MaxTextExport:
       requantized: `{linear: why}` of the NVFP4 linears quantized otherwise (the fused
         group's amax, a RoPE reorder or a scale that is no power of two).
       from_base: tensors written as the released checkpoint (`base=`) holds them.
-      tokenizer: where the tokenizer files came from ("" if none was found).
+      tokenizer: where the tokenizer files came from ("" if none was found, or MaxText's
+        SentencePiece model has another vocabulary size than the model).
       calibration_batches: the batches the W4A4 input amaxes were taken over.
       files: the export's report (`nvfp4_jax.hf.ExportReport`).
     """
@@ -153,8 +158,20 @@ def _tokenizer_files(base: str | None, config) -> list[tuple[str, str]]:
     if os.path.isdir(path):
         return [(str(p), p.name) for p in sorted(pathlib.Path(path).iterdir()) if _carried(p)]
     if kind == "sentencepiece":
+        if _sentencepiece_size(path) not in (None, getattr(config, "vocab_size", None)):
+            return []  # another model's tokenizer: its ids would fall outside the embedding
         return [(path, "tokenizer.model")]
     return [(path, os.path.basename(path))]
+
+
+def _sentencepiece_size(path: str) -> int | None:
+    """The vocabulary size of a SentencePiece model, None if sentencepiece cannot tell."""
+    try:
+        import sentencepiece  # noqa: PLC0415  (MaxText's dependency, optional here)
+
+        return int(sentencepiece.SentencePieceProcessor(model_file=path).GetPieceSize())
+    except Exception:  # noqa: BLE001  (no sentencepiece, or not a model file: no check)
+        return None
 
 
 def _carried(path: pathlib.Path) -> bool:
@@ -293,7 +310,7 @@ def write_export(
         training_exact=tuple(hf_module(name_map, m) for m in plan.training_exact),
         requantized={hf_module(name_map, m): w for m, w in plan.requantized.items()},
         from_base=tuple(plan.from_base),
-        tokenizer=tokenizer[0][0] if tokenizer else "",
+        tokenizer=next((src for src, name in tokenizer if name.startswith("tokenizer")), ""),
         calibration_batches=calibration_batches,
         files=dataclasses.replace(report, directory=directory),
     )
@@ -458,7 +475,7 @@ def _summary(result: MaxTextExport) -> str:
         f"the training forward's bits: {len(result.training_exact)}; "
         f"requantized: {len(result.requantized)}; from the released checkpoint: "
         f"{len(result.from_base)} tensors",
-        f"tokenizer: {result.tokenizer or 'none found (add its files to the folder)'}",
+        f"tokenizer: {result.tokenizer or NO_TOKENIZER}",
     ]
     return "\n".join(lines)
 
