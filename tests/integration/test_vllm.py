@@ -117,7 +117,7 @@ def run_vllm(export: pathlib.Path, prompts, out: pathlib.Path) -> tuple[dict, di
     run = subprocess.run(
         [
             str(VLLM_PYTHON),
-            str(ROOT / "tests" / "vllm_client.py"),
+            str(ROOT / "tests" / "integration" / "vllm_client.py"),
             str(export),
             str(out),
             "--prompts",
