@@ -531,6 +531,18 @@ def refused(call) -> str:
     return "no error"
 
 
+def import_into_files(work: pathlib.Path, args: list[str]) -> None:
+    """An import into a folder that holds a file: refused, the file kept."""
+    folder = work / "kept"
+    folder.mkdir(exist_ok=True)
+    (folder / "notes.txt").write_text("mine")
+    try:
+        nvfp4_maxtext.import_checkpoint(FIXTURE, folder, [*args[:-1], *FIXTURE_MODEL])
+    finally:
+        if [p.name for p in folder.iterdir()] != ["notes.txt"]:
+            raise RuntimeError("the import wrote into a folder that held files")
+
+
 def refusals(work: pathlib.Path, dense_part: dict) -> dict:
     args = dense_part["args"]
     out = work / "refused"
@@ -556,6 +568,7 @@ def refusals(work: pathlib.Path, dense_part: dict) -> dict:
                 FIXTURE, work / "refused_import", [*args[:-1], *MOE[:4]]
             )
         ),
+        "import_into_files": refused(lambda: import_into_files(work, args)),
         "left_behind": sorted(
             p.name for p in work.iterdir() if p.name.startswith((".refused", "refused"))
         ),

@@ -89,7 +89,7 @@ def test_export_flags_are_checked_before_maxtext(tmp_path, capsys):
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "model.safetensors").write_text("not ours")
     assert run_main(maxtext_export.main, "base.yml", "--out", str(tmp_path / "full")) == 1
-    assert "is not empty; an export is never written over files" in capsys.readouterr().err
+    assert "is not empty; nothing is written over files" in capsys.readouterr().err
     assert (tmp_path / "full" / "model.safetensors").read_text() == "not ours"
 
 
@@ -285,6 +285,7 @@ def test_a_released_model_fine_tunes_and_exports(child):
         ("rejected_config", "MaxText rejects the config"),
         ("w4a4_without_amaxes", "--calibration-batches N), or export weight-only"),
         ("import_other_architecture", "the checkpoint is ['LlamaForCausalLM']"),
+        ("import_into_files", "is not empty; nothing is written over files"),
     ],
 )
 def test_bad_input_is_refused_and_nothing_written(child, case, message):

@@ -497,3 +497,20 @@ def test_the_export_loads_as_the_trained_weights(tmp_path):
             assert same_bits(np.asarray(got.global_scale), np.asarray(value.global_scale)), path
         else:
             assert same_bits(np.asarray(got), np.asarray(value)), path
+
+
+def test_experts_trained_in_bf16_are_written_whole_in_bf16(tmp_path):
+    """F = 24 cannot be blocked by 16: the experts trained in bf16, exported as one bf16 block."""
+    spec = names.model_spec(config("mixtral", mlp_dim=24))
+    decisions = plan.precisions(spec, rules_from_config(config()))
+    result = write_export(
+        tmp_path / "out", random_params(spec), spec, decisions, quant_algo="W4A16_NVFP4"
+    )
+    assert not [m for m in result.nvfp4 if "experts" in m]
+    quant = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    assert "model.layers.0.block_sparse_moe.experts" in quant["ignore"]  # the block, by name
+    loaded = nvfp4_jax.load_hf_checkpoint(
+        tmp_path / "out", name_map=nvfp4_jax.hf.mixtral_name_map()
+    )
+    experts = loaded["layers"][0]["mlp"]["experts"]["up_proj"]["kernel"]
+    assert not nvfp4_jax.is_nvfp4_array(experts) and experts.shape == (4, 64, 24)

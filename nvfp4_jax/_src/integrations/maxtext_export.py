@@ -122,7 +122,7 @@ def check_out(directory: str, force: bool, what: str = PROG) -> str:
         raise ValueError(f"{what}: --out {directory} exists and is not a folder")
     if os.path.isdir(directory) and os.listdir(directory) and not force:
         raise ValueError(
-            f"{what}: --out {directory} is not empty; an export is never written over files "
+            f"{what}: --out {directory} is not empty; nothing is written over files "
             "(give another folder, or force=True / --force to replace it)"
         )
     parent = os.path.dirname(directory)

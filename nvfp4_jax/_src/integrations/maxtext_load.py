@@ -112,9 +112,15 @@ def import_checkpoint(
     staging = os.path.join(parent, f".{os.path.basename(out)}.import-{uuid.uuid4().hex[:8]}")
     try:
         save_params(staging, params)
-        if os.path.isdir(out) and force:
-            shutil.rmtree(out)
-        os.replace(staging, out)
+        if os.path.isdir(out) and os.listdir(out):
+            if not force:
+                raise FileExistsError(f"{PROG}: --out {out} was filled while importing")
+            old = f"{staging}.old"
+            os.rename(out, old)  # the old folder aside, the new one in, then the old removed
+            os.rename(staging, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
