@@ -147,6 +147,17 @@ RECIPE_POINTS = {
         "default, MLP only (attention bf16), MS-EDEN",
         [*MLP_ONLY, "--backward", "ms_eden"],
     ),
+    # Quartet II's forward quantizes W in 1x16 blocks, as x: its backward re-quantizes the
+    # forward's W, so NVIDIA's 16x16 weight blocks (which make W and W^T one tensor) buy
+    # nothing there, and 1x16 blocks err less (docs/NUMERICS.md section 10).
+    "plain-ms_eden_w1x16": (
+        "plain recipe, MS-EDEN, 1x16 W (Quartet II)",
+        [*PLAIN_RECIPE, "--backward", "ms_eden", "--disable", "weight_2d"],
+    ),
+    "default-ms_eden_w1x16": (
+        "default recipe, MS-EDEN, 1x16 W (Quartet II)",
+        [*DEFAULT_RECIPE, "--backward", "ms_eden", "--disable", "weight_2d"],
+    ),
 }
 # The rounding draws: the default streams (from --seed), then --sr-seed 2 and 3.
 DRAWS = (None, 2, 3)

@@ -30,6 +30,7 @@ writes its report however the run ends.
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import math
@@ -42,6 +43,7 @@ from types import SimpleNamespace
 
 import pytest
 
+import nvfp4_jax
 import nvfp4_jax.maxtext as nvfp4_maxtext
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -238,6 +240,7 @@ def exits_2_before_maxtext(capsys, *args: str) -> str:
         (["--nvfp4-recipe", "[]"], "expected a JSON object of NVFP4Recipe fields"),
         (["--nvfp4-recipe", '{"fprop": 2}'], "--nvfp4-recipe .*fprop"),
         (["--nvfp4-recipe", '{"colour": 1}'], "--nvfp4-recipe .*colour"),
+        (["--nvfp4-recipe", '{"backward": "sr"}'], "--nvfp4-recipe .*backward"),
         (["--nvfp4-recipe", "{}", "--nvfp4-recipe", "{}"], "--nvfp4-recipe was given twice"),
         (["--nvfp4-rules", "/no/such/rules.json"], "--nvfp4-rules /no/such/rules.json: "),
         (["--nvfp4-reprot", "r.json"], "unrecognized launcher flag --nvfp4-reprot"),
@@ -249,6 +252,13 @@ def exits_2_before_maxtext(capsys, *args: str) -> str:
 def test_bad_launcher_flags_exit_2_before_maxtext_starts(flags, message, fake_maxtext, capsys):
     err = exits_2_before_maxtext(capsys, *flags)
     assert re.search(message, err), err
+
+
+def test_the_recipe_json_takes_the_backward_field():
+    from nvfp4_jax._src.integrations.maxtext import load_recipe  # noqa: PLC0415
+
+    recipe = load_recipe(argparse.ArgumentParser(), '{"backward": "ms_eden", "fprop": false}')
+    assert recipe == nvfp4_jax.NVFP4Recipe(backward="ms_eden", fprop=False)
 
 
 @pytest.mark.parametrize(

@@ -35,6 +35,7 @@ from nvfp4_jax.rules import NVFP4Einsum, Rule, default_rules, quantize_linen  # 
 D, H, E, F, X, V = 32, 2, 16, 32, 4, 64
 NO_SR = NVFP4Recipe(stochastic_rounding=False)
 SR = NVFP4Recipe()
+EDEN = NVFP4Recipe(backward="ms_eden")
 
 
 def rules(recipe):
@@ -133,6 +134,17 @@ def test_equals_quantize_model_bit_for_bit():
 def test_equals_the_drop_ins_with_stochastic_rounding():
     model, _ = qwix_lm(SR)
     assert_same_loss_and_grads(loss_and_grads(model), loss_and_grads(LM(SR)))
+
+
+def test_ms_eden_equals_the_drop_ins_and_draws_from_the_stream():
+    # The MS-EDEN backward (dense, einsum and ragged_dot ops) through the provider: the
+    # drop-ins' numbers with key=None, and fresh randomness from an rng stream each step.
+    model, _ = qwix_lm(EDEN)
+    assert_same_loss_and_grads(loss_and_grads(model), loss_and_grads(LM(EDEN)))
+    model, _ = qwix_lm(EDEN, rngs=nnx.Rngs(sr=0), rng_stream="sr")
+    model.set_attributes(qwix_rngs=nnx.Rngs(sr=1))
+    first, second = (params(nnx.grad(loss_fn)(model)) for _ in range(2))
+    assert not np.array_equal(first["block/q_proj/kernel"], second["block/q_proj/kernel"])
 
 
 def test_jitted_adam_steps_equal_the_drop_ins():

@@ -384,6 +384,25 @@ def test_high_precision_final_resumes_exactly_across_the_switch(tmp_path, capsys
     assert train_lm.CompiledRun.programs() == programs
 
 
+def test_ms_eden_backward_resumes_exactly_across_the_switch(tmp_path):
+    # --backward ms_eden: the MS-EDEN rotations and scale roundings come from the layers'
+    # streams, which the checkpoints hold; a run in parts (before, at and after the switch
+    # to a high-precision forward) takes the straight run's steps. The flag is part of
+    # what a resumed run must share with its checkpoint.
+    flags = ["--recipe", "nvfp4", "--steps", "6", "--eval-every", "3", "--save-every", "1"]
+    flags += ["--high-precision-final", "0.5", "--backward", "ms_eden"]
+    straight = _run(tmp_path / "straight", *flags)["histories"]["nvfp4"]
+    sr = _run(tmp_path / "sr", *flags[:-2], "--stop-after", "2")["histories"]["nvfp4"]
+    assert sr["train_loss"][1] != straight["train_loss"][1]  # the backward changed step 1
+    folder = tmp_path / "resumed"
+    _run(folder, *flags, "--stop-after", "2")
+    for stop in (3, 6):
+        resumed = _run(folder, *flags, "--resume", "--stop-after", str(stop))["histories"]
+        assert resumed["nvfp4"]["train_loss"] == straight["train_loss"][:stop], stop
+    with pytest.raises(SystemExit):
+        _run(folder, *flags[:-2], "--backward", "nvidia", "--resume", "--steps", "6")
+
+
 def _state_bytes(model) -> list[bytes]:
     """Every leaf of the model's state (parameters and SR streams) as bytes."""
     leaves = jax.tree.leaves(nnx.state(model))
