@@ -207,11 +207,24 @@ def quantize(w, amax=None):
     )
 
 
+def loaded_weight(loaded: dict, name_map, module: str):
+    """(codes, block scales, decode scale) of an HF linear as `load_hf_checkpoint` holds it."""
+    path, _ = name_map.to_flax(f"{module}.weight", 2)
+    expert = name_map.expert_of(f"{module}.weight", 2)
+    node = loaded
+    for key in path.split("/"):
+        node = node[int(key) if key.isdigit() else key]
+    codes, scales, decode = (np.asarray(a) for a in (node.codes, node.scales, node.global_scale))
+    if expert is not None:
+        codes, scales, decode = codes[expert], scales[expert], decode[expert]
+    return codes, scales, decode
+
+
 def check_bits(
     export: pathlib.Path, params: dict, layers: int, scanned: bool, moe: bool, result, q_scale=4.0
 ) -> dict:
-    """Every NVFP4 weight of `export` against its expected quantization; the exact ones against
-    the training forward's."""
+    """Every NVFP4 weight of `export`, as `load_hf_checkpoint` reads it, against its expected
+    quantization; the exact ones against the training forward's."""
     name_map = nvfp4_jax.hf.mixtral_name_map() if moe else None
     loaded = nvfp4_jax.load_hf_checkpoint(export, name_map=name_map)
     tensors = nvfp4_jax.hf.read_safetensors(export / "model.safetensors")
@@ -234,9 +247,9 @@ def check_bits(
     ]
     for module in nvfp4_modules:
         want = quantize(hf_weights[module], group_amax[module])
-        codes = tensors[f"{module}.weight"]
-        scales = tensors[f"{module}.weight_scale"]
-        decode = tensors[f"{module}.weight_scale_2"]
+        codes, scales, decode = loaded_weight(
+            loaded, name_map or nvfp4_jax.hf.llama_name_map(), module
+        )
         ok = (
             same_bits(codes, np.asarray(want.codes))
             and same_bits(scales, np.asarray(want.scales))
@@ -257,7 +270,6 @@ def check_bits(
             exact.append((module, bool(same)))
         else:
             requantized.append(module)
-    del loaded
     return {
         "compared": compared,
         "mismatches": mismatches,

@@ -514,3 +514,27 @@ def test_experts_trained_in_bf16_are_written_whole_in_bf16(tmp_path):
     )
     experts = loaded["layers"][0]["mlp"]["experts"]["up_proj"]["kernel"]
     assert not nvfp4_jax.is_nvfp4_array(experts) and experts.shape == (4, 64, 24)
+
+
+def test_four_over_six_weights_export_as_trained(tmp_path):
+    """A recipe with weight Four Over Six: the export quantizes with it, and writes plain NVFP4
+    whose decode is the 4/6 weight (docs/NUMERICS.md section 13)."""
+    recipe = nvfp4_jax.NVFP4Recipe(weight_four_over_six="mae")
+    spec = names.model_spec(config("llama2"))
+    params = random_params(spec, seed=7)
+    decisions = plan.precisions(spec, rules_from_config(config(), recipe))
+    tree, result = plan.hf_params(params, spec, decisions)
+    from nvfp4_jax._src.core.ops import quantize_with_spec  # noqa: PLC0415
+
+    down = params["decoder"]["layers"]["mlp"]["wo"]["kernel"][:, 1].astype(BF16)
+    want = quantize_with_spec(jnp.asarray(down), recipe.spec("weight", "fprop"))
+    got = tree["layers/1/mlp/down_proj/kernel"]
+    assert same_bits(got.codes, want.codes) and same_bits(got.scales, want.scales)
+    assert "layers/1/mlp/down_proj" in result.training_exact
+    write_export(tmp_path / "out", params, spec, decisions, quant_algo="W4A16_NVFP4")
+    loaded = nvfp4_jax.load_hf_checkpoint(tmp_path / "out")
+    back = loaded["layers"][1]["mlp"]["down_proj"]["kernel"]
+    np.testing.assert_array_equal(
+        np.abs(np.asarray(nvfp4_jax.dequantize(back, jnp.float32))),
+        np.abs(np.asarray(nvfp4_jax.dequantize(want, jnp.float32))),
+    )

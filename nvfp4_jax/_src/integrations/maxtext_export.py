@@ -72,7 +72,9 @@ def hf_module(name_map: NameMap, flax_module: str) -> str:
     if found is None:
         return flax_module
     name = found[0].removesuffix(".weight")
-    return name if expert is None else NameMap.expert_names(name, expert + 1)[expert]
+    if expert is None:  # a whole expert stack: `...experts.*.w1`
+        return name.replace("{expert}", "*")
+    return NameMap.expert_names(name, expert + 1)[expert]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +85,7 @@ class MaxTextExport:
       directory: the checkpoint folder.
       decoder_block: the MaxText family.
       quant_algo: "NVFP4" (W4A4) or "W4A16_NVFP4".
-      nvfp4: the linears written in NVFP4 (an MoE block's experts by block).
+      nvfp4: the linears written in NVFP4 (an expert stack as `...experts.*.w1`).
       high_precision: `{linear: why}` of the linears written in bf16.
       training_exact: NVFP4 linears whose codes and block scales are those the training
         forward quantized the weight to, bit for bit (one name per expert).
