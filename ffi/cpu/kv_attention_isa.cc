@@ -15,6 +15,7 @@
 // output). Nothing from the standard library: everything here is per-ISA or inline.
 #include <cstdint>
 
+#include "cpu/block_lookup.h"
 #include "cpu/kv_attention.h"
 #include "cpu/simd.h"
 #include "nvfp4/kv_cache.h"
@@ -29,66 +30,6 @@ namespace {
 
 NVFP4_VINLINE int64_t MinI64(int64_t a, int64_t b) { return a < b ? a : b; }
 NVFP4_VINLINE int64_t MaxI64(int64_t a, int64_t b) { return a > b ? a : b; }
-
-// The 16 values of one block: lane l is row[code l], the 16 codes 8 bytes at p (element 2i
-// in the low nibble of byte i), row the 16 table entries of the block's scale byte. The
-// expansion of w4a16_isa.cc's DecodeBlock (the same per-ISA choices): with AVX2, each 8
-// lanes from 4 code bytes broadcast to every lane, the magnitude (3 bits) looked up in the
-// row's positive half and the sign bit xor-ed in (entry 8 + c is entry c negated).
-NVFP4_VINLINE VF LookupBlock(const float* row, const uint8_t* p) {
-  VF r;
-#if defined(NVFP4_SIMD_AVX512)
-  __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-  b = _mm_unpacklo_epi8(b, b);
-  const __m512i shifts = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
-  const __m512i idx = _mm512_srlv_epi32(_mm512_cvtepu8_epi32(b), shifts);
-  r.p[0] = (NF)_mm512_permutexvar_ps(idx, _mm512_loadu_ps(row));
-#elif defined(NVFP4_SIMD_AVX2)
-  const __m256 magnitudes = _mm256_loadu_ps(row);
-  const __m256i right = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
-  const __m256i left = _mm256_setr_epi32(28, 24, 20, 16, 12, 8, 4, 0);
-  const __m256i sign = _mm256_set1_epi32(static_cast<int32_t>(0x80000000u));
-  for (int j = 0; j < 2; ++j) {
-    int32_t word;
-    __builtin_memcpy(&word, p + 4 * j, 4);
-    const __m256i codes = _mm256_set1_epi32(word);
-    const __m256 w = _mm256_permutevar8x32_ps(magnitudes, _mm256_srlv_epi32(codes, right));
-    const __m256i s = _mm256_and_si256(_mm256_sllv_epi32(codes, left), sign);
-    r.p[j] = (NF)_mm256_xor_ps(w, _mm256_castsi256_ps(s));
-  }
-#else
-  for (int i = 0; i < 8; ++i) {
-    r.p[(2 * i) / kLanes][(2 * i) % kLanes] = row[p[i] & 15];
-    r.p[(2 * i + 1) / kLanes][(2 * i + 1) % kLanes] = row[p[i] >> 4];
-  }
-#endif
-  return r;
-}
-
-// The fixed tree over the 16 lanes: s8[l] = a[l] + a[l + 8], s4[l] = s8[l] + s8[l + 4],
-// s2[l] = s4[l] + s4[l + 2], s2[0] + s2[1] (in registers on AVX2 and AVX-512: the same adds).
-NVFP4_VINLINE float Reduce16(VF acc) {
-#if defined(NVFP4_SIMD_AVX512) || defined(NVFP4_SIMD_AVX2)
-#if defined(NVFP4_SIMD_AVX512)
-  const __m512 a = (__m512)acc.p[0];
-  const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(a),
-                                  _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
-#else
-  const __m256 s8 = _mm256_add_ps((__m256)acc.p[0], (__m256)acc.p[1]);
-#endif
-  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
-#else
-  float a[16];
-  StoreV(a, acc);
-  float s8[8], s4[4], s2[2];
-  for (int l = 0; l < 8; ++l) s8[l] = a[l] + a[l + 8];
-  for (int l = 0; l < 4; ++l) s4[l] = s8[l] + s8[l + 4];
-  for (int l = 0; l < 2; ++l) s2[l] = s4[l] + s4[l + 2];
-  return s2[0] + s2[1];
-#endif
-}
 
 // Arithmetic shift right by one, lane by lane.
 NVFP4_VINLINE VI SraOne(VI a) {
@@ -167,7 +108,7 @@ void Rows(const KvAttentionJob& job, int64_t b, int64_t g, int64_t u, int64_t m0
       }
     }
     for (int64_t r = first; r < rows; ++r) {
-      scores[r][j - j0] = Reduce16(acc[r]) * job.softmax_scale;
+      scores[r][j - j0] = SumTree16(acc[r]) * job.softmax_scale;
     }
   }
   const int64_t base = ((b * l.heads + g) * job.chunks + u) * m_all + m0;

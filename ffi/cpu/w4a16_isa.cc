@@ -5,10 +5,7 @@
 // value `dequantize(W, dtype)` gives it, w = dtype(f32(value(code)) * (f32(s_b) * D)), but
 // decoded in registers: no copy of the weight in memory. The handler tabulates, for each of
 // the 256 scale bytes, the 16 weight values of the 16 codes (16 KiB, L1-resident); a block's
-// 16 codes are then one lookup (a permute) in its scale byte's row; with AVX2, whose permute
-// reads 8 lanes, a lookup of the code's magnitude (3 bits) in the row's first 8 entries, and
-// the code's sign bit xor-ed in: the rounding is symmetric, so entry 8 + c is exactly entry c
-// negated (-0 and NaN included).
+// 16 codes are then one lookup in its scale byte's row (cpu/block_lookup.h).
 //
 // Order (the same on every ISA and thread count; the threads split the columns): the
 // activations are f32 (exact from bf16, f16); element k of K goes to slot k mod 16 of the
@@ -23,6 +20,7 @@
 // namespace or always-inline.
 #include <cstdint>
 
+#include "cpu/block_lookup.h"
 #include "cpu/kernel_table.h"
 #include "cpu/simd.h"
 #include "nvfp4/dtypes.h"
@@ -43,51 +41,9 @@ constexpr int kMaxRows = 8;  // rows of x per pass over a column: 2 x 8 accumula
 constexpr int kMaxRows = 4;
 #endif
 
-// The 16 weights of one block: lane l is row[code l], the 16 codes 8 bytes at p (element 2i
-// in the low nibble of byte i), row the 16 table entries of the block's scale byte.
-NVFP4_VINLINE VF DecodeBlock(const float* row, const uint8_t* p) {
-  VF r;
-#if defined(NVFP4_SIMD_AVX512)
-  __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-  b = _mm_unpacklo_epi8(b, b);
-  const __m512i shifts = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
-  const __m512i idx = _mm512_srlv_epi32(_mm512_cvtepu8_epi32(b), shifts);
-  r.p[0] = (NF)_mm512_permutexvar_ps(idx, _mm512_loadu_ps(row));
-#elif defined(NVFP4_SIMD_AVX2)
-  // Each 8 lanes from 4 code bytes broadcast to every lane: a right shift by 4l puts code l
-  // in the low bits (the permute reads 3: the magnitude, an index into the row's positive
-  // first half), a left shift by 28 - 4l its sign bit at bit 31 (one broadcast load, no
-  // byte shuffles: the cheapest expansion on AVX2, 1.7x the table-of-16 lookup).
-  const __m256 magnitudes = _mm256_loadu_ps(row);
-  const __m256i right = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
-  const __m256i left = _mm256_setr_epi32(28, 24, 20, 16, 12, 8, 4, 0);
-  const __m256i sign = _mm256_set1_epi32(static_cast<int32_t>(0x80000000u));
-  for (int j = 0; j < 2; ++j) {
-    int32_t word;
-    __builtin_memcpy(&word, p + 4 * j, 4);
-    const __m256i codes = _mm256_set1_epi32(word);
-    const __m256 w = _mm256_permutevar8x32_ps(magnitudes, _mm256_srlv_epi32(codes, right));
-    const __m256i s = _mm256_and_si256(_mm256_sllv_epi32(codes, left), sign);
-    r.p[j] = (NF)_mm256_xor_ps(w, _mm256_castsi256_ps(s));
-  }
-#else
-  for (int i = 0; i < 8; ++i) {
-    r.p[(2 * i) / kLanes][(2 * i) % kLanes] = row[p[i] & 15];
-    r.p[(2 * i + 1) / kLanes][(2 * i + 1) % kLanes] = row[p[i] >> 4];
-  }
-#endif
-  return r;
-}
-
-// The fixed tree over the 16 slots; NaN as the one quiet NaN.
+// The fixed tree over the 16 slots (SumTree16); NaN as the one quiet NaN.
 NVFP4_VINLINE float Reduce16(VF acc) {
-  float a[16];
-  StoreV(a, acc);
-  float s8[8], s4[4], s2[2];
-  for (int l = 0; l < 8; ++l) s8[l] = a[l] + a[l + 8];
-  for (int l = 0; l < 4; ++l) s4[l] = s8[l] + s8[l + 4];
-  for (int l = 0; l < 2; ++l) s2[l] = s4[l] + s4[l + 2];
-  const float s = s2[0] + s2[1];
+  const float s = SumTree16(acc);
   return s != s ? AsFloat(kNanBits) : s;
 }
 
@@ -101,7 +57,7 @@ NVFP4_VINLINE void Column(const W4a16Job& job, int64_t row0, int64_t j) {
   VF acc[MR];
   for (int r = 0; r < MR; ++r) acc[r] = SplatF(0.0f);
   for (int64_t g = 0; g < groups; ++g) {
-    const VF w = DecodeBlock(job.tables + kBlock * scales[g], codes + 8 * g);
+    const VF w = LookupBlock(job.tables + kBlock * scales[g], codes + 8 * g);
     for (int r = 0; r < MR; ++r) {
       acc[r] = acc[r] + LoadV<VF>(x + r * job.k + kBlock * g) * w;
     }
