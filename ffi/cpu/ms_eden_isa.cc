@@ -34,6 +34,22 @@ constexpr int kGroup = kMsEdenGroup;
 constexpr int kBlocks = kMsEdenBlocks;
 constexpr int kPair = 2 * kBlocks;  // the blocks of two groups: one per lane
 
+// The lane-wise max of two int32 vectors (here non-negative: |value| bits), in one
+// instruction where the ISA has it (Select's compare and blend elsewhere).
+NVFP4_VINLINE VI MaxV(VI a, VI b) {
+#if defined(NVFP4_SIMD_AVX512)
+  VI r;
+  r.p[0] = (NI)_mm512_max_epi32((__m512i)a.p[0], (__m512i)b.p[0]);
+  return r;
+#elif defined(NVFP4_SIMD_AVX2)
+  VI r;
+  for (int j = 0; j < kParts; ++j) r.p[j] = (NI)_mm256_max_epi32((__m256i)a.p[j], (__m256i)b.p[j]);
+  return r;
+#else
+  return MaxI(a, b);
+#endif
+}
+
 // ---------------------------------------------------------------------------
 // The rotation (Rotate128), a block per vector.
 
@@ -65,7 +81,9 @@ NVFP4_VINLINE void CrossStage(VF g[kBlocks]) {
   }
 }
 
-// One group's 128 values (f32) rotated: signs, butterflies h = 1 .. 64, times R.
+// One group's 128 values (f32) rotated: signs, butterflies h = 1 .. 64, times R (without
+// it for kScale false).
+template <bool kScale>
 NVFP4_VINLINE void Rotate(const float x[kGroup], const uint32_t sign_bits[kGroup],
                           VF g[kBlocks]) {
   for (int j = 0; j < kBlocks; ++j) {
@@ -75,8 +93,10 @@ NVFP4_VINLINE void Rotate(const float x[kGroup], const uint32_t sign_bits[kGroup
   CrossStage<1>(g);
   CrossStage<2>(g);
   CrossStage<4>(g);
-  const float r = AsFloat(kRcpSqrt128Bits);
-  for (int j = 0; j < kBlocks; ++j) g[j] = g[j] * r;
+  if constexpr (kScale) {
+    const float r = AsFloat(kRcpSqrt128Bits);
+    for (int j = 0; j < kBlocks; ++j) g[j] = g[j] * r;
+  }
 }
 
 // The max of a vector's 16 lanes (non-negative int32): the parts, then a shuffle tree.
@@ -91,8 +111,10 @@ NVFP4_VINLINE int32_t MaxLane(VI v) {
 }
 
 // `groups` (1 or 2) groups from `group`, rotated into rows[16] (row b: block b), the rows
-// of a missing second group zero. Returns the max |value| bits over the groups.
-template <class T>
+// of a missing second group zero. kAmax: without the factor R, returning the max |value|
+// bits over the groups (rounding is monotonic, so the max times R is the max of the values
+// times R: AmaxRange multiplies once); else with R, returning 0.
+template <class T, bool kAmax>
 NVFP4_VINLINE uint32_t LoadRotated(const MsEdenJob& job, int64_t group, int groups,
                                    VF rows[kPair]) {
   const auto* x = static_cast<const typename T::Storage*>(job.x) + group * kGroup;
@@ -101,12 +123,12 @@ NVFP4_VINLINE uint32_t LoadRotated(const MsEdenJob& job, int64_t group, int grou
   for (int h = 0; h < 2; ++h) {
     if (h < groups) {
       for (int i = 0; i < kGroup; ++i) f[i] = T::Load(x[h * kGroup + i]);
-      Rotate(f, job.sign_bits, rows + h * kBlocks);
+      Rotate<!kAmax>(f, job.sign_bits, rows + h * kBlocks);
     } else {
       for (int j = 0; j < kBlocks; ++j) rows[h * kBlocks + j] = SplatF(0.0f);
     }
-    for (int j = 0; j < kBlocks; ++j) {
-      seen = MaxI(seen, AsVI(rows[h * kBlocks + j]) & int32_t{kAbsMask});
+    for (int j = 0; j < kBlocks && kAmax; ++j) {
+      seen = MaxV(seen, AsVI(rows[h * kBlocks + j]) & int32_t{kAbsMask});
     }
   }
   return static_cast<uint32_t>(MaxLane(seen));
@@ -181,17 +203,16 @@ NVFP4_VINLINE VF E4m3ToF32V(VI c) {
   return AsVF(AsVI(mag) | ((c & 0x80) << 24));
 }
 
-// E2m1Rn: round to nearest even, saturating at 6; the sign in bit 3.
+// E2m1Rn: round to nearest even, saturating at 6; the sign in bit 3. As kernels_isa.cc's:
+// |y| clamped to 6 first; below 2 the f32 adder rounds |y| + 2^22 to a multiple of 0.5
+// (ties to even), whose low bits are the code; from 2 up E2m1Rn's mantissa rounding. A NaN
+// lane gets a code (not 0, as the scalar function's): the handler replaces every code then.
 NVFP4_VINLINE VI E2m1RnV(VF y) {
   const VI bits = AsVI(y);
-  const VI abits = bits & int32_t{kAbsMask};
-  // Masks are -1 where true: subtracting them counts.
-  const VI small = SplatI(0) - (abits > 0x3E800000) - (abits >= 0x3F400000);
-  const VI big = Srl(abits + 0x1FFFFF + (Srl(abits, 22) & 1), 22) - int32_t{kOneTop} + 2;
-  VI code = Select(abits < int32_t{kOneBits}, small, big);
-  code = MinI(code, SplatI(7));
-  code = Select(abits > int32_t{kInfBits}, SplatI(0), code);
-  return code | (Srl(bits, 28) & 8);
+  const VI a = MinI(bits & int32_t{kAbsMask}, SplatI(0x40C00000));
+  const VI small = AsVI(AsVF(a) + 4194304.0f) - 0x4A800000;
+  const VI big = Srl(a + 0x1FFFFF + (Srl(a, 22) & 1), 22) - int32_t{kOneTop - 2u};
+  return Select(a < 0x40000000, small, big) | (Srl(bits, 28) & 8);
 }
 
 // RoundScaleSr: target in [0, 448] to lo or lo + one step, hi where u * step < target - lo.
@@ -201,6 +222,15 @@ NVFP4_VINLINE VI RoundScaleSrV(VF target, VF u) {
   const VF lo_value = E4m3ToF32V(lo);
   const VF step = E4m3ToF32V(lo + 1) - lo_value;
   return Select(u * step < target - lo_value, lo + 1, lo);
+}
+
+// Four Threefry-2x32 rounds with rotations R0..R3 (constants: immediate shifts).
+template <int R0, int R1, int R2, int R3>
+NVFP4_VINLINE void Rounds(VI& x0, VI& x1) {
+  x0 = x0 + x1, x1 = RotL(x1, R0) ^ x0;
+  x0 = x0 + x1, x1 = RotL(x1, R1) ^ x0;
+  x0 = x0 + x1, x1 = RotL(x1, R2) ^ x0;
+  x0 = x0 + x1, x1 = RotL(x1, R3) ^ x0;
 }
 
 // The uniforms of the 16 blocks from flat block `first`: block b hashes the counter
@@ -214,22 +244,16 @@ NVFP4_VINLINE VF Uniforms16(const MsEdenJob& job, int64_t first) {
   VI x1 = lo;
   const uint32_t k0 = job.k0, k1 = job.k1, k2 = k0 ^ k1 ^ 0x1BD11BDAu;
   const auto key = [](uint32_t k) { return SplatI(static_cast<int32_t>(k)); };
-  const auto rounds = [&](int r0, int r1, int r2, int r3) {
-    x0 = x0 + x1, x1 = RotL(x1, r0) ^ x0;
-    x0 = x0 + x1, x1 = RotL(x1, r1) ^ x0;
-    x0 = x0 + x1, x1 = RotL(x1, r2) ^ x0;
-    x0 = x0 + x1, x1 = RotL(x1, r3) ^ x0;
-  };
   x0 = x0 + key(k0), x1 = x1 + key(k1);
-  rounds(13, 15, 26, 6);
+  Rounds<13, 15, 26, 6>(x0, x1);
   x0 = x0 + key(k1), x1 = x1 + key(k2 + 1u);
-  rounds(17, 29, 16, 24);
+  Rounds<17, 29, 16, 24>(x0, x1);
   x0 = x0 + key(k2), x1 = x1 + key(k0 + 2u);
-  rounds(13, 15, 26, 6);
+  Rounds<13, 15, 26, 6>(x0, x1);
   x0 = x0 + key(k0), x1 = x1 + key(k1 + 3u);
-  rounds(17, 29, 16, 24);
+  Rounds<17, 29, 16, 24>(x0, x1);
   x0 = x0 + key(k1), x1 = x1 + key(k2 + 4u);
-  rounds(13, 15, 26, 6);
+  Rounds<13, 15, 26, 6>(x0, x1);
   x0 = x0 + key(k2);
   return ToF32(Srl(x0, 8)) * 5.9604644775390625e-8f;  // (w0 >> 8) * 2^-24, exact
 }
@@ -240,18 +264,20 @@ NVFP4_VINLINE VF Uniforms16(const MsEdenJob& job, int64_t first) {
 struct Encoded {
   VI codes[kBlock];  // codes[k] lane b: block b's element k
   VI scales;         // lane b: block b's chosen E4M3 byte
+  VI block_max;      // lane b: block b's max |value| bits
 };
 
 // cols[k] lane b: block b's element k (rotated), for the 16 blocks from flat block `first`.
 NVFP4_VINLINE Encoded EncodePair(const MsEdenJob& job, const VF cols[kBlock], int64_t first) {
   const MsEdenScale& g = job.g;
   VI m = SplatI(0);
-  for (int k = 0; k < kBlock; ++k) m = MaxI(m, AsVI(cols[k]) & int32_t{kAbsMask});
+  for (int k = 0; k < kBlock; ++k) m = MaxV(m, AsVI(cols[k]) & int32_t{kAbsMask});
   VI s = F32ToE4m3V(MinNanV(AsVF(m) * g.enc_rcpv, kE4m3Max));
   s = Select(s == 0, SplatI(int32_t{kE4m3One}), s);
   const VF scale_value = E4m3ToF32V(s);
   const VF enc = MinNanV(SplatF(1.0f) / (scale_value * g.dec), kFltMax);
   Encoded out;
+  out.block_max = m;
   VF n = SplatF(0.0f), d = SplatF(0.0f);
   for (int k = 0; k < kBlock; ++k) {
     const VF v = cols[k] * enc;
@@ -260,12 +286,15 @@ NVFP4_VINLINE Encoded EncodePair(const MsEdenJob& job, const VF cols[kBlock], in
     d = d + v * E2m1Value(out.codes[k]);
   }
   // Each group's sums over its 8 blocks in order from +0, and its correction.
+  alignas(64) float ns[kPair], ds[kPair];
+  StoreV(ns, n);
+  StoreV(ds, d);
   float correction[2];
   for (int h = 0; h < 2; ++h) {
     float num = 0.0f, den = 0.0f;
     for (int b = h * kBlocks; b < (h + 1) * kBlocks; ++b) {
-      num = num + AsFloat(static_cast<uint32_t>(Lane(AsVI(n), b)));
-      den = den + AsFloat(static_cast<uint32_t>(Lane(AsVI(d), b)));
+      num = num + ns[b];
+      den = den + ds[b];
     }
     correction[h] = den == 0.0f ? 1.0f : num / den;
   }
@@ -283,10 +312,11 @@ uint32_t AmaxRange(const MsEdenJob& job, int64_t begin, int64_t end) {
   VF rows[kPair];
   for (int64_t group = begin; group < end; group += 2) {
     const int groups = end - group >= 2 ? 2 : 1;
-    const uint32_t m = LoadRotated<T>(job, group, groups, rows);
+    const uint32_t m = LoadRotated<T, true>(job, group, groups, rows);
     seen = m > seen ? m : seen;
   }
-  return seen;
+  // R times the max (|values| bits are ordered as the values; NaN stays NaN).
+  return AsBits(AsFloat(seen) * AsFloat(kRcpSqrt128Bits)) & kAbsMask;
 }
 
 // Packed codes and scale bytes of `groups` groups from `group`.
@@ -336,10 +366,11 @@ uint32_t EncodeRange(const MsEdenJob& job, int64_t begin, int64_t end) {
   VF rows[kPair];
   for (int64_t group = begin; group < end; group += 2) {
     const int groups = end - group >= 2 ? 2 : 1;
-    const uint32_t m = LoadRotated<T>(job, group, groups, rows);
-    seen = m > seen ? m : seen;
+    LoadRotated<T, false>(job, group, groups, rows);
     Transpose(rows);  // rows[k] lane b: block b's element k
     const Encoded e = EncodePair(job, rows, group * kBlocks);
+    const uint32_t m = static_cast<uint32_t>(MaxLane(e.block_max));
+    seen = m > seen ? m : seen;
     if constexpr (kValues) {
       PutValues<U>(job, group, groups, e);
     } else {
