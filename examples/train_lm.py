@@ -113,9 +113,13 @@ RESUME_DEFAULTS = {
     "backward": "nvidia",
 }
 # --backward: the NVFP4 backward GEMMs' quantization (NVFP4Recipe.backward), NVIDIA's recipe
-# (dy stochastically rounded) or Quartet II's MS-EDEN; and the default.
+# (dy stochastically rounded) or Quartet II's MS-EDEN; and the default, MS-EDEN since the
+# recipe study (docs/results/accuracy.md, "Quartet II's backward": its mean gap over three
+# rounding draws was the lower one on every recipe studied).
 BACKWARDS = ("nvidia", "ms_eden")
-DEFAULT_BACKWARD = "nvidia"
+DEFAULT_BACKWARD = "ms_eden"
+# The --disable switches only NVIDIA's backward has.
+NVIDIA_SWITCHES = {"stochastic_rounding", "wgrad_rht"}
 # The Four Over Six fields a --rules recipe may set (null, "mae" or "mse"), over the flags'.
 RULE_FOUR_OVER_SIX = ("weight_four_over_six", "activation_four_over_six", "gradient_four_over_six")
 # --four-over-six: the operand classes of the NVFP4 GEMMs quantized with Four Over Six, and
@@ -322,8 +326,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--sr-seed",
         type=_integer(0, MAX_SEED),
         default=None,
-        help="seed of the NVFP4 run's stochastic-rounding streams alone (default: from --seed); "
-        "the weights and the batches stay --seed's",
+        help="seed of the NVFP4 run's rounding streams alone (stochastic rounding, or MS-EDEN's "
+        "rotations and scale roundings; default: from --seed); the weights and the batches "
+        "stay --seed's",
     )
     p.add_argument(
         "--bf16-first",
@@ -539,6 +544,30 @@ def _check_diagnostics_flags(p: argparse.ArgumentParser, args: argparse.Namespac
         p.error("--suggest-share needs the diagnostics: drop --no-diagnostics")
 
 
+def _check_backward_flags(p: argparse.ArgumentParser, args) -> None:
+    """Exit 2 on a --disable switch or a --rules field only NVIDIA's backward has, under
+    MS-EDEN's."""
+    if args.backward != "ms_eden":
+        return
+    if nvidia := sorted(set(args.disable) & NVIDIA_SWITCHES):
+        p.error(
+            f"--disable {' '.join(nvidia)}: a switch of --backward nvidia (MS-EDEN's backward "
+            "rounds no gradient stochastically and has no RHT)"
+        )
+    for pattern, switches in args.rules or ():
+        nvidia = [
+            f"{name}: {json.dumps(value)}"
+            for name, value in switches or ()
+            if (name in NVIDIA_SWITCHES and value is False)
+            or (name == "gradient_four_over_six" and value is not None)
+        ]
+        if nvidia:
+            p.error(
+                f"--rules: the rule of {pattern} sets {', '.join(nvidia)}, which only --backward "
+                "nvidia has (MS-EDEN's backward quantizes dy itself)"
+            )
+
+
 def parse_args(argv=None, parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
     """Parses and checks the command line; bad values exit with a message naming the flag."""
     p = build_parser() if parser is None else parser
@@ -572,6 +601,7 @@ def parse_args(argv=None, parser: argparse.ArgumentParser | None = None) -> argp
             p.error(f"--{name.replace('_', '-')} {value} is more than --steps {args.steps}")
     args.disable = sorted(set(args.disable))
     _check_four_over_six_flags(p, args)
+    _check_backward_flags(p, args)
     size = text_size(args.data)
     longest = longest_seq_len(size)
     if args.seq_len > longest:
@@ -654,7 +684,8 @@ def four_over_six_fields(args) -> dict:
 
 def _backward(args) -> dict:
     """The `NVFP4Recipe.backward` field --backward asks for."""
-    return dict(backward=getattr(args, "backward", DEFAULT_BACKWARD))
+    # Arguments without the flag predate it: NVIDIA's backward, as RESUME_DEFAULTS says.
+    return dict(backward=getattr(args, "backward", RESUME_DEFAULTS["backward"]))
 
 
 def nvfp4_recipe(args) -> nvfp4_jax.NVFP4Recipe:

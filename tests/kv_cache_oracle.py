@@ -187,7 +187,7 @@ def kv_exp(x: np.ndarray) -> np.ndarray:
     for c in _EXP_P[1:]:
         p = (p * r + c).astype(F32)
     p = (p * (r * r) + r + F32(1)).astype(F32)
-    half = np.fix(n / 2).astype(np.int32)
+    half = np.trunc(n / 2).astype(np.int32)
     a = ((half + 127) << 23).astype(np.int32).view(F32)
     b = ((n - half + 127) << 23).astype(np.int32).view(F32)
     y = ((p * a) * b).astype(F32)

@@ -48,6 +48,7 @@ FACES = (
 METHODS = (
     "nvfp4_jax:NVFP4Array.dequantize",
     "nvfp4_jax:SRSeed.from_key",
+    "nvfp4_jax:QuantSpec.replace",
     "nvfp4_jax.nnx:Linear.from_quantized",
     "nvfp4_jax.nnx:Experts.from_quantized",
     "nvfp4_jax.linen:Dense.__call__",

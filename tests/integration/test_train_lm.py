@@ -245,15 +245,26 @@ def test_defaults_fit_short_runs():
 
 def test_the_default_recipe_is_the_accuracy_studys_best():
     """First block, last block and head in bf16, the last 20% of the steps with a bf16
-    forward, Four Over Six on W, x and dy; a model too shallow for a bf16 first block keeps
-    its blocks in NVFP4."""
+    forward, Four Over Six on W and x, Quartet II's MS-EDEN backward (the recipe study's
+    lower mean); with NVIDIA's backward, Four Over Six on W, x and dy. A model too shallow
+    for a bf16 first block keeps its blocks in NVFP4."""
     args = train_lm.parse_args([])
     assert (args.bf16_first, args.bf16_last, args.high_precision_final) == (1, 2, 0.2)
     assert args.high_precision_final_gemms == "fprop"
-    assert args.four_over_six == ["activation", "gradient", "weight"]
+    assert args.backward == "ms_eden" and args.four_over_six == ["activation", "weight"]
     recipe = train_lm.nvfp4_recipe(args)
-    assert recipe.weight_four_over_six == recipe.gradient_four_over_six == "mse"
+    assert recipe.backward == "ms_eden" and recipe.random_backward
+    assert recipe.weight_four_over_six == recipe.activation_four_over_six == "mse"
+    assert recipe.gradient_four_over_six is None
     assert recipe.four_over_six_e4m3_max == 256
+    nvidia = train_lm.parse_args(["--backward", "nvidia"])
+    assert nvidia.four_over_six == ["activation", "gradient", "weight"]
+    assert train_lm.nvfp4_recipe(nvidia).gradient_four_over_six == "mse"
+    # NVIDIA's switches are errors with MS-EDEN's backward.
+    for switch in ("stochastic_rounding", "wgrad_rht"):
+        assert train_lm.parse_args(["--backward", "nvidia", "--disable", switch]).disable
+        with pytest.raises(SystemExit):
+            train_lm.parse_args(["--disable", switch])
     # The grouped GEMMs take 4/6 on their weights only.
     assert train_lm.parse_args(["--experts", "4"]).four_over_six == ["weight"]
     assert train_lm.switch_step(args) == 480
@@ -319,6 +330,7 @@ def test_resume_without_a_checkpoint(stopped_run, tmp_path, capsys):
 def test_rules_from_flags_pick_the_layers():
     args = train_lm.parse_args(
         [*TINY, "--keep-bf16", "q_proj", "--bf16-last", "1", "--disable", "wgrad_rht"]
+        + ["--backward", "nvidia"]
     )
     model = train_lm.make_model(args, "nvfp4")
     kinds = {
@@ -337,7 +349,8 @@ def test_rules_file_and_diagnostics_are_written(tmp_path):
     rules = tmp_path / "rules.json"
     rules.write_text(json.dumps([{"pattern": "mlp", "recipe": {"stochastic_rounding": False}}]))
     out = tmp_path / "run"
-    flags = ["--recipe", "nvfp4", "--steps", "2", "--rules", str(rules), "--suggest-share", "0.1"]
+    flags = ["--recipe", "nvfp4", "--steps", "2", "--rules", str(rules), "--backward", "nvidia"]
+    flags += ["--suggest-share", "0.1"]
     results = train_lm.main([*TINY, "--diagnostics", *flags, "--out", str(out)])
     report = json.loads((out / "diagnostics.json").read_text())
     assert report["layers"] and (out / "diagnostics.png").stat().st_size > 0
@@ -392,7 +405,8 @@ def test_ms_eden_backward_resumes_exactly_across_the_switch(tmp_path):
     flags = ["--recipe", "nvfp4", "--steps", "6", "--eval-every", "3", "--save-every", "1"]
     flags += ["--high-precision-final", "0.5", "--backward", "ms_eden"]
     straight = _run(tmp_path / "straight", *flags)["histories"]["nvfp4"]
-    sr = _run(tmp_path / "sr", *flags[:-2], "--stop-after", "2")["histories"]["nvfp4"]
+    sr = _run(tmp_path / "sr", *flags[:-2], "--backward", "nvidia", "--stop-after", "2")
+    sr = sr["histories"]["nvfp4"]
     assert sr["train_loss"][1] != straight["train_loss"][1]  # the backward changed step 1
     folder = tmp_path / "resumed"
     _run(folder, *flags, "--stop-after", "2")
@@ -533,12 +547,14 @@ def test_resume_refuses_another_high_precision_final(stopped_run, tmp_path, caps
 
 def test_four_over_six_flags_build_the_recipe():
     fields = ("weight_four_over_six", "activation_four_over_six", "gradient_four_over_six")
-    every = train_lm.nvfp4_recipe(train_lm.parse_args([*TINY, "--four-over-six", "all"]))
+    nvidia = ["--backward", "nvidia"]  # (MS-EDEN's backward quantizes dy itself)
+    every = train_lm.nvfp4_recipe(train_lm.parse_args([*TINY, *nvidia, "--four-over-six", "all"]))
     assert all(getattr(every, f) == "mse" for f in fields)
     assert every.four_over_six_e4m3_max == 256
     some = train_lm.parse_args(
-        [*TINY, "--four-over-six", "weight", "--four-over-six", "gradient", "--four-over-six",
-         "weight", "--four-over-six-error", "mae", "--four-over-six-e4m3-max", "448"]
+        [*TINY, *nvidia, "--four-over-six", "weight", "--four-over-six", "gradient",
+         "--four-over-six", "weight", "--four-over-six-error", "mae",
+         "--four-over-six-e4m3-max", "448"]
     )  # fmt: skip
     assert some.four_over_six == ["gradient", "weight"]
     recipe = train_lm.nvfp4_recipe(some)
@@ -576,8 +592,11 @@ def test_four_over_six_reaches_the_models_layers():
     # A run with Four Over Six (the default, --four-over-six all) resumes exactly:
     # test_resume_continues_exactly; its GEMMs round otherwise than plain NVFP4:
     # training/test_recipe_four_over_six.py. Here: the flags reach the NVFP4 run's layers.
-    for flag, want in (("all", "mse"), ("none", None)):
-        args = train_lm.parse_args([*TINY, "--four-over-six", flag])
+    # With MS-EDEN's backward (the default) "all" is W and x; with NVIDIA's, dy too.
+    cases = [("all", "mse", None, []), ("none", None, None, [])]
+    cases.append(("all", "mse", "mse", ["--backward", "nvidia"]))
+    for flag, want, gradient, backward in cases:
+        args = train_lm.parse_args([*TINY, "--four-over-six", flag, *backward])
         model = train_lm.make_model(args, "nvfp4")
         recipes = [
             nvfp4_jax.rules.layer_recipe(node)
@@ -589,7 +608,7 @@ def test_four_over_six_reaches_the_models_layers():
         for recipe in in_nvfp4:
             assert recipe.weight_four_over_six == want, flag
             assert recipe.activation_four_over_six == want, flag
-            assert recipe.gradient_four_over_six == want, flag
+            assert recipe.gradient_four_over_six == gradient, flag
 
 
 def test_a_rules_file_sets_four_over_six_per_layer(tmp_path, capsys):
@@ -602,7 +621,11 @@ def test_a_rules_file_sets_four_over_six_per_layer(tmp_path, capsys):
             ]
         )
     )
-    args = train_lm.parse_args([*TINY, "--rules", str(rules), "--four-over-six", "weight"])
+    flags = [*TINY, "--rules", str(rules), "--four-over-six", "weight"]
+    # gradient_four_over_six and wgrad_rht are NVIDIA's backward's.
+    err = _exits_with_usage_error(capsys, train_lm.parse_args, flags)
+    assert 'the rule of mlp sets gradient_four_over_six: "mae", which only --backward' in err
+    args = train_lm.parse_args([*flags, "--backward", "nvidia"])
     mlp, attn, rest = train_lm.model_rules(args)
     assert mlp.recipe.gradient_four_over_six == "mae" and mlp.recipe.weight_four_over_six == "mse"
     assert attn.recipe.weight_four_over_six is None and not attn.recipe.wgrad_rht

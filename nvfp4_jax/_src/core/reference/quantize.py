@@ -244,8 +244,8 @@ def quantize(
       >>> q = quantize(x)
       >>> q.codes.shape, q.scales.shape, q.shape
       ((2, 8), (2, 1), (2, 16))
-      >>> quantize(x, QuantSpec(axis=0, block_2d=False)).shape
-      (2, 16)
+      >>> quantize(x.T, QuantSpec(axis=0)).shape  # the blocks run along axis 0
+      (16, 2)
 
     """
     spec = spec_of_call(spec, options, "quantize").replace(op="quantize")
