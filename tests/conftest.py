@@ -78,7 +78,11 @@ def pytest_configure(config):
         return
     settings = {
         "jax_compilation_cache_dir": folder,
-        "jax_persistent_cache_min_compile_time_secs": 0,
+        # Only programs that take a second to compile: those are what the workers and the
+        # started processes share (train steps, the example's programs); the thousands of
+        # small ones gain nothing from it, and writing each one serializes an executable
+        # (jax 0.10.2 once crashed a worker in that serialization, in a small sharded program).
+        "jax_persistent_cache_min_compile_time_secs": 1.0,
         "jax_persistent_cache_min_entry_size_bytes": 0,
     }
     for name, value in settings.items():
