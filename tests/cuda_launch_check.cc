@@ -1,5 +1,5 @@
 // Host-side check of the CUDA kernels' launch geometry (ffi/include/nvfp4/launch.h), built
-// and run by tests/test_cuda_launch.py with the host C++ compiler: no GPU needed.
+// and run by tests/core/test_cuda_launch.py with the host C++ compiler: no GPU needed.
 //
 // Prints one line per failed check and exits 1 if any failed; prints "ok N" otherwise.
 #include <cstdint>

@@ -1,7 +1,7 @@
 // Four Over Six as the CUDA kernels compute it (ffi/cuda/kernels.cuh), run on the host: the
 // scalar functions of ffi/include/nvfp4/numerics.h in the order the kernels call them (a
 // thread per 1x16 block; for 16x16 tiles, a lane per tile row and TileError, the tree the
-// kernel's shuffles form). Built and run by tests/test_four_over_six.py with the host C++
+// kernel's shuffles form). Built and run by tests/core/test_four_over_six.py with the host C++
 // compiler (-ffp-contract=off, as nvcc's -fmad=false), so the CUDA path's numbers are checked
 // against the NumPy oracle without a GPU.
 //

@@ -213,6 +213,52 @@ def test_markdown_links_resolve():
     assert not broken, broken
 
 
+# A repository path in a file's text: a top-level folder of the repo, then path characters.
+REPO_PATH = re.compile(
+    r"(?<![\w./-])((?:nvfp4_jax|ffi|tests|docs|scripts|examples|benchmarks|\.ci)/[\w./-]*\w)"
+)
+
+
+def _names_a_repo_path(text: str) -> bool:
+    """Whether `text` (a path found by REPO_PATH) names something of the repository: a file
+    or folder, a module without its `.py`, a module's attribute (`tests/helpers.heavy_tailed`)
+    or the start of file names (`benchmarks/results/cpu_`)."""
+    path = ROOT / text
+    if path.exists() or path.with_name(path.name + ".py").exists():
+        return True
+    module, _, attribute = text.rpartition(".")
+    if attribute.isidentifier() and (ROOT / f"{module}.py").is_file():
+        return True
+    return path.parent.is_dir() and any(path.parent.glob(glob_escape(path.name) + "*"))
+
+
+def glob_escape(name: str) -> str:
+    return re.sub(r"([*?\[])", r"[\1]", name)
+
+
+def test_repository_paths_named_in_files_exist():
+    """A comment, docstring or page that names a repository path names one that exists (the
+    move into `_src/` left comments naming the old paths). Generated folders (`docs/_build`)
+    and placeholders (`..._DATE.txt`, a name's start ending in `_`) are not paths."""
+    files = subprocess.run(
+        ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=False
+    ).stdout.split()
+    if not files:
+        pytest.skip("not a git checkout")
+    suffixes = (".py", ".cc", ".h", ".cu", ".cuh", ".sh", ".md", ".toml", ".txt", ".cfg")
+    stale = []
+    for name in files:
+        if not name.endswith(suffixes) or not (ROOT / name).is_file():
+            continue
+        for match in REPO_PATH.finditer((ROOT / name).read_text(errors="ignore")):
+            text = match.group(1).rstrip(".")
+            if text.startswith("docs/_build") or re.search(r"[A-Z]{3,}|_$", text):
+                continue
+            if not _names_a_repo_path(text):
+                stale.append(f"{name}: {text}")
+    assert not stale, f"paths that do not exist in the repository: {stale}"
+
+
 def test_lint_is_clean():
     """ruff (configured in pyproject.toml: complexity limit, no unused noqa) passes."""
     ruff = pytest.importorskip("ruff")

@@ -573,7 +573,8 @@ ffi::Error W4a16Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer code
 // nvfp4_threefry2x32(k0, k1, x0, x1) -> (y0, y1): threefry2x32 of every element, as
 // jax.extend.random.threefry2x32_p; all u32 of one shape. One custom call in place of the
 // rolled 20-round loop XLA's CPU lowering compiles for every hash (the SR keys of each layer
-// and step, nvfp4_jax/kernels/_threefry.py): the same bits, a fraction of the compile time.
+// and step, nvfp4_jax/_src/core/kernels/_threefry.py): the same bits, a fraction of the
+// compile time.
 ffi::Error Threefry2x32Impl(ffi::AnyBuffer k0, ffi::AnyBuffer k1, ffi::AnyBuffer x0,
                             ffi::AnyBuffer x1, ffi::Result<ffi::AnyBuffer> y0,
                             ffi::Result<ffi::AnyBuffer> y1) {

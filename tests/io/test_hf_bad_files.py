@@ -1,4 +1,5 @@
-"""The checkpoint loader against hostile and malformed input (nvfp4_jax/hf/load.py, reading side).
+"""The checkpoint loader against hostile and malformed input (the reading side,
+nvfp4_jax/_src/io/hf/load.py).
 
 Every safetensors header, JSON file and scale that a checkpoint can get wrong gives a
 `ValueError` naming the file (and the tensor or field), raised before the loader allocates
