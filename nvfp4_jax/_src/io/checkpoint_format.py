@@ -4,51 +4,7 @@ What `checkpoint_save` writes and `checkpoint_restore` reads, and the helpers bo
 share: a tree's leaves and their stored names, the entry of an NVFP4 leaf, the dtypes
 orbax stores, the digests, the `CURRENT` pointer and the orbax checkpointer.
 
-On-disk layout (format `nvfp4_jax.checkpoint/3`). `path` is a directory:
-
-    path/
-      CURRENT                 one line: the name of the current snapshot
-      snapshot-000007/        the current snapshot, an orbax `Composite` checkpoint:
-        arrays/               a flat `{name: array}` dict (orbax `StandardSave`)
-        nvfp4/metadata        JSON: the format, one entry per leaf, digests
-        ...                   orbax's own bookkeeping files
-      snapshot-000006/, snapshot-000008.orbax-checkpoint-tmp-*/, CURRENT.tmp
-                              leftovers of an interrupted save, removed by the next save
-
-Inside a snapshot, a plain leaf at path `a/b` is stored as `a/b`; an `NVFP4Array` at `a/w` as
-`a/w/codes` (uint8), `a/w/scales` (float8_e4m3fn), `a/w/amax` (f32) and, when it has one,
-`a/w/decode_scale` (f32); a typed PRNG key array
-(an nnx rng stream's key) as its `jax.random.key_data` (uint32) under its own name. The bytes
-are stored as they are: restoring is bit-exact. NumPy leaves stay NumPy (a float64 stays
-float64, a bfloat16 one a NumPy bfloat16 array) unless the target gives a jax leaf for them.
-The JSON entry of a leaf holds its path, kind ("array", "nvfp4" or "key"), shapes
-and dtypes, the static metadata of an NVFP4 leaf (dtype, axis, block_2d, rht, logical shape)
-and the implementation of a key (e.g. "threefry2x32"). Every stored name belongs to exactly
-one leaf: `save_checkpoint` raises before writing anything if two leaves would share one
-(a "/" in a dict key, a plain leaf at `w/codes` beside an NVFP4Array at `w`).
-
-Dtypes: a plain leaf may have any boolean or numeric dtype that tensorstore (orbax's writer)
-stores: NumPy's, and those of ml_dtypes that JAX uses, bfloat16, float8_e4m3fn, float8_e5m2,
-float8_e4m3fnuz, float8_e5m2fnuz, float8_e4m3b11fnuz, float8_e3m4, float8_e8m0fnu,
-float4_e2m1fn, int4 and int2 (NumPy calls their kind "V", like a structured dtype's), every
-bit pattern kept (NaN payloads, negative zeros). Others (ml_dtypes' float8_e4m3, float6_*,
-int1, uint1/2/4; object, string, structured, void or datetime dtypes) are a `TypeError`
-naming the leaf and its dtype, raised before anything is written.
-
-Edited metadata (format 3): each entry carries `digest`, the sha256 of the canonical JSON
-(sorted keys, no spaces, ASCII) of the rest of the entry, and the metadata a `digest` of the
-canonical JSON of its format and entries (theirs included). `restore_checkpoint` recomputes
-them before using anything: an entry whose fields were changed (any field: dtype, axis,
-block_2d, rht, shapes, kind, impl, path...) or that lost its digest is a `ValueError` naming
-the entry (all such entries) and the file; entries added, removed, duplicated or reordered,
-or a changed format, are a `ValueError` naming the file; so is a format-1/2 header on metadata
-that has digests. The digests catch edits and corruption, not forgery: whoever edits the file
-can recompute them. Formats 1 and 2 have no digests: there only edits that make the metadata
-inconsistent (with itself, `validate_nvfp4_array` or the stored arrays) are caught.
-
-The first format, `nvfp4_jax.checkpoint/1` (the orbax `Composite` at `path` itself, no
-`CURRENT`), and the second (this layout, no digests) are still restored; a forced save over
-them writes format 3, atomically (`checkpoint_save`).
+The format itself, for readers of the files: docs/CHECKPOINT_FORMAT.md.
 """
 
 from __future__ import annotations

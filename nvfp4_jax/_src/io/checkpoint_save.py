@@ -1,6 +1,6 @@
 """`save_checkpoint`: a pytree of NVFP4Arrays, arrays and PRNG keys, saved atomically.
 
-The format it writes is `checkpoint_format`'s.
+The format it writes is `checkpoint_format`'s (docs/CHECKPOINT_FORMAT.md).
 
 Atomicity: a save never touches the current snapshot nor `CURRENT` until its very end. It
 writes a new snapshot under a fresh name (orbax writes it into a temporary directory and
