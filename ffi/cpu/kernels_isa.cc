@@ -105,19 +105,7 @@ struct VecIo<F32> {
 // (a + (-b) is a - b exactly in IEEE arithmetic, and a + b is b + a), the additions of the
 // scalar butterflies on the same operands, so the same bits.
 
-template <int H>
-NVFP4_VINLINE VF Butterfly(VF v) {
-  const VF sign = Select((Iota() & H) != 0, SplatF(-1.0f), SplatF(1.0f));
-  VF partner;
-  for (int j = 0; j < kParts; ++j) {
-    if constexpr (H >= kLanes) {
-      partner.p[j] = v.p[j ^ (H / kLanes)];
-    } else {
-      partner.p[j] = __builtin_shuffle(v.p[j], kNativeIota ^ H);
-    }
-  }
-  return AddSigned(partner, v, sign);
-}
+// Butterfly: simd.h.
 
 NVFP4_VINLINE VF Rht16V(VF v, bool inverse) {
   VI sign_bits;

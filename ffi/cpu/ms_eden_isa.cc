@@ -53,21 +53,7 @@ NVFP4_VINLINE VI MaxV(VI a, VI b) {
 // ---------------------------------------------------------------------------
 // The rotation (Rotate128), a block per vector.
 
-// Butterfly stage H < 16 inside one block's vector: lane i gets v[i] + v[i ^ H] (bit H of i
-// clear) or v[i ^ H] - v[i] (set): the partner plus v times +-1.
-template <int H>
-NVFP4_VINLINE VF Butterfly(VF v) {
-  const VF sign = Select((Iota() & H) != 0, SplatF(-1.0f), SplatF(1.0f));
-  VF partner;
-  for (int j = 0; j < kParts; ++j) {
-    if constexpr (H >= kLanes) {
-      partner.p[j] = v.p[j ^ (H / kLanes)];
-    } else {
-      partner.p[j] = __builtin_shuffle(v.p[j], kNativeIota ^ H);
-    }
-  }
-  return AddSigned(partner, v, sign);
-}
+// Butterfly (simd.h): one stage of the 16-point transform.
 
 // Butterfly stage 16 * S between the blocks j and j + S of a group (bit S of j clear).
 template <int S>

@@ -214,6 +214,23 @@ NVFP4_VINLINE VF AddSigned(VF a, VF b, VF s) {
   return r;
 }
 
+// Butterfly stage H < 16 of a 16-point Hadamard inside one block's vector (the RHT's Rht16
+// and MS-EDEN's rotation): lane i gets v[i] + v[i ^ H] (bit H of i clear) or v[i ^ H] - v[i]
+// (set): the partner plus v times +-1, the scalar butterflies' additions, the same bits.
+template <int H>
+NVFP4_VINLINE VF Butterfly(VF v) {
+  const VF sign = Select((Iota() & H) != 0, SplatF(-1.0f), SplatF(1.0f));
+  VF partner;
+  for (int j = 0; j < kParts; ++j) {
+    if constexpr (H >= kLanes) {
+      partner.p[j] = v.p[j ^ (H / kLanes)];
+    } else {
+      partner.p[j] = __builtin_shuffle(v.p[j], kNativeIota ^ H);
+    }
+  }
+  return AddSigned(partner, v, sign);
+}
+
 // Loads and stores of a native vector, or of a VF / VI part by part: one unaligned native
 // load or store per part. (A whole-struct memcpy of a two-ymm VF, GCC 12 at -march=x86-64-v3,
 // goes through the stack in 16-byte pieces, and the 32-byte reloads then miss store
