@@ -7,6 +7,7 @@ so a lazy import inside a function counts), not from what happens to be imported
 from __future__ import annotations
 
 import ast
+import glob
 import pathlib
 import re
 import subprocess
@@ -229,11 +230,7 @@ def _names_a_repo_path(text: str) -> bool:
     module, _, attribute = text.rpartition(".")
     if attribute.isidentifier() and (ROOT / f"{module}.py").is_file():
         return True
-    return path.parent.is_dir() and any(path.parent.glob(glob_escape(path.name) + "*"))
-
-
-def glob_escape(name: str) -> str:
-    return re.sub(r"([*?\[])", r"[\1]", name)
+    return path.parent.is_dir() and any(path.parent.glob(glob.escape(path.name) + "*"))
 
 
 def test_repository_paths_named_in_files_exist():
