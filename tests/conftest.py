@@ -52,6 +52,8 @@ import jax
 import pytest
 from helpers import IMPLEMENTATIONS, NATIVE, Impl, make_impl
 
+from nvfp4_jax._src.core.kernels import _library
+
 INTEGRATION = pathlib.Path(__file__).resolve().parent / "integration"
 TRAINING = pathlib.Path(__file__).resolve().parent / "training"
 _CACHE_ENV = "NVFP4_TEST_XLA_CACHE"
@@ -198,3 +200,16 @@ def impl(request) -> Impl:
 def native(request) -> Impl:
     """Every native implementation in turn (the CPU kernels, the CUDA kernels)."""
     return make_impl(request.param)
+
+
+@pytest.fixture(params=["baseline", "x86-64-v3", "x86-64-v4"])
+def cpu_isa(request):
+    """Runs the CPU kernels built for one x86 level (each level is a separate build) and yields
+    its name; skips where this build or CPU lacks it. Afterwards the best level and all threads
+    again."""
+    module = _library.module("cpu")
+    if module is None or not hasattr(module, "set_isa") or not module.set_isa(request.param):
+        pytest.skip(f"this build or CPU has no {request.param} kernels")
+    yield request.param
+    module.set_isa("")
+    module.set_gemm_threads(0)

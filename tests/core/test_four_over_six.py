@@ -36,7 +36,6 @@ from jax.sharding import NamedSharding, PartitionSpec
 import nvfp4_jax
 from nvfp4_jax._src.core import reference
 from nvfp4_jax._src.core.array import validate_nvfp4_array
-from nvfp4_jax._src.core.kernels import _library
 
 F32 = np.float32
 KEY = jax.random.key(11)
@@ -313,15 +312,6 @@ def test_exact_ties_keep_map_to_6():
 
 
 # --- every ISA of the CPU kernels ----------------------------------------------------------------
-
-
-@pytest.fixture(params=["baseline", "x86-64-v3", "x86-64-v4"])
-def cpu_isa(request):
-    module = _library.module("cpu")
-    if module is None or not hasattr(module, "set_isa") or not module.set_isa(request.param):
-        pytest.skip(f"this build or CPU has no {request.param} kernels")
-    yield request.param
-    module.set_isa("")
 
 
 def test_every_cpu_isa(cpu_isa):

@@ -128,16 +128,6 @@ def test_tensors_split_between_threads_equal_the_reference(
     )
 
 
-@pytest.fixture(params=["baseline", "x86-64-v3", "x86-64-v4"])
-def cpu_isa(request):
-    """Runs the CPU kernels built for one x86 level (each level is a separate build)."""
-    module = _library.module("cpu")
-    if module is None or not hasattr(module, "set_isa") or not module.set_isa(request.param):
-        pytest.skip(f"this build or CPU has no {request.param} kernels")
-    yield request.param
-    module.set_isa("")
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "dtype,block_2d,rht,sr",

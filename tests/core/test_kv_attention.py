@@ -20,7 +20,6 @@ from jax.sharding import PartitionSpec as P
 
 from nvfp4_jax import kernels
 from nvfp4_jax import kv_cache as kc
-from nvfp4_jax._src.core.kernels import _library
 
 
 def _native_cpu() -> None:
@@ -78,16 +77,6 @@ def test_native_is_the_model_of_its_order_bit_for_bit(name):
     q, cache, lengths = _setup(name)
     got = kc.attention(q.astype(jnp.float32), cache, lengths, implementation="ffi")
     np.testing.assert_array_equal(np.asarray(got), _model(q, cache, lengths))
-
-
-@pytest.fixture(params=["baseline", "x86-64-v3", "x86-64-v4"])
-def cpu_isa(request):
-    """Runs the CPU kernels built for one x86 level (each level is a separate build)."""
-    module = _library.module("cpu")
-    if module is None or not hasattr(module, "set_isa") or not module.set_isa(request.param):
-        pytest.skip(f"this build or CPU has no {request.param} kernels")
-    yield request.param
-    module.set_isa("")
 
 
 def test_every_isa_gives_the_same_bits(cpu_isa):

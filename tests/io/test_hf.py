@@ -164,17 +164,6 @@ def copy_fixture(tmp_path: Path, name="ckpt") -> Path:
 
 
 @pytest.fixture(scope="module")
-def fixture_tensors() -> dict:
-    return hf.read_safetensors(FIXTURE / "model.safetensors")
-
-
-@pytest.fixture(scope="module")
-def source() -> dict:
-    """The bf16 weights ModelOpt quantized (HF names, (out, in))."""
-    return hf.read_safetensors(REFERENCE / "source_weights_bf16.safetensors")
-
-
-@pytest.fixture(scope="module")
 def input_amax(fixture_tensors) -> dict:
     """Recorded activation amaxes by HF module name (ModelOpt's, times 2688)."""
     return {m: float(fixture_tensors[f"{m}.input_scale"]) * 2688.0 for m in LINEARS}

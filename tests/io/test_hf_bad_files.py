@@ -314,11 +314,6 @@ def test_index_of_the_wrong_shape(tmp_path):
 # --- 7. scales --------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def fixture_tensors() -> dict:
-    return hf.read_safetensors(FIXTURE / "model.safetensors")
-
-
 def with_tensor(tmp_path: Path, tensors: dict, name: str, value) -> Path:
     directory = copy_fixture(tmp_path)
     write_st(directory / "model.safetensors", {**tensors, name: value})

@@ -245,17 +245,6 @@ def leaf(tree, path: str):
 
 
 @pytest.fixture(scope="module")
-def fixture_tensors() -> dict:
-    return hf.read_safetensors(FIXTURE / "model.safetensors")
-
-
-@pytest.fixture(scope="module")
-def source() -> dict:
-    """The bf16 weights ModelOpt quantized (HF names, (out, in))."""
-    return hf.read_safetensors(REFERENCE / "source_weights_bf16.safetensors")
-
-
-@pytest.fixture(scope="module")
 def imported():
     return hf.load_hf_checkpoint(FIXTURE, name_map=hf.qwen3_moe_name_map())
 

@@ -133,17 +133,6 @@ def test_negative_scale_bytes_decode_with_their_sign():
     assert_same_bits(got, model(a.codes, a_s, b.codes, b.scales, alpha), "signed")
 
 
-@pytest.fixture(params=["baseline", "x86-64-v3", "x86-64-v4"])
-def cpu_isa(request):
-    """Runs the CPU kernels built for one x86 level (each level is a separate build)."""
-    module = _library.module("cpu")
-    if module is None or not module.set_isa(request.param):
-        pytest.skip(f"this build or CPU has no {request.param} kernels")
-    yield module
-    module.set_isa("")
-    module.set_gemm_threads(0)
-
-
 # Many tiles (64 rows x 32 columns), partial ones at both edges, several parallel chunks.
 ISA_SHAPE = (133, 203, 16 * 50)
 
@@ -151,7 +140,7 @@ ISA_SHAPE = (133, 203, 16 * 50)
 @pytest.mark.parametrize("threads", [1, 2])
 def test_every_isa_and_thread_count_gives_the_same_bits(cpu_isa, threads):
     a, b = operands(*ISA_SHAPE, seed=9)
-    cpu_isa.set_gemm_threads(threads)
+    _library.module("cpu").set_gemm_threads(threads)
     want = modelled(a, b)
     assert_same_bits(native(a, b), want, f"threads={threads}")
     # Batched (the kernel loops over the batch) and under vmap (broadcast to one call).
@@ -287,7 +276,7 @@ def test_the_baseline_kernels_leave_the_gemm_to_xla(cpu_isa):
     # plain integer code is far slower than XLA's dot: the emulated backend keeps XLA's dot of
     # the block values there, decided when the function is traced. The result is the same
     # exact block products summed in f32, so it agrees with the kernel to f32 summation order.
-    isa = cpu_isa.isa()
+    isa = _library.module("cpu").isa()
     assert kernels.cpu_isa() == isa
     assert gemm.uses_native_gemm("emulated", None) == (isa != "baseline")
     assert not gemm.uses_native_gemm("emulated", "reference")

@@ -148,20 +148,10 @@ def test_within_the_summation_bound_of_todays_path(dtype):
     assert np.all(np.abs(got - today) <= 2 * k * EPS32 * scale)
 
 
-@pytest.fixture(params=["baseline", "x86-64-v3", "x86-64-v4"])
-def cpu_isa(request):
-    module = _library.module("cpu")
-    if module is None or not module.set_isa(request.param):
-        pytest.skip(f"this build or CPU has no {request.param} kernels")
-    yield module
-    module.set_isa("")
-    module.set_gemm_threads(0)
-
-
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_same_bits_on_every_isa_and_thread_count(cpu_isa, threads, dtype):
-    cpu_isa.set_gemm_threads(threads)
+    _library.module("cpu").set_gemm_threads(threads)
     m, n, k = 11, 203, 16 * 50
     q, x = weight(k, n, seed=13), activations(m, k, seed=14, dtype=DTYPES[dtype])
     # Not jitted: a fresh call on the forced ISA (the kernel is picked at run time anyway).
