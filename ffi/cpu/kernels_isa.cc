@@ -903,6 +903,23 @@ uint32_t AmaxRangeT(const typename T::Storage* x, int64_t n) {
   }
   VI m0 = SplatI(0), m1 = SplatI(0);
   int64_t i = 0;
+  if constexpr (kRht && sizeof(typename T::Storage) == 2) {
+    // The RHT's values before their rounding to T: rounding to nearest even is monotonic
+    // and symmetric, so the max of the rounded |values| is the rounded max, rounded once
+    // here (the same bits). A NaN's bits are the rounded NaN's: that range takes the
+    // per-element path below.
+    for (; i + 2 * kBlock <= n; i += 2 * kBlock) {
+      VF e, o;
+      PairIo<T>::Load(x + i, e, o);
+      RhtPair(e, o, /*inverse=*/false);
+      m0 = MaxI(m0, AsVI(e) & 0x7FFFFFFF);
+      m1 = MaxI(m1, AsVI(o) & 0x7FFFFFFF);
+    }
+    if (i < n) m0 = MaxI(m0, AsVI(Rht16V(VecIo<T>::Load(x + i), /*inverse=*/false)) & 0x7FFFFFFF);
+    const uint32_t m = HorizontalMax(MaxI(m0, m1));
+    if (m <= 0x7F800000u) return AsBits(T::Load(T::Store(AsFloat(m))));
+    m0 = SplatI(0), m1 = SplatI(0), i = 0;
+  }
   for (; i + 2 * kBlock <= n; i += 2 * kBlock) {
     VF e, o;
     LoadPair<T, kRht>(x + i, e, o);
