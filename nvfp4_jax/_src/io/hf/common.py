@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import Any
+from typing import Any, Literal, get_args
 
 from nvfp4_jax._src.io.storage import fsync_fd
 from nvfp4_jax._version import __version__
@@ -19,7 +19,9 @@ CONFIG_NAME = "config.json"
 QUANT_CONFIG_NAME = "hf_quant_config.json"
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
-QUANT_ALGOS = ("NVFP4", "W4A16_NVFP4")
+# The checkpoint formats written: NVFP4 weights and activations, or NVFP4 weights only.
+QuantAlgo = Literal["NVFP4", "W4A16_NVFP4"]
+QUANT_ALGOS = get_args(QuantAlgo)
 # What an engine needs beyond the weights (heads and layers cannot be read off the tensors).
 REQUIRED_CONFIG_KEYS = (
     "architectures",
