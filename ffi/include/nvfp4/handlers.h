@@ -24,7 +24,7 @@
 //                         ffi::AnyBuffer result, bool inverse);
 // and NVFP4_DEFINE_HANDLERS(Cpu, Platform) defines the handler symbols module.cc registers
 // (NvFp4AmaxCpu, ...). The targets only one platform has (the CPU's GEMMs, KV cache,
-// threefry; MS-EDEN on both) have files of their own.
+// threefry) have files of their own, as has MS-EDEN on both (MsEdenHandlers below).
 #ifndef NVFP4_HANDLERS_H_
 #define NVFP4_HANDLERS_H_
 
@@ -151,7 +151,59 @@ struct Handlers {
   }
 };
 
+// The handlers of MS-EDEN's three targets (docs/NUMERICS.md section 14), both platforms'
+// (cpu/ms_eden.cc, cuda/ms_eden.cu). A platform is a struct with Context and Binding as
+// above and
+//   static ffi::Error Amax(Context&, const CheckedArgs&, ffi::AnyBuffer x,
+//                          ffi::AnyBuffer rotation, ffi::AnyBuffer result);
+//   static ffi::Error Quantize(Context&, const CheckedArgs&, ffi::AnyBuffer x,
+//                              ffi::AnyBuffer amax, ffi::AnyBuffer key, ffi::AnyBuffer rotation,
+//                              ffi::AnyBuffer codes, ffi::AnyBuffer scales,
+//                              ffi::AnyBuffer stored_amax);
+//   static ffi::Error FakeQuantize(Context&, const CheckedArgs&, ffi::AnyBuffer x,
+//                                  ffi::AnyBuffer amax, ffi::AnyBuffer key,
+//                                  ffi::AnyBuffer rotation, ffi::AnyBuffer result,
+//                                  ffi::AnyBuffer stored_amax, bool global_scale);
+template <class Platform>
+struct MsEdenHandlers {
+  using Ctx = typename Platform::Context;
+  using Buffer = ffi::AnyBuffer;
+  using Result = ffi::Result<ffi::AnyBuffer>;
+
+  static ffi::Error Amax(Ctx ctx, Buffer x, Buffer rotation, Result out) {
+    auto args = CheckMsEdenAmaxArgs(x, rotation, *out);
+    if (args.has_error()) return args.error();
+    return Platform::Amax(ctx, *args, x, rotation, *out);
+  }
+
+  static ffi::Error Quantize(Ctx ctx, Buffer x, Buffer amax, Buffer key, Buffer rotation,
+                             Result codes, Result scales, Result stored_amax) {
+    auto args = CheckMsEdenQuantizeArgs(x, amax, key, rotation, *codes, *scales, *stored_amax);
+    if (args.has_error()) return args.error();
+    return Platform::Quantize(ctx, *args, x, amax, key, rotation, *codes, *scales, *stored_amax);
+  }
+
+  static ffi::Error FakeQuantize(Ctx ctx, Buffer x, Buffer amax, Buffer key, Buffer rotation,
+                                 Result out, Result stored_amax, bool global_scale) {
+    auto args = CheckMsEdenFakeQuantizeArgs(x, amax, key, rotation, *out, *stored_amax);
+    if (args.has_error()) return args.error();
+    return Platform::FakeQuantize(ctx, *args, x, amax, key, rotation, *out, *stored_amax,
+                                  global_scale);
+  }
+};
+
 }  // namespace nvfp4
+
+// Defines the three MS-EDEN handler symbols of `Platform`: NvFp4AmaxMsEden##suffix, ...
+#define NVFP4_DEFINE_MS_EDEN_HANDLERS(suffix, Platform)                                        \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(NvFp4AmaxMsEden##suffix, nvfp4::MsEdenHandlers<Platform>::Amax, \
+                                nvfp4::bindings::MsEdenAmax<Platform::Binding>());             \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(NvFp4QuantizeMsEden##suffix,                                   \
+                                nvfp4::MsEdenHandlers<Platform>::Quantize,                     \
+                                nvfp4::bindings::MsEdenQuantize<Platform::Binding>());         \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(NvFp4FakeQuantizeMsEden##suffix,                               \
+                                nvfp4::MsEdenHandlers<Platform>::FakeQuantize,                 \
+                                nvfp4::bindings::MsEdenFakeQuantize<Platform::Binding>())
 
 // Defines the seven handler symbols of `Platform` (a type name without commas), suffixed
 // `suffix` as python/module.cc declares them: NvFp4Amax##suffix, ...
