@@ -43,7 +43,7 @@ set(CMAKE_CUDA_STANDARD 17)
 set(CMAKE_CUDA_STANDARD_REQUIRED ON)
 message(STATUS "nvfp4_jax: building the CUDA kernels for sm ${CMAKE_CUDA_ARCHITECTURES}")
 
-nvfp4_add_module(_nvfp4_cuda Cuda cuda/handlers.cu)
+nvfp4_add_module(_nvfp4_cuda Cuda cuda/handlers.cu cuda/ms_eden.cu)
 # The module's probe() names the architectures it was built for.
 file(CONFIGURE OUTPUT "${CMAKE_CURRENT_BINARY_DIR}/cuda_config/nvfp4_cuda_config.h"
      CONTENT "#define NVFP4_CUDA_ARCHITECTURES \"${CMAKE_CUDA_ARCHITECTURES}\"\n" @ONLY)

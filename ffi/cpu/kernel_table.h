@@ -11,31 +11,24 @@
 
 #include "nvfp4/dtypes.h"
 #include "nvfp4/numerics.h"
+#include "nvfp4/quantize_params.h"
 
 namespace nvfp4::cpu {
 
-struct QuantizeJob {
+// The job of quantize and fake quantize: the parameters both platforms share
+// (nvfp4/quantize_params.h), the scalars read on the host, and the buffers.
+struct QuantizeJob : QuantizeParams {
   const void* x = nullptr;
-  int64_t rows = 0;
-  int64_t cols = 0;
-  bool block_2d = false;
-  bool rht = false;
-  bool sr = false;
   GlobalScale g{};
-  // Four Over Six (docs/NUMERICS.md section 13): kPlain, kMae or kMse; 6M of the global
-  // scale (2688, or 1536 for M = 256), and the tensor amax A its candidate errors use.
-  int four_over_six = kPlain;
-  float six_m = k2688;
-  float amax = 0.0f;
+  float amax = 0.0f;  // the tensor amax A (Four Over Six's candidate errors use it)
   uint32_t k0 = 0, k1 = 0;
   uint64_t counter_offset = 0;  // SR counter of element 0 (global element offset / 8)
   // Quantize: packed codes (rows, cols/2) and scales (rows, cols/16).
   uint8_t* codes = nullptr;
   uint8_t* scales = nullptr;
-  // Fake quantize: values (rows, cols); factor f32(s_b) * global, or f32(s_b).
+  // Fake quantize: values (rows, cols); factor f32(s_b) * global (use_global), or f32(s_b).
   void* values = nullptr;
   float global = 1.0f;
-  bool use_global = true;
 
   int64_t blocks() const { return cols / kBlock; }
   int64_t rows_per_item() const { return block_2d ? kBlock : 1; }

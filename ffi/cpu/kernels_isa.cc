@@ -558,27 +558,10 @@ __attribute__((noinline)) void ChooseFourOverSix(const QuantizeJob& job, const V
 // ---------------------------------------------------------------------------
 // Threefry2x32 of 16 counters at once, and the SR random bytes of a group.
 
-NVFP4_VINLINE void RoundsV(VI& x0, VI& x1, int r0, int r1, int r2, int r3) {
-  x0 = x0 + x1, x1 = RotL(x1, r0) ^ x0;
-  x0 = x0 + x1, x1 = RotL(x1, r1) ^ x0;
-  x0 = x0 + x1, x1 = RotL(x1, r2) ^ x0;
-  x0 = x0 + x1, x1 = RotL(x1, r3) ^ x0;
-}
-
 NVFP4_VINLINE void Threefry16(uint32_t k0, uint32_t k1, VI& x0, VI& x1) {
-  const auto w = [](uint32_t u) { return static_cast<int32_t>(u); };
-  const uint32_t k2 = k0 ^ k1 ^ 0x1BD11BDAu;
-  x0 = x0 + w(k0), x1 = x1 + w(k1);
-  RoundsV(x0, x1, 13, 15, 26, 6);
-  x0 = x0 + w(k1), x1 = x1 + w(k2 + 1u);
-  RoundsV(x0, x1, 17, 29, 16, 24);
-  x0 = x0 + w(k2), x1 = x1 + w(k0 + 2u);
-  RoundsV(x0, x1, 13, 15, 26, 6);
-  x0 = x0 + w(k0), x1 = x1 + w(k1 + 3u);
-  RoundsV(x0, x1, 17, 29, 16, 24);
-  x0 = x0 + w(k1), x1 = x1 + w(k2 + 4u);
-  RoundsV(x0, x1, 13, 15, 26, 6);
-  x0 = x0 + w(k2), x1 = x1 + w(k0 + 5u);
+  Threefry2x32Schedule(
+      k0, k1, x0, x1, [](VI x, uint32_t k) { return x + static_cast<int32_t>(k); },
+      [](VI x, int r) { return RotL(x, r); });
 }
 
 // The random words of the 16 blocks from flat block index block0 (RandomWords16 of each):

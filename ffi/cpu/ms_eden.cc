@@ -1,7 +1,8 @@
 // XLA FFI handlers of MS-EDEN on the CPU (docs/NUMERICS.md section 14): the checks of
 // nvfp4/checks.h, the kernels of cpu/ms_eden_isa.cc at the instruction-set level cpu/isa.cc
-// picked, run over 128-element groups on XLA's intra-op thread pool. The bindings are
-// nvfp4/bindings.h's, shared with the CUDA handlers (cuda/ms_eden.cu).
+// picked, run over 128-element groups on XLA's intra-op thread pool. The bindings, the
+// decoding and the checks are nvfp4/handlers.h's (MsEdenHandlers), shared with the CUDA
+// handlers (cuda/ms_eden.cu).
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -12,6 +13,7 @@
 #include "cpu/run.h"
 #include "nvfp4/bindings.h"
 #include "nvfp4/checks.h"
+#include "nvfp4/handlers.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace nvfp4::cpu {
@@ -58,81 +60,75 @@ uint32_t RunGroups(ffi::ThreadPool& pool, MsEdenRangeFn fn, const MsEdenJob& job
   return seen.load();
 }
 
-ffi::Error AmaxImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer rotation,
-                    ffi::Result<ffi::AnyBuffer> out) {
-  auto args = CheckMsEdenAmaxArgs(x, rotation, *out);
-  if (args.has_error()) return args.error();
-  const MsEdenJob job = MakeJob(x, args->layout, rotation);
-  const uint32_t bits = RunGroups(pool, BestMsEden().amax[Index(args->x)], job);
-  *F32Data(*out) = AsFloat(bits < kInfBits ? bits : kNanBits);
-  return ffi::Error::Success();
-}
+// The CPU platform of nvfp4/handlers.h's MsEdenHandlers: the kernels on checked arguments.
+struct CpuMsEden {
+  using Context = ffi::ThreadPool;
+  using Binding = ffi::ThreadPool;
 
-ffi::Error QuantizeImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer amax,
-                        ffi::AnyBuffer key, ffi::AnyBuffer rotation,
-                        ffi::Result<ffi::AnyBuffer> codes, ffi::Result<ffi::AnyBuffer> scales,
-                        ffi::Result<ffi::AnyBuffer> stored_amax) {
-  auto args = CheckMsEdenQuantizeArgs(x, amax, key, rotation, *codes, *scales, *stored_amax);
-  if (args.has_error()) return args.error();
-  const RowLayout& layout = args->layout;
-  const float a = *F32Data(amax);
-  MsEdenJob job = MakeJob(x, layout, rotation);
-  SetKey(job, key);
-  job.g = MakeMsEdenScale(a);
-  job.codes = static_cast<uint8_t*>(codes->untyped_data());
-  job.scales = static_cast<uint8_t*>(scales->untyped_data());
-  // A NaN, inf or negative A gives the non-finite result without reading x.
-  const bool finite =
-      AmaxValid(a) && RunGroups(pool, BestMsEden().quantize[Index(args->x)], job) < kInfBits;
-  const float stored = StoredAmax(a, finite);
-  *F32Data(*stored_amax) = stored;
-  if (stored != stored && layout.size() > 0) {
-    // docs/NUMERICS.md section 8: every code 0 and every scale E4M3 NaN.
-    std::memset(job.codes, 0, layout.size() / 2);
-    std::memset(job.scales, kE4m3Nan, layout.rows * layout.blocks());
+  static ffi::Error Amax(ffi::ThreadPool& pool, const CheckedArgs& args, ffi::AnyBuffer x,
+                         ffi::AnyBuffer rotation, ffi::AnyBuffer out) {
+    const MsEdenJob job = MakeJob(x, args.layout, rotation);
+    const uint32_t bits = RunGroups(pool, BestMsEden().amax[Index(args.x)], job);
+    *F32Data(out) = AsFloat(bits < kInfBits ? bits : kNanBits);
+    return ffi::Error::Success();
   }
-  return ffi::Error::Success();
-}
 
-ffi::Error FakeQuantizeImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer amax,
-                            ffi::AnyBuffer key, ffi::AnyBuffer rotation,
-                            ffi::Result<ffi::AnyBuffer> out,
-                            ffi::Result<ffi::AnyBuffer> stored_amax, bool global_scale) {
-  auto args = CheckMsEdenFakeQuantizeArgs(x, amax, key, rotation, *out, *stored_amax);
-  if (args.has_error()) return args.error();
-  const RowLayout& layout = args->layout;
-  const float a = *F32Data(amax);
-  MsEdenJob job = MakeJob(x, layout, rotation);
-  SetKey(job, key);
-  job.g = MakeMsEdenScale(a);
-  job.values = out->untyped_data();
-  job.global = global_scale ? MsEdenDecode(a) : 1.0f;
-  const auto fn = BestMsEden().fake_quantize[Index(args->x)][Index(args->result)];
-  const bool finite = AmaxValid(a) && RunGroups(pool, fn, job) < kInfBits;
-  const float stored = StoredAmax(a, finite);
-  *F32Data(*stored_amax) = stored;
-  if (stored != stored && layout.size() > 0) {
-    // What dequantizing the non-finite result gives: NaN everywhere.
-    VisitFloatType(args->result, [&](auto u) {
-      using U = decltype(u);
-      auto* p = static_cast<typename U::Storage*>(job.values);
-      const typename U::Storage nan = U::Store(AsFloat(kNanBits));
-      for (int64_t i = 0; i < layout.size(); ++i) p[i] = nan;
-    });
+  static ffi::Error Quantize(ffi::ThreadPool& pool, const CheckedArgs& args, ffi::AnyBuffer x,
+                             ffi::AnyBuffer amax, ffi::AnyBuffer key, ffi::AnyBuffer rotation,
+                             ffi::AnyBuffer codes, ffi::AnyBuffer scales,
+                             ffi::AnyBuffer stored_amax) {
+    const RowLayout& layout = args.layout;
+    const float a = *F32Data(amax);
+    MsEdenJob job = MakeJob(x, layout, rotation);
+    SetKey(job, key);
+    job.g = MakeMsEdenScale(a);
+    job.codes = static_cast<uint8_t*>(codes.untyped_data());
+    job.scales = static_cast<uint8_t*>(scales.untyped_data());
+    // A NaN, inf or negative A gives the non-finite result without reading x.
+    const bool finite =
+        AmaxValid(a) && RunGroups(pool, BestMsEden().quantize[Index(args.x)], job) < kInfBits;
+    const float stored = StoredAmax(a, finite);
+    *F32Data(stored_amax) = stored;
+    if (stored != stored && layout.size() > 0) {
+      // docs/NUMERICS.md section 8: every code 0 and every scale E4M3 NaN.
+      std::memset(job.codes, 0, layout.size() / 2);
+      std::memset(job.scales, kE4m3Nan, layout.rows * layout.blocks());
+    }
+    return ffi::Error::Success();
   }
-  return ffi::Error::Success();
-}
+
+  static ffi::Error FakeQuantize(ffi::ThreadPool& pool, const CheckedArgs& args, ffi::AnyBuffer x,
+                                 ffi::AnyBuffer amax, ffi::AnyBuffer key, ffi::AnyBuffer rotation,
+                                 ffi::AnyBuffer out, ffi::AnyBuffer stored_amax,
+                                 bool global_scale) {
+    const RowLayout& layout = args.layout;
+    const float a = *F32Data(amax);
+    MsEdenJob job = MakeJob(x, layout, rotation);
+    SetKey(job, key);
+    job.g = MakeMsEdenScale(a);
+    job.values = out.untyped_data();
+    job.global = global_scale ? MsEdenDecode(a) : 1.0f;
+    const auto fn = BestMsEden().fake_quantize[Index(args.x)][Index(args.result)];
+    const bool finite = AmaxValid(a) && RunGroups(pool, fn, job) < kInfBits;
+    const float stored = StoredAmax(a, finite);
+    *F32Data(stored_amax) = stored;
+    if (stored != stored && layout.size() > 0) {
+      // What dequantizing the non-finite result gives: NaN everywhere.
+      VisitFloatType(args.result, [&](auto u) {
+        using U = decltype(u);
+        auto* p = static_cast<typename U::Storage*>(job.values);
+        const typename U::Storage nan = U::Store(AsFloat(kNanBits));
+        for (int64_t i = 0; i < layout.size(); ++i) p[i] = nan;
+      });
+    }
+    return ffi::Error::Success();
+  }
+};
 
 }  // namespace
 }  // namespace nvfp4::cpu
 
 namespace ffi = xla::ffi;
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(NvFp4AmaxMsEdenCpu, nvfp4::cpu::AmaxImpl,
-                              nvfp4::bindings::MsEdenAmax<ffi::ThreadPool>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(NvFp4QuantizeMsEdenCpu, nvfp4::cpu::QuantizeImpl,
-                              nvfp4::bindings::MsEdenQuantize<ffi::ThreadPool>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(NvFp4FakeQuantizeMsEdenCpu, nvfp4::cpu::FakeQuantizeImpl,
-                              nvfp4::bindings::MsEdenFakeQuantize<ffi::ThreadPool>());
+using NvFp4CpuMsEden = nvfp4::cpu::CpuMsEden;
+NVFP4_DEFINE_MS_EDEN_HANDLERS(Cpu, NvFp4CpuMsEden);

@@ -210,15 +210,6 @@ NVFP4_VINLINE VI RoundScaleSrV(VF target, VF u) {
   return Select(u * step < target - lo_value, lo + 1, lo);
 }
 
-// Four Threefry-2x32 rounds with rotations R0..R3 (constants: immediate shifts).
-template <int R0, int R1, int R2, int R3>
-NVFP4_VINLINE void Rounds(VI& x0, VI& x1) {
-  x0 = x0 + x1, x1 = RotL(x1, R0) ^ x0;
-  x0 = x0 + x1, x1 = RotL(x1, R1) ^ x0;
-  x0 = x0 + x1, x1 = RotL(x1, R2) ^ x0;
-  x0 = x0 + x1, x1 = RotL(x1, R3) ^ x0;
-}
-
 // The uniforms of the 16 blocks from flat block `first`: block b hashes the counter
 // counter_offset + 2b (64-bit) and takes the top 24 bits of the first word (Threefry2x32).
 NVFP4_VINLINE VF Uniforms16(const MsEdenJob& job, int64_t first) {
@@ -228,19 +219,10 @@ NVFP4_VINLINE VF Uniforms16(const MsEdenJob& job, int64_t first) {
   const VI carry = LtU(lo, offset);  // -1 where the low word wrapped
   VI x0 = SplatI(static_cast<int32_t>(static_cast<uint32_t>(base >> 32))) - carry;
   VI x1 = lo;
-  const uint32_t k0 = job.k0, k1 = job.k1, k2 = k0 ^ k1 ^ 0x1BD11BDAu;
-  const auto key = [](uint32_t k) { return SplatI(static_cast<int32_t>(k)); };
-  x0 = x0 + key(k0), x1 = x1 + key(k1);
-  Rounds<13, 15, 26, 6>(x0, x1);
-  x0 = x0 + key(k1), x1 = x1 + key(k2 + 1u);
-  Rounds<17, 29, 16, 24>(x0, x1);
-  x0 = x0 + key(k2), x1 = x1 + key(k0 + 2u);
-  Rounds<13, 15, 26, 6>(x0, x1);
-  x0 = x0 + key(k0), x1 = x1 + key(k1 + 3u);
-  Rounds<17, 29, 16, 24>(x0, x1);
-  x0 = x0 + key(k1), x1 = x1 + key(k2 + 4u);
-  Rounds<13, 15, 26, 6>(x0, x1);
-  x0 = x0 + key(k2);
+  // The full schedule; the compiler drops the last key word of x1, which nothing reads.
+  Threefry2x32Schedule(
+      job.k0, job.k1, x0, x1, [](VI x, uint32_t k) { return x + static_cast<int32_t>(k); },
+      [](VI x, int r) { return RotL(x, r); });
   return ToF32(Srl(x0, 8)) * 5.9604644775390625e-8f;  // (w0 >> 8) * 2^-24, exact
 }
 

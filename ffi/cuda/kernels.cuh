@@ -14,6 +14,7 @@
 #include "nvfp4/dtypes.h"
 #include "nvfp4/launch.h"
 #include "nvfp4/numerics.h"
+#include "nvfp4/quantize_params.h"
 
 namespace nvfp4::cuda {
 
@@ -111,28 +112,29 @@ NVFP4_KERNEL AmaxKernel(const typename T::Storage* x, int64_t blocks, bool vec, 
   if ((threadIdx.x & 31) == 0) atomicMax(out_bits, seen);
 }
 
+// The kernels that are no templates are static: cuda/handlers.cu and cuda/ms_eden.cu both
+// include this header, and each keeps its own copy.
+
 // Max |x| bits -> f32 amax, NaN when any element was not finite.
-NVFP4_KERNEL AmaxFinalizeKernel(uint32_t* bits) { *bits = *bits < kInfBits ? *bits : kNanBits; }
+static NVFP4_KERNEL AmaxFinalizeKernel(uint32_t* bits) {
+  *bits = *bits < kInfBits ? *bits : kNanBits;
+}
 
 // stored amax = A, or NaN when A is NaN, inf or negative (the quantize pass may still set
 // NaN: then the fill kernels below make the whole result the non-finite one).
-NVFP4_KERNEL StoredAmaxKernel(const float* amax, float* stored) {
+static NVFP4_KERNEL StoredAmaxKernel(const float* amax, float* stored) {
   *stored = StoredAmax(*amax, true);
 }
 
 // ---------------------------------------------------------------------------
 // Quantize and fake-quantize share one kernel; Sink decides what a block writes.
 
-struct QuantizeArgs {
+// The parameters both platforms share (nvfp4/quantize_params.h), then the device pointers:
+// the scalars (amax, key words) are read on the device.
+struct QuantizeArgs : QuantizeParams {
   const void* x;
   const float* amax;
   const uint32_t* key;  // k0, k1, SR counter offset lo, hi
-  int64_t rows;
-  int64_t cols;
-  bool rht;
-  bool sr;
-  int four_over_six;    // kPlain, or Four Over Six's kMae / kMse (docs/NUMERICS.md 13)
-  float six_m;          // 6M of the global scale: 2688, or 1536 for M = 256
   bool vec;             // all pointers aligned for 16-byte (codes: 8-byte) access
   uint32_t* nonfinite;  // the stored amax's bits: set to NaN when an input is not finite
   // Quantize outputs.
@@ -140,7 +142,6 @@ struct QuantizeArgs {
   uint8_t* scales;
   // Fake quantize output.
   void* values;
-  bool use_global;
 };
 
 struct CodeSink {
@@ -272,8 +273,8 @@ NVFP4_KERNEL Quantize2dKernel(QuantizeArgs a) {
 // docs/NUMERICS.md section 8, run after the quantize pass: when the stored amax is NaN (A or an
 // input element was not finite), every code 0 and every scale E4M3 NaN. Grid-stride over
 // the 16-blocks; the threads return at once for a finite tensor.
-NVFP4_KERNEL NonFiniteCodesKernel(const float* stored, int64_t blocks, uint8_t* codes,
-                                  uint8_t* scales) {
+static NVFP4_KERNEL NonFiniteCodesKernel(const float* stored, int64_t blocks, uint8_t* codes,
+                                         uint8_t* scales) {
   const float a = *stored;
   if (a == a) return;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;

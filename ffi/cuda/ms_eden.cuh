@@ -1,6 +1,6 @@
 // CUDA kernels of MS-EDEN (docs/NUMERICS.md section 14): one thread per 128-element rotation
 // group, the numerics of nvfp4/ms_eden.h (shared with the CPU kernels). Included by
-// cuda/handlers.cu after cuda/kernels.cuh, whose amax finalization and non-finite fills
+// cuda/ms_eden.cu after cuda/kernels.cuh, whose amax finalization and non-finite fills
 // (NonFiniteCodesKernel, FillNanKernel) the handlers reuse.
 //
 // Written for correctness first: a thread keeps its group (128 f32) in registers and local

@@ -61,20 +61,27 @@ struct Target {
   void* handler;
 };
 
-const Target kTargets[] = {
+// The targets both platforms have (cpu/handlers.cc and cuda/handlers.cu, MS-EDEN in
+// cpu/ms_eden.cc and cuda/ms_eden.cu), then those only the CPU has. These names are the
+// only list of targets: nvfp4_jax/_src/core/kernels/_library.py registers what
+// registrations() returns and takes TARGETS and CPU_TARGETS from shared_targets().
+const Target kSharedTargets[] = {
     {"nvfp4_amax", reinterpret_cast<void*>(NVFP4_HANDLER(NvFp4Amax))},
     {"nvfp4_quantize", reinterpret_cast<void*>(NVFP4_HANDLER(NvFp4Quantize))},
     {"nvfp4_fake_quantize", reinterpret_cast<void*>(NVFP4_HANDLER(NvFp4FakeQuantize))},
+    {"nvfp4_dequantize", reinterpret_cast<void*>(NVFP4_HANDLER(NvFp4Dequantize))},
+    {"nvfp4_rht", reinterpret_cast<void*>(NVFP4_HANDLER(NvFp4Rht))},
     {"nvfp4_quantize_4over6", reinterpret_cast<void*>(NVFP4_HANDLER(NvFp4Quantize4over6))},
     {"nvfp4_fake_quantize_4over6",
      reinterpret_cast<void*>(NVFP4_HANDLER(NvFp4FakeQuantize4over6))},
-    {"nvfp4_dequantize", reinterpret_cast<void*>(NVFP4_HANDLER(NvFp4Dequantize))},
-    {"nvfp4_rht", reinterpret_cast<void*>(NVFP4_HANDLER(NvFp4Rht))},
     {"nvfp4_amax_ms_eden", reinterpret_cast<void*>(NVFP4_HANDLER(NvFp4AmaxMsEden))},
     {"nvfp4_quantize_ms_eden", reinterpret_cast<void*>(NVFP4_HANDLER(NvFp4QuantizeMsEden))},
     {"nvfp4_fake_quantize_ms_eden",
      reinterpret_cast<void*>(NVFP4_HANDLER(NvFp4FakeQuantizeMsEden))},
+};
+
 #if defined(NVFP4_CPU_VARIANTS)
+const Target kPlatformTargets[] = {
     {"nvfp4_gemm", reinterpret_cast<void*>(NvFp4GemmCpu)},
     {"nvfp4_w4a16", reinterpret_cast<void*>(NvFp4W4a16Cpu)},
     {"nvfp4_grouped_quantize", reinterpret_cast<void*>(NvFp4GroupedQuantizeCpu)},
@@ -82,23 +89,53 @@ const Target kTargets[] = {
     {"nvfp4_kv_cache_write", reinterpret_cast<void*>(NvFp4KvCacheWriteCpu)},
     {"nvfp4_kv_cache_read", reinterpret_cast<void*>(NvFp4KvCacheReadCpu)},
     {"nvfp4_kv_attention", reinterpret_cast<void*>(NvFp4KvAttentionCpu)},
-#endif
 };
+constexpr size_t kPlatformCount = sizeof(kPlatformTargets) / sizeof(Target);
+#else
+const Target* const kPlatformTargets = nullptr;  // CUDA: none of its own
+constexpr size_t kPlatformCount = 0;
+#endif
+constexpr size_t kSharedCount = sizeof(kSharedTargets) / sizeof(Target);
+
+// Adds {name: PyCapsule} of `n` targets to `dict`; false (with a Python error) on failure.
+bool AddCapsules(PyObject* dict, const Target* targets, size_t n) {
+  for (size_t i = 0; i < n; ++i) {
+    PyObject* capsule = PyCapsule_New(targets[i].handler, nullptr, nullptr);
+    if (capsule == nullptr || PyDict_SetItemString(dict, targets[i].name, capsule) != 0) {
+      Py_XDECREF(capsule);
+      return false;
+    }
+    Py_DECREF(capsule);
+  }
+  return true;
+}
 
 // registrations() -> {target name: PyCapsule of the XLA FFI handler}.
 PyObject* Registrations(PyObject*, PyObject*) {
   PyObject* dict = PyDict_New();
   if (dict == nullptr) return nullptr;
-  for (const Target& t : kTargets) {
-    PyObject* capsule = PyCapsule_New(t.handler, nullptr, nullptr);
-    if (capsule == nullptr || PyDict_SetItemString(dict, t.name, capsule) != 0) {
-      Py_XDECREF(capsule);
-      Py_DECREF(dict);
-      return nullptr;
-    }
-    Py_DECREF(capsule);
+  if (!AddCapsules(dict, kSharedTargets, kSharedCount) ||
+      !AddCapsules(dict, kPlatformTargets, kPlatformCount)) {
+    Py_DECREF(dict);
+    return nullptr;
   }
   return dict;
+}
+
+// shared_targets() -> tuple of the names of the targets both platforms have, in order.
+PyObject* SharedTargets(PyObject*, PyObject*) {
+  const size_t n = kSharedCount;
+  PyObject* names = PyTuple_New(static_cast<Py_ssize_t>(n));
+  if (names == nullptr) return nullptr;
+  for (size_t i = 0; i < n; ++i) {
+    PyObject* name = PyUnicode_FromString(kSharedTargets[i].name);
+    if (name == nullptr) {
+      Py_DECREF(names);
+      return nullptr;
+    }
+    PyTuple_SET_ITEM(names, static_cast<Py_ssize_t>(i), name);
+  }
+  return names;
 }
 
 #if defined(NVFP4_CPU_VARIANTS)
@@ -150,6 +187,8 @@ PyObject* Probe(PyObject*, PyObject*) {
 PyMethodDef kMethods[] = {
     {"registrations", Registrations, METH_NOARGS,
      "Returns {target name: PyCapsule} of this platform's XLA FFI handlers."},
+    {"shared_targets", SharedTargets, METH_NOARGS,
+     "Returns the names of the targets both platforms have (the others are this one's own)."},
 #if defined(NVFP4_CPU_VARIANTS)
     {"set_isa", SetIsa, METH_O,
      "Uses the CPU kernels built for an x86 level ('baseline', 'x86-64-v3', 'x86-64-v4'), "

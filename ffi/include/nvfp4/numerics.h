@@ -296,26 +296,40 @@ NVFP4_HD float TileError(const float r[kBlock]) {
 
 NVFP4_HD uint32_t RotL(uint32_t x, int r) { return (x << r) | (x >> (32 - r)); }
 
-NVFP4_HD void ThreefryRounds(uint32_t& x0, uint32_t& x1, int r0, int r1, int r2, int r3) {
-  x0 += x1, x1 = RotL(x1, r0) ^ x0;
-  x0 += x1, x1 = RotL(x1, r1) ^ x0;
-  x0 += x1, x1 = RotL(x1, r2) ^ x0;
-  x0 += x1, x1 = RotL(x1, r3) ^ x0;
+// The home of threefry2x32's constants: its key schedule and the rotations of its 20 rounds,
+// on words W of any kind (a uint32_t here; 16 lanes of u32 in the CPU kernels, which pass
+// their vector ops). `add(x, k)` adds the key word k to every lane of x, `rotl(x, r)` rotates
+// every lane left by r. The CPU kernels of SR (cpu/kernels_isa.cc) and of MS-EDEN
+// (cpu/ms_eden_isa.cc) and Threefry2x32 below all run this one schedule.
+template <class W, class Rotl>
+NVFP4_HD void ThreefryRounds4(W& x0, W& x1, Rotl rotl, int r0, int r1, int r2, int r3) {
+  x0 = x0 + x1, x1 = rotl(x1, r0) ^ x0;
+  x0 = x0 + x1, x1 = rotl(x1, r1) ^ x0;
+  x0 = x0 + x1, x1 = rotl(x1, r2) ^ x0;
+  x0 = x0 + x1, x1 = rotl(x1, r3) ^ x0;
 }
 
-NVFP4_HD void Threefry2x32(uint32_t k0, uint32_t k1, uint32_t& x0, uint32_t& x1) {
+template <class W, class Add, class Rotl>
+NVFP4_HD void Threefry2x32Schedule(uint32_t k0, uint32_t k1, W& x0, W& x1, Add add, Rotl rotl) {
   const uint32_t k2 = k0 ^ k1 ^ 0x1BD11BDAu;
-  x0 += k0, x1 += k1;
-  ThreefryRounds(x0, x1, 13, 15, 26, 6);
-  x0 += k1, x1 += k2 + 1u;
-  ThreefryRounds(x0, x1, 17, 29, 16, 24);
-  x0 += k2, x1 += k0 + 2u;
-  ThreefryRounds(x0, x1, 13, 15, 26, 6);
-  x0 += k0, x1 += k1 + 3u;
-  ThreefryRounds(x0, x1, 17, 29, 16, 24);
-  x0 += k1, x1 += k2 + 4u;
-  ThreefryRounds(x0, x1, 13, 15, 26, 6);
-  x0 += k2, x1 += k0 + 5u;
+  x0 = add(x0, k0), x1 = add(x1, k1);
+  ThreefryRounds4(x0, x1, rotl, 13, 15, 26, 6);
+  x0 = add(x0, k1), x1 = add(x1, k2 + 1u);
+  ThreefryRounds4(x0, x1, rotl, 17, 29, 16, 24);
+  x0 = add(x0, k2), x1 = add(x1, k0 + 2u);
+  ThreefryRounds4(x0, x1, rotl, 13, 15, 26, 6);
+  x0 = add(x0, k0), x1 = add(x1, k1 + 3u);
+  ThreefryRounds4(x0, x1, rotl, 17, 29, 16, 24);
+  x0 = add(x0, k1), x1 = add(x1, k2 + 4u);
+  ThreefryRounds4(x0, x1, rotl, 13, 15, 26, 6);
+  x0 = add(x0, k2), x1 = add(x1, k0 + 5u);
+}
+
+// Threefry2x32 with 20 rounds of one pair of words, as jax.extend.random.threefry_2x32.
+NVFP4_HD void Threefry2x32(uint32_t k0, uint32_t k1, uint32_t& x0, uint32_t& x1) {
+  Threefry2x32Schedule(
+      k0, k1, x0, x1, [](uint32_t x, uint32_t k) { return x + k; },
+      [](uint32_t x, int r) { return RotL(x, r); });
 }
 
 // The 16 random bytes of the 16 elements starting at local flat index n0 (n0 % 16 == 0):

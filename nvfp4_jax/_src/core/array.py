@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -105,6 +105,46 @@ class NVFP4Array:
         """Returns the dequantized tensor in its logical shape (see `nvfp4_jax.dequantize`)."""
         return _dequantize_method(self, dtype, implementation=implementation)
 
+    # The static fields a plain NVFP4 array leaves out of its metadata (they hold their
+    # defaults): its metadata is that of the versions before Four Over Six.
+    _FOUR_OVER_SIX_FIELDS = ("four_over_six", "e4m3_max")
+
+    @classmethod
+    def _static_fields(cls) -> tuple[str, ...]:
+        """The names of the static (metadata) fields, in their order: dtype, axis, ..."""
+        return tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get("static"))
+
+    def _to_metadata(self) -> dict:
+        """The static fields as JSON values (dtype by name); `_from_metadata` reads them back.
+
+        Four Over Six's fields only when set: a plain array's metadata is that of earlier
+        versions. The checkpoint's writer and reader (`nvfp4_jax/_src/io/checkpoint_*.py`)
+        store and compare this dict.
+        """
+        meta = {name: getattr(self, name) for name in self._static_fields()}
+        meta["dtype"] = jnp.dtype(self.dtype).name
+        if self.four_over_six is None:
+            for name in self._FOUR_OVER_SIX_FIELDS:
+                del meta[name]
+        return meta
+
+    @classmethod
+    def _from_metadata(cls, meta: Mapping, **parts) -> NVFP4Array:
+        """The NVFP4Array of the array `parts` with the static fields of `meta`.
+
+        `meta` is `_to_metadata`'s dict (other keys are ignored): a field it lacks takes its
+        default (a missing required one None, for `validate_nvfp4_array` to reject); dtype is
+        a name or a dtype. Not validated.
+        """
+        static = {}
+        for field in dataclasses.fields(cls):
+            if field.metadata.get("static"):
+                default = None if field.default is dataclasses.MISSING else field.default
+                static[field.name] = meta.get(field.name, default)
+        if static["dtype"] is not None:
+            static["dtype"] = jnp.dtype(static["dtype"])
+        return cls(**parts, **static)
+
     def __repr__(self) -> str:
         four_over_six = (
             ""
@@ -132,7 +172,15 @@ def is_nvfp4_array(value) -> bool:
     return isinstance(value, NVFP4Array)
 
 
-_PART_DTYPES = {"codes": jnp.uint8, "scales": jnp.float8_e4m3fn, "amax": jnp.float32}
+# The array parts (leaves) every NVFP4Array has, and the dtype of each part, the optional
+# decode_scale's too: the home of the part dtypes (the checkpoint stores these).
+PARTS = ("codes", "scales", "amax")
+PART_DTYPES = {
+    "codes": jnp.uint8,
+    "scales": jnp.float8_e4m3fn,
+    "amax": jnp.float32,
+    "decode_scale": jnp.float32,
+}
 
 
 def validate_nvfp4_array(q: NVFP4Array, name: str = "NVFP4Array") -> NVFP4Array:
@@ -148,13 +196,13 @@ def validate_nvfp4_array(q: NVFP4Array, name: str = "NVFP4Array") -> NVFP4Array:
     """
     if not is_nvfp4_array(q):
         raise TypeError(f"{name}: expected an NVFP4Array, got {type(q).__name__}")
-    for part, dtype in _PART_DTYPES.items():
-        leaf = getattr(q, part)
+    for part in PARTS:
+        leaf, dtype = getattr(q, part), PART_DTYPES[part]
         if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
             raise TypeError(f"{name}: {part} must be an array, got {type(leaf).__name__}")
         if jnp.dtype(leaf.dtype) != jnp.dtype(dtype):
             raise TypeError(f"{name}: {part} must be {jnp.dtype(dtype)}, got {leaf.dtype}")
-    codes, scales, amax = (tuple(getattr(q, part).shape) for part in _PART_DTYPES)
+    codes, scales, amax = (tuple(getattr(q, part).shape) for part in PARTS)
     columns = 2 * codes[-1] if codes else 0
     if not codes or columns % formats.BLOCK_SIZE:
         raise ValueError(f"{name}: codes {codes} must hold a multiple of 16 codes per row")
@@ -173,7 +221,8 @@ def validate_nvfp4_array(q: NVFP4Array, name: str = "NVFP4Array") -> NVFP4Array:
 def _validate_decode_scale(decode_scale, name: str, amax_shape: tuple[int, ...]) -> None:
     if decode_scale is None:
         return
-    if not hasattr(decode_scale, "shape") or jnp.dtype(decode_scale.dtype) != jnp.float32:
+    dtype = jnp.dtype(PART_DTYPES["decode_scale"])
+    if not hasattr(decode_scale, "shape") or jnp.dtype(decode_scale.dtype) != dtype:
         raise TypeError(f"{name}: decode_scale must be None or float32, got {decode_scale!r}")
     if tuple(decode_scale.shape) != amax_shape:
         raise ValueError(

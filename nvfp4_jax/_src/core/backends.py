@@ -25,12 +25,13 @@ on Blackwell GPUs (`scaled_matmul_unavailable_reason`). Callers never ask the pl
 from __future__ import annotations
 
 import dataclasses
+import typing
 from typing import Literal, Protocol
 
 import jax
 import jax.numpy as jnp
 
-from nvfp4_jax._src.core import kernels, reference
+from nvfp4_jax._src.core import checks, kernels, reference
 from nvfp4_jax._src.core.array import NVFP4Array
 from nvfp4_jax._src.core.reference import ms_eden
 from nvfp4_jax._src.core.reference.quantize import fake_quantize_stored, quantize_stored
@@ -48,15 +49,7 @@ NativeOp = Literal[
     "kv_cache",
     "kv_attention",
 ]
-NATIVE_OPS = (
-    "quantize",
-    "gemm",
-    "weight_only_gemm",
-    "grouped_quantize",
-    "sr_key_hash",
-    "kv_cache",
-    "kv_attention",
-)
+NATIVE_OPS = typing.get_args(NativeOp)
 # Up to this many rows of activations (tokens) the native weight-only GEMM runs; above it the
 # weight is dequantized and XLA's dot runs (prefill-sized batches, where a dense GEMM of the
 # dequantized weight is faster than decoding the weight again for every few rows).
@@ -173,8 +166,7 @@ class FfiBackend:
         of the block values (`benchmarks/bench_gemm.py --isa baseline`); either way the
         result is the exact block products summed in f32, in the kernel's order or XLA's.
         """
-        if op not in NATIVE_OPS:
-            raise ValueError(f"runs_natively: op must be one of {NATIVE_OPS}, got {op!r}")
+        checks.check_choice("runs_natively: op", op, NativeOp)
         if self.unavailable_reason():
             return False
         if op == "quantize":
@@ -284,10 +276,11 @@ def resolve(implementation: Implementation | None, op: str) -> Backend:
     if implementation is None:
         ffi = REGISTRY["ffi"]
         return REGISTRY["reference"] if ffi.unavailable_reason() else ffi
-    backend = REGISTRY.get(implementation) if isinstance(implementation, str) else None
-    if backend is None:
-        names = (None, *REGISTRY)
-        raise ValueError(f"{op}: implementation must be one of {names}, got {implementation!r}")
+    if not isinstance(implementation, str) or implementation not in REGISTRY:
+        checks.check_choice(
+            f"{op}: implementation", implementation, tuple(REGISTRY), allow_none=True
+        )
+    backend = REGISTRY[implementation]
     reason = backend.unavailable_reason()
     if reason:
         raise ValueError(

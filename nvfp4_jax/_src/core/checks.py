@@ -6,6 +6,8 @@ reference, the public ops and everything above them reject bad input with the sa
 
 from __future__ import annotations
 
+import typing
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,6 +22,27 @@ from nvfp4_jax._src.core.formats import (
 )
 
 _DTYPE_NAMES = "bfloat16, float16 or float32"
+
+
+def choices_of(choices) -> tuple:
+    """The values a `typing.Literal` type allows (via `typing.get_args`), or a tuple as it is."""
+    if typing.get_origin(choices) is typing.Literal:
+        return typing.get_args(choices)
+    return tuple(choices)
+
+
+def check_choice(name: str, value, choices, *, allow_none: bool = False):
+    """Returns `value`, raising a ValueError unless it is one of `choices`.
+
+    `choices` is a `typing.Literal` type (its values are the choices) or a tuple; with
+    `allow_none`, None is a choice too (listed first). `name` says which argument, with its
+    owner: "NVFP4Recipe.backward", "runs_natively: op". The message names it, the choices
+    and the value given: "NVFP4Recipe.backward must be one of ('nvidia', 'ms_eden'), got 'x'".
+    """
+    allowed = ((None,) if allow_none else ()) + choices_of(choices)
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+    return value
 
 
 def as_float_array(x, op: str, name: str = "x") -> jax.Array:

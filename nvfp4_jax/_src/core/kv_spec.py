@@ -15,16 +15,17 @@ This module holds the configuration and the index arithmetic of the layout; the 
 from __future__ import annotations
 
 import dataclasses
+import typing
 from typing import Literal
 
 import numpy as np
 
-from nvfp4_jax._src.core import formats
+from nvfp4_jax._src.core import checks, formats
 
 Layout = Literal["HND", "NHD"]
 ScaleSwizzle = Literal["v", "kv", "none"]
-LAYOUTS = ("HND", "NHD")
-SCALE_SWIZZLES = ("v", "kv", "none")
+LAYOUTS = typing.get_args(Layout)
+SCALE_SWIZZLES = typing.get_args(ScaleSwizzle)
 # vLLM's 4-token scale interleave groups 4 tokens (its writer needs page_size % 4 == 0) and
 # splits a token's E/16 scales into 4 groups (E a multiple of 64 on a swizzled side).
 SWIZZLE_TOKENS = 4
@@ -84,13 +85,8 @@ class KVCacheConfig:
                 f"KVCacheConfig: page_size must be a multiple of {SWIZZLE_TOKENS} (vLLM's "
                 f"writer needs it), got {self.page_size}"
             )
-        if self.layout not in LAYOUTS:
-            raise ValueError(f"KVCacheConfig: layout must be one of {LAYOUTS}, got {self.layout!r}")
-        if self.scale_swizzle not in SCALE_SWIZZLES:
-            raise ValueError(
-                f"KVCacheConfig: scale_swizzle must be one of {SCALE_SWIZZLES}, got "
-                f"{self.scale_swizzle!r}"
-            )
+        checks.check_choice("KVCacheConfig: layout", self.layout, Layout)
+        checks.check_choice("KVCacheConfig: scale_swizzle", self.scale_swizzle, ScaleSwizzle)
         if self.scale_swizzle != "none" and self.scale_dim % SWIZZLE_TOKENS:
             raise ValueError(
                 f"KVCacheConfig: scale_swizzle={self.scale_swizzle!r} splits a token's "

@@ -27,11 +27,12 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from nvfp4_jax._src.core import checks
 from nvfp4_jax._src.integrations import maxtext as launcher
 from nvfp4_jax._src.integrations import maxtext_model as mt
 from nvfp4_jax._src.integrations import maxtext_names as names
 from nvfp4_jax._src.integrations import maxtext_plan as plan_module
-from nvfp4_jax._src.io.hf.common import CONFIG_NAME, QUANT_ALGOS
+from nvfp4_jax._src.io.hf.common import CONFIG_NAME, QUANT_ALGOS, QuantAlgo
 from nvfp4_jax._src.io.hf.export import ExportReport, export_hf_checkpoint
 from nvfp4_jax._src.io.hf.load import load_hf_checkpoint
 from nvfp4_jax._src.io.hf.names import (
@@ -371,8 +372,7 @@ def export_checkpoint(
     if not isinstance(recipe, NVFP4Recipe):
         raise TypeError(f"{PROG}: recipe must be an NVFP4Recipe, got {recipe!r}")
     rules = check_rules(rules)
-    if quant_algo not in QUANT_ALGOS:
-        raise ValueError(f"{PROG}: quant_algo must be one of {QUANT_ALGOS}, got {quant_algo!r}")
+    checks.check_choice(f"{PROG}: quant_algo", quant_algo, QuantAlgo)
     if not isinstance(calibration_batches, int) or calibration_batches < 0:
         raise ValueError(f"{PROG}: calibration_batches must be an int >= 0")
     if calibration_batches and quant_algo != "NVFP4":

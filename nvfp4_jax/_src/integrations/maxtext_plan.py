@@ -47,6 +47,7 @@ import numpy as np
 from nvfp4_jax._src.core.array import is_nvfp4_array
 from nvfp4_jax._src.core.ops import dequantize, quantize_with_spec, tensor_amax
 from nvfp4_jax._src.integrations import maxtext_names as names
+from nvfp4_jax._src.io.hf.common import KV_SUFFIXES, QUANT_OPTIONAL
 from nvfp4_jax._src.training.recipe import NVFP4Recipe
 
 LINEARS = ("linear", "experts", "router", "head")
@@ -416,4 +417,5 @@ def to_maxtext_tree(hf_flat: Mapping[str, Any], spec: names.ModelSpec, dtype=np.
 
 def _inert(hf_flat: Mapping) -> set[str]:
     """Leaves that carry no weight of the model: input and KV-cache scales."""
-    return {p for p in hf_flat if p.rpartition("/")[2] in ("input_scale", "k_scale", "v_scale")}
+    inert = (*QUANT_OPTIONAL, *KV_SUFFIXES)  # input_scale, k_scale, v_scale
+    return {p for p in hf_flat if p.rpartition("/")[2] in inert}

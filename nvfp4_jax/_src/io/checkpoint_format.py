@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nvfp4_jax._src.core.array import is_nvfp4_array
+from nvfp4_jax._src.core import array
+from nvfp4_jax._src.core.array import NVFP4Array, is_nvfp4_array
 from nvfp4_jax._src.io.storage import key_name
 
 FORMAT = "nvfp4_jax.checkpoint/3"
@@ -28,14 +29,10 @@ FORMAT_V1 = "nvfp4_jax.checkpoint/1"
 DIGEST = "digest"  # the field of each entry, and of the whole metadata, holding its digest
 POINTER = "CURRENT"
 SNAPSHOT = re.compile(r"snapshot-([0-9]+)")
-PARTS = ("codes", "scales", "amax")
+PARTS = array.PARTS
 # `decode_scale` is an optional fourth part (None in most NVFP4Arrays): stored when present.
-PART_DTYPES = {
-    "codes": "uint8",
-    "scales": "float8_e4m3fn",
-    "amax": "float32",
-    "decode_scale": "float32",
-}
+# The dtype names of the parts, NVFP4Array's (nvfp4_jax/_src/core/array.py).
+PART_DTYPES = {part: jnp.dtype(dtype).name for part, dtype in array.PART_DTYPES.items()}
 
 
 def abspath(path) -> str:
@@ -81,16 +78,11 @@ def check_layout(op: str, layout: list) -> None:
 
 def nvfp4_meta(q) -> dict:
     """The JSON fields of an NVFP4 leaf's static metadata and part shapes."""
-    meta = {
-        "dtype": jnp.dtype(q.dtype).name,
-        "axis": q.axis,
-        "block_2d": q.block_2d,
-        "rht": q.rht,
-        "shapes": {part: list(getattr(q, part).shape) for part in parts_of(q)},
-    }
-    if q.four_over_six is not None:  # plain arrays keep the metadata of earlier versions
-        meta.update(four_over_six=q.four_over_six, e4m3_max=q.e4m3_max)
-    return meta
+    meta = q._to_metadata()
+    # Four Over Six's fields (set only on such arrays) after the shapes, as files have them.
+    four_over_six = {k: meta.pop(k) for k in NVFP4Array._FOUR_OVER_SIX_FIELDS if k in meta}
+    shapes = {part: list(getattr(q, part).shape) for part in parts_of(q)}
+    return {**meta, "shapes": shapes, **four_over_six}
 
 
 def parts_of(q) -> tuple[str, ...]:

@@ -204,21 +204,19 @@ def _abstract_nvfp4(entry: dict) -> NVFP4Array:
         p: jax.ShapeDtypeStruct(_shape_field(shapes, p, key), jnp.dtype(PART_DTYPES[p]))
         for p in entry_parts(shapes)
     }
-    q = _validated(key, lambda: NVFP4Array(**parts, **_static_meta(entry)))
+    q = _validated(key, lambda: _nvfp4_array(entry, parts))
     if "shape" in entry and _shape_field(entry, "shape") != q.shape:  # format 1 has no shape
         raise _bad(key, f"the logical shape {entry['shape']} does not fit the parts {shapes}")
     return q
 
 
-def _static_meta(entry: dict) -> dict:
-    """dtype, axis, block_2d, rht (and Four Over Six's fields) as the JSON has them.
+def _nvfp4_array(entry: dict, parts: dict) -> NVFP4Array:
+    """The NVFP4Array of `parts` with the entry's static metadata (`NVFP4Array._to_metadata`).
 
     Checked by the caller (`validate_nvfp4_array`); an entry without `four_over_six` is a
     plain NVFP4 array (e4m3_max 448).
     """
-    meta = {name: entry.get(name) for name in ("axis", "block_2d", "rht")}
-    meta.update(four_over_six=entry.get("four_over_six"), e4m3_max=entry.get("e4m3_max", 448))
-    return {"dtype": _dtype_field(entry, "dtype"), **meta}
+    return NVFP4Array._from_metadata({**entry, "dtype": _dtype_field(entry, "dtype")}, **parts)
 
 
 def _validated(key: str, make) -> NVFP4Array:
@@ -349,7 +347,7 @@ def _check_nvfp4_entry(key, entry, leaf):
         raise ValueError(f"restore_checkpoint: {key!r} was saved as {entry.get('kind')}, not NVFP4")
     wanted = nvfp4_meta(leaf)
     # A Four Over Six entry against a plain target (or the reverse) differs too.
-    names = [*wanted, *(name for name in ("four_over_six", "e4m3_max") if name in entry)]
+    names = [*wanted, *(name for name in NVFP4Array._FOUR_OVER_SIX_FIELDS if name in entry)]
     found = {name: entry.get(name) for name in names}
     wanted = {name: wanted.get(name) for name in names}
     if found != wanted:
@@ -374,7 +372,7 @@ def _rebuild(entry, arrays):
     if entry["kind"] == "key":
         return jax.random.wrap_key_data(arrays[key], impl=entry["impl"])
     parts = {part: arrays[f"{key}/{part}"] for part in entry_parts(entry["shapes"])}
-    return _validated(key, lambda: NVFP4Array(**parts, **_static_meta(entry)))
+    return _validated(key, lambda: _nvfp4_array(entry, parts))
 
 
 def _nested(entries, arrays):

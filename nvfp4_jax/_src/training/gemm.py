@@ -46,7 +46,8 @@ from nvfp4_jax._src.core.backends import Implementation
 from nvfp4_jax._src.core.interception import opaque
 from nvfp4_jax._src.core.seed import SRSeed
 from nvfp4_jax._src.core.spec import QuantSpec, spec_of_call
-from nvfp4_jax._src.training.recipe import GEMM_BACKENDS, GemmBackend
+from nvfp4_jax._src.training.recipe import GEMM_BACKENDS as GEMM_BACKENDS  # for nvfp4_jax.gemm
+from nvfp4_jax._src.training.recipe import GemmBackend
 from nvfp4_jax._src.training.scaled_matmul import to_scaled_matmul_operands
 
 _F32 = jnp.float32
@@ -66,10 +67,7 @@ def resolve_gemm_backend(backend: GemmBackend | None, op: str = "scaled_matmul")
     Raises:
       ValueError: for an unknown backend, or "scaled_matmul" where it cannot run.
     """
-    if backend not in (None, *GEMM_BACKENDS):
-        raise ValueError(
-            f"{op}: gemm backend must be one of {(None, *GEMM_BACKENDS)}, got {backend!r}"
-        )
+    checks.check_choice(f"{op}: gemm backend", backend, GemmBackend, allow_none=True)
     if backend == "emulated":
         return "emulated"
     reason = scaled_matmul_unsupported_reason()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import typing
 from collections.abc import Iterator
 from typing import Literal
 
@@ -18,10 +19,10 @@ from nvfp4_jax._src.core.spec import QuantSpec
 
 # The backward quantizations: NVIDIA's recipe, or Quartet II's MS-EDEN (docs/NUMERICS.md 14).
 Backward = Literal["nvidia", "ms_eden"]
-BACKWARDS = ("nvidia", "ms_eden")
+BACKWARDS = typing.get_args(Backward)
 # The GEMM backends of `nvfp4_jax.gemm`: emulated anywhere, or `jax.nn.scaled_matmul`.
 GemmBackend = Literal["emulated", "scaled_matmul"]
-GEMM_BACKENDS = ("emulated", "scaled_matmul")
+GEMM_BACKENDS = typing.get_args(GemmBackend)
 # The operand classes Four Over Six is chosen for: W, x and dy.
 FOUR_OVER_SIX_OPERANDS = ("weight", "activation", "gradient")
 # The operands of a dense layer's three GEMMs (operand class, GEMM): `NVFP4Recipe.spec`'s.
@@ -117,25 +118,21 @@ class NVFP4Recipe:
             "mse", self.four_over_six_e4m3_max, "NVFP4Recipe", "four_over_six_e4m3_max"
         )
         object.__setattr__(self, "four_over_six_e4m3_max", e4m3_max)
-        names = (None, *backends.REGISTRY)
-        if self.implementation is not None and self.implementation not in backends.REGISTRY:
-            raise ValueError(
-                f"NVFP4Recipe.implementation must be one of {names}, got {self.implementation!r}"
-            )
-        if self.backward not in BACKWARDS:
-            raise ValueError(
-                f"NVFP4Recipe.backward must be one of {BACKWARDS}, got {self.backward!r}"
-            )
+        checks.check_choice(
+            "NVFP4Recipe.implementation",
+            self.implementation,
+            tuple(backends.REGISTRY),
+            allow_none=True,
+        )
+        checks.check_choice("NVFP4Recipe.backward", self.backward, Backward)
         if self.backward == "ms_eden" and self.gradient_four_over_six is not None:
             raise ValueError(
                 "NVFP4Recipe: backward='ms_eden' quantizes dy with MS-EDEN; it cannot be "
                 f"combined with gradient_four_over_six={self.gradient_four_over_six!r}"
             )
-        if self.gemm_backend not in (None, *GEMM_BACKENDS):
-            raise ValueError(
-                f"NVFP4Recipe.gemm_backend must be one of {(None, *GEMM_BACKENDS)}, got "
-                f"{self.gemm_backend!r}"
-            )
+        checks.check_choice(
+            "NVFP4Recipe.gemm_backend", self.gemm_backend, GemmBackend, allow_none=True
+        )
 
     def four_over_six(self, operand: str) -> dict:
         """The `quantize` arguments of Four Over Six for an operand class.
@@ -143,11 +140,7 @@ class NVFP4Recipe:
         `operand` is "weight", "activation" or "gradient"; returns `four_over_six` and
         `four_over_six_e4m3_max` (`four_over_six` None: plain NVFP4).
         """
-        if operand not in FOUR_OVER_SIX_OPERANDS:
-            raise ValueError(
-                f"NVFP4Recipe.four_over_six: operand must be one of {FOUR_OVER_SIX_OPERANDS}, "
-                f"got {operand!r}"
-            )
+        checks.check_choice("NVFP4Recipe.four_over_six: operand", operand, FOUR_OVER_SIX_OPERANDS)
         return dict(
             four_over_six=getattr(self, f"{operand}_four_over_six"),
             four_over_six_e4m3_max=self.four_over_six_e4m3_max,
@@ -171,11 +164,7 @@ class NVFP4Recipe:
         along their contraction axis (N for dgrad: axis 1 of W; M for wgrad: axis 0 of x;
         -1 for dy and dy^T), of dy and of the forward's quantized W and x.
         """
-        if (operand, gemm) not in GEMM_OPERANDS:
-            raise ValueError(
-                f"NVFP4Recipe.spec: (operand, gemm) must be one of {GEMM_OPERANDS}, got "
-                f"{(operand, gemm)!r}"
-            )
+        checks.check_choice("NVFP4Recipe.spec: (operand, gemm)", (operand, gemm), GEMM_OPERANDS)
         if gemm != "fprop" and self.backward == "ms_eden":
             axis = {"weight": 1, "activation": 0, "gradient": -1}[operand]
             return QuantSpec(axis=axis, ms_eden=True)

@@ -1,7 +1,7 @@
 """`nvfp4_amax` and `nvfp4_amax_ms_eden`: the tensor amax kernels and their sharding rule.
 
-Native twins: `AmaxImpl` in ffi/cpu/handlers.cc and ffi/cuda/handlers.cu; MS-EDEN's in
-ffi/cpu/ms_eden.cc and ffi/cuda/handlers.cu. The operand is the stored layout `x (..., C)`,
+Native twins: `Amax` in ffi/cpu/handlers.cc and ffi/cuda/handlers.cu; MS-EDEN's in
+ffi/cpu/ms_eden.cc and ffi/cuda/ms_eden.cu. The operand is the stored layout `x (..., C)`,
 C a multiple of 16; the result `max |x|` as f32 (after the RHT of each 16-group, rounded to
 x's dtype, with `rht`), NaN if any element is not finite. MS-EDEN's takes the rotation
 (uint32 (4,)) too, C a multiple of 128, and gives `max |y|` of the rotated f32 values

@@ -1,6 +1,6 @@
 """`nvfp4_dequantize`: the decoding kernel and its sharding rule.
 
-Native twin: `DequantizeImpl` in ffi/cpu/handlers.cc and ffi/cuda/handlers.cu. Operands:
+Native twin: `Dequantize` in ffi/cpu/handlers.cc and ffi/cuda/handlers.cu. Operands:
 codes uint8 `(..., C/2)`, scales float8_e4m3fn `(..., C/16)`, the f32 tensor decode scale D
 (`A * RCP2688`, or an imported checkpoint's own); the result is `value(code) * (f32(s_b) *
 D)` in f32, the inverse RHT with `rht`, cast to the result dtype. Leading dims keep their

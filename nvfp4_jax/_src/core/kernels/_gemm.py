@@ -1,6 +1,6 @@
 """`nvfp4_gemm`: the exact NVFP4 x NVFP4 GEMM of the CPU and its sharding rule.
 
-Native twin: `GemmImpl` in ffi/cpu/handlers.cc, the kernels in ffi/cpu/gemm_isa.cc (CPU
+Native twin: `GemmImpl` in ffi/cpu/gemm.cc, the kernels in ffi/cpu/gemm_isa.cc (CPU
 only: the CUDA library has no such target). Operands: both sides in their stored layout,
 quantized along K, codes uint8 `(..., M, K/2)` and `(..., N, K/2)`, scales float8_e4m3fn
 `(..., M, K/16)` and `(..., N, K/16)`, and the decode factors `D_a`, `D_b` f32 of the batch
@@ -171,7 +171,7 @@ def _partitioned_w4a16(x_batch_one: tuple[bool, ...], w_batch_one: tuple[bool, .
 def w4a16(x, codes, scales, decode) -> jax.Array:
     """The weight-only GEMM: `x @ dequantize(W, x.dtype)` in f32, the weight decoded in registers.
 
-    Native twin: `W4a16Impl` in ffi/cpu/handlers.cc, the kernels in ffi/cpu/w4a16_isa.cc (CPU
+    Native twin: `W4a16Impl` in ffi/cpu/w4a16.cc, the kernels in ffi/cpu/w4a16_isa.cc (CPU
     only). `x`: bf16, f16 or f32 `(..., M, K)`; the weight in its stored layout quantized
     along K, codes uint8 `(..., N, K/2)`, scales float8_e4m3fn `(..., N, K/16)`, and its
     decode factor `D` f32 (a scalar or the weight's batch shape); batch dims broadcast (equal

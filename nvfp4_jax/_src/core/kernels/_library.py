@@ -24,31 +24,31 @@ import threading
 
 import jax
 
-TARGETS = (
-    "nvfp4_amax",
-    "nvfp4_quantize",
-    "nvfp4_fake_quantize",
-    "nvfp4_dequantize",
-    "nvfp4_rht",
-    "nvfp4_quantize_4over6",
-    "nvfp4_fake_quantize_4over6",
-    "nvfp4_amax_ms_eden",
-    "nvfp4_quantize_ms_eden",
-    "nvfp4_fake_quantize_ms_eden",
-)
-# Targets only the CPU library has (the NVFP4 GEMM, the weight-only GEMM, ragged_dot's grouped
-# quantize, the threefry hash of the SR keys, the NVFP4 KV cache's write, read and attention).
-CPU_TARGETS = (
-    "nvfp4_gemm",
-    "nvfp4_w4a16",
-    "nvfp4_grouped_quantize",
-    "nvfp4_threefry2x32",
-    "nvfp4_kv_cache_write",
-    "nvfp4_kv_cache_read",
-    "nvfp4_kv_attention",
-)
 # nvfp4_jax's platform name -> (extension module, XLA platform name).
 MODULES = {"cpu": ("nvfp4_jax._nvfp4_cpu", "cpu"), "cuda": ("nvfp4_jax._nvfp4_cuda", "CUDA")}
+
+
+def _target_names() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(the targets both platforms have, those only the CPU has), as the CPU module says.
+
+    The C++ module (ffi/python/module.cc) is the one list of target names: its
+    `registrations()` holds every target of the platform, `shared_targets()` those the CUDA
+    module has too. Empty when the CPU module does not load (then no target can run).
+    """
+    try:
+        module = importlib.import_module(MODULES["cpu"][0])
+        shared = tuple(module.shared_targets())
+        names = tuple(module.registrations())
+    except Exception:  # noqa: BLE001  (any import failure must leave the package usable)
+        return (), ()
+    return shared, tuple(name for name in names if name not in shared)
+
+
+# The targets of both platforms (the quantizing ops, dequantize, the RHT, MS-EDEN), and the
+# targets only the CPU library has (the NVFP4 GEMM, the weight-only GEMM, ragged_dot's
+# grouped quantize, the threefry hash of the SR keys, the NVFP4 KV cache's write, read and
+# attention).
+TARGETS, CPU_TARGETS = _target_names()
 
 _lock = threading.Lock()
 # platform -> the loaded module, or the reason it did not load.
@@ -74,12 +74,14 @@ def _import(platform: str):
         capsules = module.registrations()
     except Exception as error:  # noqa: BLE001  (any import failure must leave the package usable)
         return f"importing {module_name} failed: {type(error).__name__}: {error}"
-    names = TARGETS + (CPU_TARGETS if platform == "cpu" else ())
-    missing = sorted(set(names) - set(capsules))
+    if not TARGETS:  # a CPU module built from older sources, without shared_targets()
+        return f"{MODULES['cpu'][0]} does not name its targets; rebuild nvfp4_jax"
+    # Every target the module has; it must have at least those both platforms share.
+    missing = sorted(set(TARGETS) - set(capsules))
     if missing:
         return f"{module_name} lacks the targets {missing}; rebuild nvfp4_jax"
-    for name in names:
-        jax.ffi.register_ffi_target(name, capsules[name], platform=xla_platform)
+    for name, capsule in capsules.items():
+        jax.ffi.register_ffi_target(name, capsule, platform=xla_platform)
     return module
 
 

@@ -1,6 +1,6 @@
 """`nvfp4_quantize` and `nvfp4_fake_quantize`: the quantizing kernels and their sharding rule.
 
-Native twins: `QuantizeImpl` / `FakeQuantizeImpl` in ffi/cpu/handlers.cc (the per-block
+Native twins: `Quantize` / `FakeQuantize` in ffi/cpu/handlers.cc (the per-block
 work in ffi/cpu/kernels_isa.cc) and ffi/cuda/handlers.cu (ffi/cuda/kernels.cuh); the
 numbers of both in ffi/include/nvfp4/numerics.h.
 

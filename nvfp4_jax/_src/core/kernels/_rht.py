@@ -1,6 +1,6 @@
 """`nvfp4_rht`: the Random Hadamard Transform kernel and its sharding rule.
 
-Native twin: `RhtImpl` in ffi/cpu/handlers.cc and ffi/cuda/handlers.cu (`Rht16` in
+Native twin: `Rht` in ffi/cpu/handlers.cc and ffi/cuda/handlers.cu (`Rht16` in
 ffi/include/nvfp4/numerics.h). Each 16-group along the last axis is independent, so any
 sharding with the last axis in whole 16-groups is kept.
 """

@@ -1,6 +1,6 @@
 """`nvfp4_threefry2x32`: JAX's threefry2x32 hash as one custom call (CPU only).
 
-Native twin: `Threefry2x32Impl` in ffi/cpu/handlers.cc, whose rounds are `Threefry2x32` in
+Native twin: `Threefry2x32Impl` in ffi/cpu/threefry.cc, whose rounds are `Threefry2x32` in
 ffi/include/nvfp4/numerics.h (the ones the SR kernels draw their bits with). Bit for bit
 `jax.extend.random.threefry2x32_p`: `(y0, y1) = threefry2x32((k0, k1), (x0, x1))` for every
 element, the four uint32 operands broadcast to one shape.

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import Any
+from typing import Any, Literal, get_args
 
 from nvfp4_jax._src.io.storage import fsync_fd
 from nvfp4_jax._version import __version__
@@ -19,7 +19,9 @@ CONFIG_NAME = "config.json"
 QUANT_CONFIG_NAME = "hf_quant_config.json"
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
-QUANT_ALGOS = ("NVFP4", "W4A16_NVFP4")
+# The checkpoint formats written: NVFP4 weights and activations, or NVFP4 weights only.
+QuantAlgo = Literal["NVFP4", "W4A16_NVFP4"]
+QUANT_ALGOS = get_args(QuantAlgo)
 # What an engine needs beyond the weights (heads and layers cannot be read off the tensors).
 REQUIRED_CONFIG_KEYS = (
     "architectures",
@@ -40,8 +42,23 @@ LEGACY_PRODUCER = {
     "version": "0.47.0",
     "exported_by": {"name": "nvfp4_jax", "version": __version__},
 }
-# Tensors of a quantized linear besides `.weight`, and KV-cache scales (`k_proj.k_scale`).
-QUANT_SUFFIXES = ("weight", "weight_scale", "weight_scale_2", "input_scale")
+# The ModelOpt tensor table of one NVFP4 linear: `<module>.<suffix>` -> its safetensors
+# dtype, in the order an export writes them (export_units), a load checks them (load_files)
+# and the MaxText side finds them (integrations/maxtext_plan): `weight` the E2M1 codes
+# (out, in/2), `weight_scale` the E4M3 block scales (out, in/16), `weight_scale_2` the decode
+# scale D = amax / 2688 (), and `input_scale` the activation's amax / 2688 () (W4A4 only).
+QUANT_TENSORS = {
+    "weight": "U8",
+    "weight_scale": "F8_E4M3",
+    "weight_scale_2": "F32",
+    "input_scale": "F32",
+}
+QUANT_SUFFIXES = tuple(QUANT_TENSORS)
+# The scalars (shape ()) among them; the others are 2-D.
+QUANT_SCALARS = ("weight_scale_2", "input_scale")
+# The one a linear may lack: the activation's scale of a weight-only ("W4A16_NVFP4") export.
+QUANT_OPTIONAL = ("input_scale",)
+# KV-cache scales (`k_proj.k_scale`).
 KV_SUFFIXES = ("k_scale", "v_scale")
 # The KV-cache quantizations an export declares (`kv_cache_quant_algo`; ModelOpt's names).
 KV_CACHE_ALGOS = ("NVFP4",)

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from nvfp4_jax._src.core import checks
-from nvfp4_jax._src.io.hf.common import KV_CACHE_ALGOS, QUANT_ALGOS
+from nvfp4_jax._src.io.hf.common import KV_CACHE_ALGOS, QuantAlgo
 from nvfp4_jax._src.io.hf.names import NameMap, as_name_map
 
 # `four_over_six="model"`: quantize each kernel as the training recipe did.
@@ -110,10 +110,7 @@ class ExportOptions:
             unknown `kv_cache_quant_algo`.
           TypeError: a `kv_cache_amax` that is not a dict.
         """
-        if quant_algo not in QUANT_ALGOS:
-            raise ValueError(
-                f"export_hf_checkpoint: quant_algo must be one of {QUANT_ALGOS}, got {quant_algo!r}"
-            )
+        checks.check_choice("export_hf_checkpoint: quant_algo", quant_algo, QuantAlgo)
         if input_amax and quant_algo != "NVFP4":
             raise ValueError(
                 "export_hf_checkpoint: input_amax is for quant_algo='NVFP4' (W4A4) only"

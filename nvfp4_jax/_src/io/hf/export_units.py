@@ -13,6 +13,7 @@ import numpy as np
 from nvfp4_jax._src.core import formats
 from nvfp4_jax._src.core.array import is_nvfp4_array
 from nvfp4_jax._src.core.ops import dequantize, quantize
+from nvfp4_jax._src.io.hf.common import QUANT_OPTIONAL, QUANT_TENSORS
 from nvfp4_jax._src.io.hf.export_tensors import Tensor
 from nvfp4_jax._src.io.hf.st_io import ST_NAMES, Unit, is_float
 from nvfp4_jax._src.io.storage import to_host
@@ -21,13 +22,12 @@ from nvfp4_jax._src.io.storage import to_host
 def _quantized_unit(t: Tensor, amax, input_scale, flags: dict, implementation) -> Unit:
     """The unit of a quantized linear; `flags`: `quantize`'s block_2d and 4/6 arguments."""
     rows, cols = t.shape[::-1]  # the stored (out, in) of an (in, out) kernel
+    shapes = {"weight": (rows, cols // 2), "weight_scale": (rows, cols // formats.BLOCK_SIZE)}
     specs = [
-        (f"{t.module}.weight", "U8", (rows, cols // 2)),
-        (f"{t.module}.weight_scale", "F8_E4M3", (rows, cols // formats.BLOCK_SIZE)),
-        (f"{t.module}.weight_scale_2", "F32", ()),
+        (f"{t.module}.{suffix}", dtype, shapes.get(suffix, ()))  # the others are scalars
+        for suffix, dtype in QUANT_TENSORS.items()
+        if input_scale is not None or suffix not in QUANT_OPTIONAL
     ]
-    if input_scale is not None:
-        specs.append((f"{t.module}.input_scale", "F32", ()))
 
     def produce() -> dict[str, np.ndarray]:
         q = t.kernel

@@ -17,6 +17,7 @@ from nvfp4_jax._src.io.hf.common import (
     CONFIG_NAME,
     QUANT_ALGOS,
     QUANT_CONFIG_NAME,
+    QUANT_OPTIONAL,
     read_json,
     short,
 )
@@ -33,7 +34,7 @@ class Quant:
     @property
     def optional(self) -> set[str]:
         """Tensors a quantized linear may lack: `input_scale` when weight-only."""
-        return {"input_scale"} if self.weight_only else set()
+        return set(QUANT_OPTIONAL) if self.weight_only else set()
 
 
 def read_quant_config(directory: str, config: dict) -> Quant | None:

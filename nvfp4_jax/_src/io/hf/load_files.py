@@ -21,7 +21,10 @@ from nvfp4_jax._src.io.hf.common import (
     FIRST_BAD_SCALE_BYTE,
     INDEX_NAME,
     KV_SUFFIXES,
+    QUANT_OPTIONAL,
+    QUANT_SCALARS,
     QUANT_SUFFIXES,
+    QUANT_TENSORS,
     read_json,
     short,
 )
@@ -83,7 +86,7 @@ def split_tensors(owner: dict, quant: Quant | None) -> tuple[dict, list, list]:
         module, _, suffix = name.rpartition(".")
         if module in modules and suffix in QUANT_SUFFIXES:
             modules[module][suffix] = name
-        elif suffix in QUANT_SUFFIXES[2:]:
+        elif suffix in QUANT_SCALARS:
             raise ValueError(
                 f"load_hf_checkpoint: {name} belongs to no NVFP4 linear (no {module}.weight_scale)"
             )
@@ -98,18 +101,10 @@ def entry_of(owner, name) -> Entry:
     return owner[name].entries[name]
 
 
-_EXPECTED = {
-    "weight": "U8",
-    "weight_scale": "F8_E4M3",
-    "weight_scale_2": "F32",
-    "input_scale": "F32",
-}
-
-
 def check_quantized(module: str, parts: dict, owner: dict, quant: Quant) -> None:
     """The tensors of one NVFP4 linear: all there, with the dtypes and shapes that fit."""
-    required = {"weight", "weight_scale", "weight_scale_2"}
-    missing = sorted(required - set(parts) | ({"input_scale"} - set(parts) - quant.optional))
+    required = set(QUANT_TENSORS) - set(QUANT_OPTIONAL)
+    missing = sorted(required - set(parts) | (set(QUANT_OPTIONAL) - set(parts) - quant.optional))
     if missing:
         raise ValueError(
             f"load_hf_checkpoint: the NVFP4 linear {module} lacks {missing} ({quant.algo})"
@@ -118,12 +113,12 @@ def check_quantized(module: str, parts: dict, owner: dict, quant: Quant) -> None
         raise ValueError(f"load_hf_checkpoint: {module} is stored in NVFP4 but listed in ignore")
     for suffix, name in parts.items():
         entry = entry_of(owner, name)
-        scalar = suffix in ("weight_scale_2", "input_scale")
+        scalar = suffix in QUANT_SCALARS
         rank_ok = math.prod(entry.shape) == 1 if scalar else len(entry.shape) == 2
-        if ST_NAMES[entry.dtype] != _EXPECTED[suffix] or not rank_ok:
+        if ST_NAMES[entry.dtype] != QUANT_TENSORS[suffix] or not rank_ok:
             raise ValueError(
                 f"load_hf_checkpoint: {name} is {ST_NAMES[entry.dtype]} {entry.shape}; "
-                f"expected {_EXPECTED[suffix]} {'()' if scalar else '2-D'}"
+                f"expected {QUANT_TENSORS[suffix]} {'()' if scalar else '2-D'}"
             )
     weight, scales = (entry_of(owner, parts[k]).shape for k in ("weight", "weight_scale"))
     if (2 * weight[1]) % formats.BLOCK_SIZE or scales != (weight[0], 2 * weight[1] // 16):

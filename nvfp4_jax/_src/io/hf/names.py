@@ -16,11 +16,17 @@ import dataclasses
 import fnmatch
 import re
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Literal, get_args
+
+from nvfp4_jax._src.core import checks
 
 DEFAULT_EXCLUDE = ("lm_head", "model.embed_tokens")
 # (Mixtral's experts call gate and up `w1` and `w3`.)
 DEFAULT_FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"))
-KINDS = ("linear", "embedding", "norm", "plain", "experts", "router")
+# What a rule maps: a quantized linear, an embedding, a norm, a plain tensor, stacked
+# experts, a router.
+Kind = Literal["linear", "embedding", "norm", "plain", "experts", "router"]
+KINDS = get_args(Kind)
 # The field of an "experts" rule that exists on the HF side only: the expert's index.
 EXPERT_FIELD = "expert"
 _EXPERT_PLACEHOLDER = "{" + EXPERT_FIELD + "}"
@@ -93,10 +99,7 @@ class NameRule:
     kind: str
 
     def __post_init__(self):
-        if self.kind not in KINDS:
-            raise ValueError(
-                f"NameRule {self.flax!r}: kind must be one of {KINDS}, got {self.kind!r}"
-            )
+        checks.check_choice(f"NameRule {self.flax!r}: kind", self.kind, Kind)
         if self.kind in ("linear", "experts", "router") and not self.hf.endswith(".weight"):
             raise ValueError(
                 f"NameRule {self.flax!r}: the HF name of a {self.kind} must end in '.weight'"

@@ -84,14 +84,6 @@ def check_batches(batches) -> list:
     return batches
 
 
-def _check_choice(value, choices: tuple[str, ...], name: str) -> str:
-    if value not in choices:
-        raise ValueError(
-            f"{OP}: {name} must be one of {', '.join(map(repr, choices))}, got {value!r}"
-        )
-    return value
-
-
 @dataclasses.dataclass(frozen=True)
 class Settings:
     """The checked arguments of `quantize_for_export`."""
@@ -115,8 +107,8 @@ def check_settings(
     method, activations, rules, forward, block_2d, fused_groups, options
 ) -> Settings:
     """The checked arguments of `quantize_for_export` (`options`: the method options)."""
-    method = _check_choice(method, METHODS, "method")
-    activations = _check_choice(activations, ACTIVATIONS, "activations")
+    method = checks.check_choice(f"{OP}: method", method, METHODS)
+    activations = checks.check_choice(f"{OP}: activations", activations, ACTIVATIONS)
     rules = default_rules(0, first=0, last=0) if rules is None else check_rules(rules, OP)
     if forward is None:
         forward = _default_forward
