@@ -5,8 +5,8 @@ A save is durable once its files and the directories that name them are flushed 
 stops at the drive's cache), `fsync_tree` a whole directory tree.
 
 In a multi-process JAX program every process calls the writer; `collective` runs one step on
-process 0 (or on all) and shares its outcome, a failure included, with every process, and
-`to_host` gathers a global array's value onto every host.
+process 0 (or on all) and shares its outcome, a failure included, with every process
+(`core/multihost.py`'s `to_host` gathers a global array's value onto every host).
 """
 
 from __future__ import annotations
@@ -130,18 +130,3 @@ def _encode(op: str, outcome: dict) -> np.ndarray:
 
 def _decode(row: np.ndarray) -> dict:
     return json.loads(bytes(np.asarray(row, np.uint8)).rstrip(b"\0").decode())
-
-
-def to_host(value) -> np.ndarray:
-    """The whole value of an array as NumPy, on every process.
-
-    A global `jax.Array` that spans devices of other processes is gathered: a collective, so
-    every process must call this for the same arrays in the same order.
-    """
-    if isinstance(value, jax.Array) and not value.is_fully_addressable:
-        if not value.is_fully_replicated:
-            from jax.experimental import multihost_utils  # noqa: PLC0415
-
-            return np.asarray(multihost_utils.process_allgather(value, tiled=True))
-        value = value.addressable_data(0)
-    return np.asarray(value)

@@ -18,8 +18,6 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 
 DEFAULT_EXCLUDE = ("lm_head", "model.embed_tokens")
-# (Mixtral's experts call gate and up `w1` and `w3`.)
-DEFAULT_FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"))
 KINDS = ("linear", "embedding", "norm", "plain", "experts", "router")
 # The field of an "experts" rule that exists on the HF side only: the expert's index.
 EXPERT_FIELD = "expert"

@@ -25,10 +25,9 @@ import numpy as np
 from flax import nnx
 
 from nvfp4_jax._src.core import formats, ops
+from nvfp4_jax._src.core.multihost import to_host
 from nvfp4_jax._src.flax import nnx as nvfp4_nnx
-from nvfp4_jax._src.flax.walk import layer_paths, replace_layers
-from nvfp4_jax._src.io.hf.names import DEFAULT_FUSED_GROUPS
-from nvfp4_jax._src.io.storage import to_host
+from nvfp4_jax._src.flax.walk import DEFAULT_FUSED_GROUPS, layer_paths, replace_layers
 from nvfp4_jax._src.model.ptq.calibration import Calibration, calibrate
 from nvfp4_jax._src.model.ptq.methods import (
     dequantized,

@@ -18,11 +18,11 @@ from flax import nnx
 from nvfp4_jax._src.core import checks, formats
 from nvfp4_jax._src.core.array import is_nvfp4_array
 from nvfp4_jax._src.flax import nnx as nvfp4_nnx
-from nvfp4_jax._src.io.hf.export_options import FOLLOW_MODEL
-from nvfp4_jax._src.io.hf.export_plan import (
+from nvfp4_jax._src.io.hf.export.options import FOLLOW_MODEL
+from nvfp4_jax._src.io.hf.export.plan import (
     quantized_sets,
 )
-from nvfp4_jax._src.io.hf.export_tensors import Leaves, Tensor
+from nvfp4_jax._src.io.hf.export.tensors import Leaves, Tensor
 
 
 def experts_recipes(model: nnx.Module) -> dict[str, bool]:

@@ -25,7 +25,7 @@ from nvfp4_jax._src.io.hf.common import (
     read_json,
     short,
 )
-from nvfp4_jax._src.io.hf.load_config import (
+from nvfp4_jax._src.io.hf.load.config import (
     Quant,
     json_field,
 )

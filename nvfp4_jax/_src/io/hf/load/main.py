@@ -22,13 +22,13 @@ from nvfp4_jax._src.io.hf.common import (
     CONFIG_NAME,
     read_json,
 )
-from nvfp4_jax._src.io.hf.load_config import (
+from nvfp4_jax._src.io.hf.load.config import (
     config_dtype,
     expert_count,
     read_quant_config,
 )
-from nvfp4_jax._src.io.hf.load_experts import Stack, add_expert, check_stack, load_stack
-from nvfp4_jax._src.io.hf.load_files import (
+from nvfp4_jax._src.io.hf.load.experts import Stack, add_expert, check_stack, load_stack
+from nvfp4_jax._src.io.hf.load.files import (
     check_block_scales,
     check_quantized,
     checked_scalar,
@@ -37,7 +37,7 @@ from nvfp4_jax._src.io.hf.load_files import (
     read_scalar,
     split_tensors,
 )
-from nvfp4_jax._src.io.hf.load_place import placer, reader
+from nvfp4_jax._src.io.hf.load.place import placer, reader
 from nvfp4_jax._src.io.hf.names import NameMap, as_name_map, engine_ignores, match_hf
 from nvfp4_jax._src.io.hf.st_io import ST_NAMES, is_float
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from nvfp4_jax._src.io.hf.export_options import ExportOptions
-from nvfp4_jax._src.io.hf.export_tensors import Leaves, Tensor
+from nvfp4_jax._src.io.hf.export.options import ExportOptions
+from nvfp4_jax._src.io.hf.export.tensors import Leaves, Tensor
 
 
 @dataclasses.dataclass(frozen=True)

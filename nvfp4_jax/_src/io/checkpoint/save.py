@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from nvfp4_jax._src.core.array import is_nvfp4_array, validate_nvfp4_array
-from nvfp4_jax._src.io.checkpoint_format import (
+from nvfp4_jax._src.io.checkpoint.format import (
     DIGEST,
     FORMAT,
     POINTER,

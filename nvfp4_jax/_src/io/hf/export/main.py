@@ -21,29 +21,30 @@ import jax.numpy as jnp
 from flax import nnx
 
 from nvfp4_jax._src.core import formats
+from nvfp4_jax._src.flax.walk import DEFAULT_FUSED_GROUPS
 from nvfp4_jax._src.io.hf.common import CONFIG_NAME, QUANT_CONFIG_NAME, write_json
-from nvfp4_jax._src.io.hf.export_config import (
+from nvfp4_jax._src.io.hf.export.config import (
     check_config_against,
     legacy_quant_config,
     quantization_config,
     read_model_config,
 )
-from nvfp4_jax._src.io.hf.export_kv import kv_scales, kv_units
-from nvfp4_jax._src.io.hf.export_options import ExportOptions
-from nvfp4_jax._src.io.hf.export_plan import plan_modules
-from nvfp4_jax._src.io.hf.export_precision import (
+from nvfp4_jax._src.io.hf.export.kv import kv_scales, kv_units
+from nvfp4_jax._src.io.hf.export.options import ExportOptions
+from nvfp4_jax._src.io.hf.export.plan import plan_modules
+from nvfp4_jax._src.io.hf.export.precision import (
     decider,
     experts_recipes,
     four_over_six_of,
     model_four_over_six,
 )
-from nvfp4_jax._src.io.hf.export_report import ExportReport, build_report
-from nvfp4_jax._src.io.hf.export_scales import input_scales, weight_amaxes
-from nvfp4_jax._src.io.hf.export_tensors import Leaves, Tensor, collect_leaves, map_tensors
-from nvfp4_jax._src.io.hf.export_tokenizer import byte_tokenizer, check_tokenizer
-from nvfp4_jax._src.io.hf.export_units import make_units
-from nvfp4_jax._src.io.hf.export_writer import check_target, write_once, write_weights
-from nvfp4_jax._src.io.hf.names import DEFAULT_EXCLUDE, DEFAULT_FUSED_GROUPS, NameMap
+from nvfp4_jax._src.io.hf.export.report import ExportReport, build_report
+from nvfp4_jax._src.io.hf.export.scales import input_scales, weight_amaxes
+from nvfp4_jax._src.io.hf.export.tensors import Leaves, Tensor, collect_leaves, map_tensors
+from nvfp4_jax._src.io.hf.export.tokenizer import byte_tokenizer, check_tokenizer
+from nvfp4_jax._src.io.hf.export.units import make_units
+from nvfp4_jax._src.io.hf.export.writer import check_target, write_once, write_weights
+from nvfp4_jax._src.io.hf.names import DEFAULT_EXCLUDE, NameMap
 from nvfp4_jax._src.io.hf.st_io import Unit
 
 __all__ = ["ExportReport", "export_hf_checkpoint"]

@@ -21,7 +21,7 @@ import numpy as np
 
 from nvfp4_jax._src.core import formats
 from nvfp4_jax._src.core.array import is_nvfp4_array, validate_nvfp4_array
-from nvfp4_jax._src.io.hf.export_tensors import Tensor
+from nvfp4_jax._src.io.hf.export.tensors import Tensor
 from nvfp4_jax._src.io.hf.names import engine_ignores, group_of
 
 

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nvfp4_jax._src.io.hf.load_files import (
+from nvfp4_jax._src.io.hf.load.files import (
     BadTensor,
 )
 

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from nvfp4_jax._src.core.array import NVFP4Array, is_nvfp4_array, validate_nvfp4_array
-from nvfp4_jax._src.io.checkpoint_format import (
+from nvfp4_jax._src.io.checkpoint.format import (
     DIGEST,
     FORMAT,
     FORMAT_V1,

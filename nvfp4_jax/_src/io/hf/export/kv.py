@@ -17,9 +17,9 @@ from collections.abc import Mapping
 import numpy as np
 
 from nvfp4_jax._src.core.kv_spec import KV_SCALE_DIVISOR
-from nvfp4_jax._src.io.hf.export_tensors import Leaves, Tensor
+from nvfp4_jax._src.core.multihost import to_host
+from nvfp4_jax._src.io.hf.export.tensors import Leaves, Tensor
 from nvfp4_jax._src.io.hf.st_io import Unit
-from nvfp4_jax._src.io.storage import to_host
 
 # The side's projection and the name of its scale: (k_proj, k_scale), (v_proj, v_scale).
 _SIDES = (("k_proj", "k_scale"), ("v_proj", "v_scale"))

@@ -15,12 +15,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from nvfp4_jax._src.core.array import NVFP4Array, validate_nvfp4_array
-from nvfp4_jax._src.io.hf.load_files import (
+from nvfp4_jax._src.io.hf.load.files import (
     check_block_scales,
     entry_of,
     read_scalar,
 )
-from nvfp4_jax._src.io.hf.load_place import reader
+from nvfp4_jax._src.io.hf.load.place import reader
 from nvfp4_jax._src.io.hf.names import expert_block
 from nvfp4_jax._src.io.hf.st_io import ST_NAMES
 
