@@ -66,7 +66,7 @@ from nvfp4_jax._src.model.rules import Rule, default_rules, keep_bf16
 from nvfp4_jax._src.training.distributed import quantize_master_weights
 from nvfp4_jax._src.training.dot_general import dot_general, nvfp4_dot_general
 from nvfp4_jax._src.training.gemm import scaled_matmul
-from nvfp4_jax._src.training.ragged import ragged_dot
+from nvfp4_jax._src.training.ragged.ragged_dot import ragged_dot
 from nvfp4_jax._src.training.recipe import NVFP4Recipe, high_precision_forward
 from nvfp4_jax._src.training.scaled_matmul import (
     from_scaled_matmul_operands,

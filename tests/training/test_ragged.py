@@ -30,10 +30,10 @@ from nvfp4_jax import NVFP4Recipe, QuantSpec, dot_general, ragged_dot
 from nvfp4_jax._src.core import backends, kernels
 from nvfp4_jax._src.core import keys as sr_keys
 from nvfp4_jax._src.core.reference import decode_scale
-from nvfp4_jax._src.training.group_blocks import block_values
-from nvfp4_jax._src.training.group_operands import quantize_rows, quantize_tokens
-from nvfp4_jax._src.training.group_sr import padded_random, row_random
-from nvfp4_jax._src.training.groups import Groups, find_groups, padded_rows
+from nvfp4_jax._src.training.ragged.blocks import block_values
+from nvfp4_jax._src.training.ragged.groups import Groups, find_groups, padded_rows
+from nvfp4_jax._src.training.ragged.operands import quantize_rows, quantize_tokens
+from nvfp4_jax._src.training.ragged.sr import padded_random, row_random
 
 IMPLEMENTATIONS = ["reference"] + (["ffi"] if kernels.is_available("cpu") else [])
 RECIPES = {

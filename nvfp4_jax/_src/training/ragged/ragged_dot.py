@@ -22,8 +22,8 @@ element's position in that group's own tensor, so every group's results are, bit
 `fold_in(key, g)`.
 
 Everything is static-shaped: the groups and their padded layout are `groups`', the
-operands `group_operands`' (each group's activations and gradients by the native grouped
-kernel or `group_blocks`' jnp block math, their SR bits at `group_sr`'s positions; the
+operands `operands`' (each group's activations and gradients by the native grouped
+kernel or `blocks`' jnp block math, their SR bits at `sr`'s positions; the
 experts' weights by the public ops under `vmap`), the GEMMs `grouped_gemm`'s:
 `jax.lax.ragged_dot_general` on the block values in `recipe.gemm_dtype` with f32
 accumulation, scaled per group by `alpha = D_a * D_b`: the emulated GEMM of section 9, on
@@ -53,21 +53,21 @@ from nvfp4_jax._src.core.interception import opaque
 from nvfp4_jax._src.core.reference import decode_scale
 from nvfp4_jax._src.core.types import PrimalTypes
 from nvfp4_jax._src.training import gemm, ms_eden
-from nvfp4_jax._src.training.group_blocks import block_values, pack, unpack
-from nvfp4_jax._src.training.group_operands import (
-    quantize_rows,
-    quantize_tokens,
-    quantize_weights,
-    weight_values,
-)
-from nvfp4_jax._src.training.grouped_gemm import (
+from nvfp4_jax._src.training.ragged.blocks import block_values, pack, unpack
+from nvfp4_jax._src.training.ragged.grouped_gemm import (
     group_alpha,
     high_precision,
     high_precision_dgrad,
     high_precision_wgrad,
     ragged_gemm,
 )
-from nvfp4_jax._src.training.groups import Groups, find_groups, take_group
+from nvfp4_jax._src.training.ragged.groups import Groups, find_groups, take_group
+from nvfp4_jax._src.training.ragged.operands import (
+    quantize_rows,
+    quantize_tokens,
+    quantize_weights,
+    weight_values,
+)
 from nvfp4_jax._src.training.recipe import NVFP4Recipe, forward_flag
 
 _F32 = jnp.float32

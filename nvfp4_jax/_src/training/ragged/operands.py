@@ -3,7 +3,7 @@
 The activations and gradients (whose tensor amax differs from group to group) are quantized
 on the CPU with the ffi implementation by the native grouped kernel
 (`kernels.grouped_quantize`: each group through the ordinary quantize kernel as a tensor of
-its own), elsewhere by `group_blocks`' jnp block math with a per-row or per-block amax; the
+its own), elsewhere by `blocks`' jnp block math with a per-row or per-block amax; the
 two give the same bits. The experts' weights are quantized with the public ops under `vmap`
 and the RHT is `apply_rht`, both on `recipe.implementation`.
 """
@@ -15,9 +15,9 @@ import jax.numpy as jnp
 
 from nvfp4_jax._src.core import backends, formats, kernels
 from nvfp4_jax._src.core import ops as nvfp4_ops
-from nvfp4_jax._src.training.group_blocks import Blocks, quantize_blocks, unpack
-from nvfp4_jax._src.training.group_sr import padded_random, row_random
-from nvfp4_jax._src.training.groups import Groups, segment_amax, take_group, to_padded
+from nvfp4_jax._src.training.ragged.blocks import Blocks, quantize_blocks, unpack
+from nvfp4_jax._src.training.ragged.groups import Groups, segment_amax, take_group, to_padded
+from nvfp4_jax._src.training.ragged.sr import padded_random, row_random
 from nvfp4_jax._src.training.recipe import NVFP4Recipe
 
 _F32 = jnp.float32

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from nvfp4_jax._src.core import keys
-from nvfp4_jax._src.training.groups import Groups, take_group
+from nvfp4_jax._src.training.ragged.groups import Groups, take_group
 
 _U32 = jnp.uint32
 
