@@ -54,15 +54,15 @@ from nvfp4_jax._src.io.checkpoint.save import save_checkpoint
 from nvfp4_jax._src.io.hf.export.main import export_hf_checkpoint
 from nvfp4_jax._src.io.hf.load.main import load_hf_checkpoint
 from nvfp4_jax._src.io.hf.names import mixtral_name_map, qwen3_moe_name_map
-from nvfp4_jax._src.model.convert import quantize_model
+from nvfp4_jax._src.model.convert.linen import quantize_linen, quantized
+from nvfp4_jax._src.model.convert.nnx import quantize_model
+from nvfp4_jax._src.model.convert.report import QuantizeReport
+from nvfp4_jax._src.model.convert.rules import Rule, default_rules, keep_bf16
 from nvfp4_jax._src.model.diagnostics.inspection import inspect_model
 from nvfp4_jax._src.model.diagnostics.numbers import analyze_layer
 from nvfp4_jax._src.model.diagnostics.report import ModelReport
-from nvfp4_jax._src.model.intercept import quantize_linen, quantized
 from nvfp4_jax._src.model.ptq.freeze import quantize_for_export
 from nvfp4_jax._src.model.ptq.report import PTQReport
-from nvfp4_jax._src.model.report import QuantizeReport
-from nvfp4_jax._src.model.rules import Rule, default_rules, keep_bf16
 from nvfp4_jax._src.training.distributed import quantize_master_weights
 from nvfp4_jax._src.training.dot_general import dot_general, nvfp4_dot_general
 from nvfp4_jax._src.training.gemm import scaled_matmul

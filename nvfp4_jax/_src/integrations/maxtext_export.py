@@ -41,7 +41,7 @@ from nvfp4_jax._src.io.hf.names import (
     mixtral_name_map,
     qwen3_moe_name_map,
 )
-from nvfp4_jax._src.model.rules import Rule, check_rules
+from nvfp4_jax._src.model.convert.rules import Rule, check_rules
 from nvfp4_jax._src.training.recipe import NVFP4Recipe
 
 PROG = "python -m nvfp4_jax.maxtext.export"

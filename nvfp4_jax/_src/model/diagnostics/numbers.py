@@ -26,7 +26,7 @@ from nvfp4_jax._src.core import formats, ops, reference
 from nvfp4_jax._src.core.keys import ms_eden_randomness, sr_seeds
 from nvfp4_jax._src.core.spec import QuantSpec, rotation_words, spec_of_call
 from nvfp4_jax._src.flax.layer_info import weight_problem
-from nvfp4_jax._src.model.rules import recipe_from_dict, recipe_to_dict
+from nvfp4_jax._src.model.convert.rules import recipe_from_dict, recipe_to_dict
 from nvfp4_jax._src.training.dot_general import dot_general, pad_tokens
 from nvfp4_jax._src.training.ms_eden import pad_contraction
 from nvfp4_jax._src.training.recipe import NVFP4Recipe

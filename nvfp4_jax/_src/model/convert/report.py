@@ -10,7 +10,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from nvfp4_jax._src.model.rules import Rule, recipe_to_dict
+from nvfp4_jax._src.model.convert.rules import Rule, recipe_to_dict
 from nvfp4_jax._src.training.recipe import NVFP4Recipe
 
 Action = Literal["nvfp4", "high_precision", "unmatched", "skipped"]

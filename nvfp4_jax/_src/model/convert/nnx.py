@@ -48,8 +48,13 @@ from nvfp4_jax._src.flax.layer_info import (
     linear_stack,
 )
 from nvfp4_jax._src.flax.walk import layer_paths, replace_layers
-from nvfp4_jax._src.model.report import QuantizeReport, record
-from nvfp4_jax._src.model.rules import DEFAULT_RNG_COLLECTION, Rule, check_rules, match_layer
+from nvfp4_jax._src.model.convert.report import QuantizeReport, record
+from nvfp4_jax._src.model.convert.rules import (
+    DEFAULT_RNG_COLLECTION,
+    Rule,
+    check_rules,
+    match_layer,
+)
 from nvfp4_jax._src.training.recipe import NVFP4Recipe
 
 

@@ -26,8 +26,8 @@ from nvfp4_jax._src.flax import linen as nvfp4_linen
 from nvfp4_jax._src.flax.einsum import NVFP4Einsum, einsum_plan
 from nvfp4_jax._src.flax.layer_info import dot_general_recipe
 from nvfp4_jax._src.flax.walk import path_str
-from nvfp4_jax._src.model.report import Action, QuantizeReport, record
-from nvfp4_jax._src.model.rules import DEFAULT_RNG_COLLECTION, Rule, check_rules, match_rule
+from nvfp4_jax._src.model.convert.report import Action, QuantizeReport, record
+from nvfp4_jax._src.model.convert.rules import DEFAULT_RNG_COLLECTION, Rule, check_rules, match_rule
 from nvfp4_jax._src.training.dot_general import nvfp4_dot_general
 from nvfp4_jax._src.training.recipe import NVFP4Recipe
 
