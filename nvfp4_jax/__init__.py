@@ -40,7 +40,7 @@ from nvfp4_jax._src.core.layout import (
     unswizzle_scales,
 )
 from nvfp4_jax._src.core.ops import apply_rht, dequantize, fake_quantize, quantize, tensor_amax
-from nvfp4_jax._src.core.reference import (
+from nvfp4_jax._src.core.reference.hadamard import (
     get_hadamard_matrix,
     get_rht_matrix,
     get_sign_from_vector,

@@ -22,8 +22,7 @@ from test_ragged import assert_equals_group_loop
 
 import nvfp4_jax
 import nvfp4_jax.nnx as nvfp4_nnx
-from nvfp4_jax import NVFP4Recipe, ragged_dot
-from nvfp4_jax._src.core import kernels
+from nvfp4_jax import NVFP4Recipe, kernels, ragged_dot
 from nvfp4_jax._src.flax.layer_info import layer_recipe
 from nvfp4_jax._src.model.convert.nnx import quantize_model
 from nvfp4_jax._src.model.convert.rules import Rule, recipe_from_dict, recipe_to_dict

@@ -26,7 +26,14 @@ import jax
 import jax.extend.random
 import jax.numpy as jnp
 
-from nvfp4_jax._src.core import backends, kernels
+from nvfp4_jax._src.core import backends
+from nvfp4_jax._src.core.kernels._threefry import (
+    bits_words,
+    fold_in_words,
+    is_threefry_key,
+    split_bits_words,
+)
+from nvfp4_jax._src.core.kernels._threefry import threefry2x32 as native_threefry2x32
 from nvfp4_jax._src.core.seed import SRSeed, constant_words
 
 _F32 = jnp.float32
@@ -56,7 +63,7 @@ def native_hash(implementation) -> bool:
 def _hash(implementation):
     """The threefry2x32 hash of `implementation`'s SR keys: native or JAX's primitive."""
     if native_hash(implementation):
-        return kernels.threefry2x32
+        return native_threefry2x32
     return jax.extend.random.threefry2x32_p.bind
 
 
@@ -94,10 +101,10 @@ def fold_in(key, data, implementation=None):
     (`kernels.fold_in_words`: `threefry2x32(k, (0, d))`, as JAX's threefry implementation
     has it; a test holds them equal). Otherwise `jax.random.fold_in`.
     """
-    if not (kernels.is_threefry_key(key) and native_hash(implementation)):
+    if not (is_threefry_key(key) and native_hash(implementation)):
         return jax.random.fold_in(key, data)
     words = jax.random.key_data(key)
-    y0, y1 = kernels.fold_in_words(words[0], words[1], jnp.asarray(data, _U32).reshape(1))
+    y0, y1 = fold_in_words(words[0], words[1], jnp.asarray(data, _U32).reshape(1))
     return jax.random.wrap_key_data(jnp.concatenate([y0, y1]), impl="threefry2x32")
 
 
@@ -159,11 +166,11 @@ def sr_seeds(key, implementation=None) -> tuple:
     by JAX's primitive. Other keys take `jax.random.split`, each seed drawn on its own. Tests
     hold the seeds equal to `SRSeed.from_key` of `jax.random.split(key)`.
     """
-    if not kernels.is_threefry_key(key):
+    if not is_threefry_key(key):
         keys = jax.random.split(key)
         return keys[0], keys[1]
     data = jax.random.key_data(key)
-    words = kernels.split_bits_words(data[0], data[1], _hash(implementation))  # key 0, key 1
+    words = split_bits_words(data[0], data[1], _hash(implementation))  # key 0, key 1
     return SRSeed(words[:2], _ZERO_OFFSET), SRSeed(words[2:], _ZERO_OFFSET)
 
 
@@ -208,8 +215,8 @@ def words_ms_eden_randomness(words, implementation=None) -> GemmRandomness:
     """
     hash_ = _hash(implementation)
     k0, k1 = words[:, 0], words[:, 1]
-    rotation = kernels.bits_words(k0, k1, 4, hash_)  # (G, 4)
-    split = kernels.split_bits_words(k0, k1, hash_)  # (G, 4): key 0's words, key 1's
+    rotation = bits_words(k0, k1, 4, hash_)  # (G, 4)
+    split = split_bits_words(k0, k1, hash_)  # (G, 4): key 0's words, key 1's
     offset = jnp.zeros((words.shape[0], 2), _U32)
     return GemmRandomness(rotation, SRSeed(split[:, :2], offset), SRSeed(split[:, 2:], offset))
 
@@ -260,7 +267,7 @@ def group_sr_words(key, dy, row_group, num_groups: int, implementation=None, gro
     rolled loops XLA's CPU compiler makes of JAX's hashes.
     """
     base = jax.random.key(GRADIENT_KEY_SEED) if key is None else key
-    if not (native_hash(implementation) and kernels.is_threefry_key(base)):
+    if not (native_hash(implementation) and is_threefry_key(base)):
         group_keys = _group_keys(key, dy, row_group, num_groups, group_ids)
         keys = jax.vmap(jax.random.split)(group_keys)
         return _key_words(keys[:, 0]), _key_words(keys[:, 1])
@@ -269,6 +276,6 @@ def group_sr_words(key, dy, row_group, num_groups: int, implementation=None, gro
     else:
         data = _numbers(num_groups, group_ids)
     words = jax.random.key_data(base)
-    k0, k1 = kernels.fold_in_words(words[0], words[1], data)
-    split = kernels.split_bits_words(k0, k1)  # (G, 4)
+    k0, k1 = fold_in_words(words[0], words[1], data)
+    split = split_bits_words(k0, k1)  # (G, 4)
     return split[:, :2], split[:, 2:]

@@ -37,13 +37,14 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from nvfp4_jax._src.core import backends, checks, formats, kernels, layout, ops, types
+from nvfp4_jax._src.core import backends, checks, formats, layout, ops, types
 from nvfp4_jax._src.core.array import NVFP4Array
 from nvfp4_jax._src.core.backends import (  # the registry's constant, here for nvfp4_jax.gemm
     SCALED_MATMUL_MIN_CAPABILITY as SCALED_MATMUL_MIN_CAPABILITY,
 )
 from nvfp4_jax._src.core.backends import Implementation
 from nvfp4_jax._src.core.interception import opaque
+from nvfp4_jax._src.core.kernels._gemm import gemm as native_gemm
 from nvfp4_jax._src.core.seed import SRSeed
 from nvfp4_jax._src.core.spec import QuantSpec, spec_of_call
 from nvfp4_jax._src.training.recipe import GEMM_BACKENDS, GemmBackend
@@ -223,7 +224,7 @@ def matmul(a: Operand, b: Operand) -> jax.Array:
     if isinstance(a.data, NativeBlocks) and isinstance(b.data, NativeBlocks):
         # The same `product * alpha`, the product summed in the kernel's fixed order.
         qa, qb = a.data.q, b.data.q
-        return kernels.gemm(qa.codes, qa.scales, qb.codes, qb.scales, a.decode, b.decode)
+        return native_gemm(qa.codes, qa.scales, qb.codes, qb.scales, a.decode, b.decode)
     # The barrier keeps XLA from reassociating the product with the constant inside each
     # `D = amax * RCP2688`, which it does where a factor is broadcast (under `vmap`).
     d_a, d_b = jax.lax.optimization_barrier((a.decode, b.decode))

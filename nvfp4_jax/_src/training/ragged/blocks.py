@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 
 from nvfp4_jax._src.core import formats
-from nvfp4_jax._src.core.reference import encode_scale, stochastic_magnitude
+from nvfp4_jax._src.core.reference.quantize import encode_scale
+from nvfp4_jax._src.core.reference.stochastic import stochastic_magnitude
 
 _F32 = jnp.float32
 _BLOCK = formats.BLOCK_SIZE

@@ -13,8 +13,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from nvfp4_jax._src.core import backends, formats, kernels
+from nvfp4_jax._src.core import backends, formats
 from nvfp4_jax._src.core import ops as nvfp4_ops
+from nvfp4_jax._src.core.kernels._grouped import grouped_quantize as native_grouped_quantize
 from nvfp4_jax._src.training.ragged.blocks import Blocks, quantize_blocks, unpack
 from nvfp4_jax._src.training.ragged.groups import Groups, segment_amax, take_group, to_padded
 from nvfp4_jax._src.training.ragged.sr import padded_random, row_random
@@ -43,7 +44,7 @@ def _bounds(sizes: jax.Array) -> jax.Array:
 
 def _native_blocks(stored, bounds, amax, words, columns: bool) -> Blocks:
     group_words = jnp.zeros((amax.shape[0], 2), _U32) if words is None else words
-    codes, scales = kernels.grouped_quantize(
+    codes, scales = native_grouped_quantize(
         stored, bounds, amax, group_words, columns=columns, stochastic_rounding=words is not None
     )
     return unpack(Blocks(codes, scales))

@@ -49,8 +49,8 @@ import jax
 import jax.numpy as jnp
 
 from nvfp4_jax._src.core import checks, formats, keys, types
+from nvfp4_jax._src.core.formats import decode_scale
 from nvfp4_jax._src.core.interception import opaque
-from nvfp4_jax._src.core.reference import decode_scale
 from nvfp4_jax._src.core.types import PrimalTypes
 from nvfp4_jax._src.training import gemm, ms_eden
 from nvfp4_jax._src.training.ragged.blocks import block_values, pack, unpack
