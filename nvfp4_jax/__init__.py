@@ -46,8 +46,8 @@ from nvfp4_jax._src.core.reference.hadamard import (
     get_sign_from_vector,
     get_wgrad_sign_vector,
 )
-from nvfp4_jax._src.core.seed import SRSeed
 from nvfp4_jax._src.core.spec import QuantSpec
+from nvfp4_jax._src.core.sr_seed import SRSeed
 from nvfp4_jax._src.flax.einsum import NVFP4Einsum
 from nvfp4_jax._src.io.checkpoint.restore import restore_checkpoint
 from nvfp4_jax._src.io.checkpoint.save import save_checkpoint

@@ -1,11 +1,12 @@
 """Hugging Face / ModelOpt NVFP4 checkpoints (what vLLM, SGLang and TensorRT-LLM load).
 
-The public face of `nvfp4_jax._src.io.hf` (`common`, `names`, `st_io`, `export.main`,
-`load.main`): it re-exports only (docs/ARCHITECTURE.md).
+The public face of `nvfp4_jax._src.io.hf` (`format`, `names`, `safetensors_files`,
+`export.main`, `load.main`): it re-exports only (docs/ARCHITECTURE.md).
 """
 
 from nvfp4_jax._src.flax.walk import DEFAULT_FUSED_GROUPS
-from nvfp4_jax._src.io.hf.common import (
+from nvfp4_jax._src.io.hf.export.main import ExportReport, export_hf_checkpoint
+from nvfp4_jax._src.io.hf.format import (
     CONFIG_NAME,
     INDEX_NAME,
     LEGACY_PRODUCER,
@@ -15,7 +16,6 @@ from nvfp4_jax._src.io.hf.common import (
     REQUIRED_CONFIG_KEYS,
     WEIGHTS_NAME,
 )
-from nvfp4_jax._src.io.hf.export.main import ExportReport, export_hf_checkpoint
 from nvfp4_jax._src.io.hf.load.main import load_hf_checkpoint
 from nvfp4_jax._src.io.hf.names import (
     DEFAULT_EXCLUDE,
@@ -26,7 +26,7 @@ from nvfp4_jax._src.io.hf.names import (
     mixtral_name_map,
     qwen3_moe_name_map,
 )
-from nvfp4_jax._src.io.hf.st_io import read_safetensors
+from nvfp4_jax._src.io.hf.safetensors_files import read_safetensors
 
 __all__ = [
     "CONFIG_NAME",

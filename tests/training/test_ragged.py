@@ -27,8 +27,7 @@ from jax.extend.random import threefry_2x32
 
 import nvfp4_jax
 from nvfp4_jax import NVFP4Recipe, QuantSpec, dot_general, kernels, ragged_dot
-from nvfp4_jax._src.core import backends
-from nvfp4_jax._src.core import keys as sr_keys
+from nvfp4_jax._src.core import backends, sr_keys
 from nvfp4_jax._src.core.formats import decode_scale
 from nvfp4_jax._src.training.ragged.blocks import block_values
 from nvfp4_jax._src.training.ragged.groups import Groups, find_groups, padded_rows
@@ -765,7 +764,7 @@ def test_sr_numbering_past_2_to_the_32_counters_is_section_7():
     the dense reference gives those elements (`random_bytes` from the counter offset of the
     row, or of the padded layout's chunk)."""
     from nvfp4_jax._src.core.reference.stochastic import random_bytes  # noqa: PLC0415
-    from nvfp4_jax._src.core.seed import SRSeed  # noqa: PLC0415
+    from nvfp4_jax._src.core.sr_seed import SRSeed  # noqa: PLC0415
 
     words = jnp.array([[0x12345678, 0x9ABCDEF0]], jnp.uint32)
 

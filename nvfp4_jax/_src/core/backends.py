@@ -42,8 +42,8 @@ from nvfp4_jax._src.core.reference.hadamard import apply_rht as reference_apply_
 from nvfp4_jax._src.core.reference.quantize import dequantize as reference_dequantize
 from nvfp4_jax._src.core.reference.quantize import fake_quantize_stored, quantize_stored
 from nvfp4_jax._src.core.reference.quantize import tensor_amax as reference_tensor_amax
-from nvfp4_jax._src.core.seed import SRSeed
 from nvfp4_jax._src.core.spec import QuantSpec
+from nvfp4_jax._src.core.sr_seed import SRSeed
 
 Implementation = Literal["reference", "ffi"]
 # The ops whose native kernels run only on some platforms, or for some arguments.

@@ -37,8 +37,8 @@ from nvfp4_jax._src.core.reference.ms_eden import apply_rotation
 from nvfp4_jax._src.core.reference.ms_eden import encode_scale as ms_eden_encode_scale
 from nvfp4_jax._src.core.reference.quantize import dequantize as reference_dequantize
 from nvfp4_jax._src.core.reference.quantize import encode_scale
-from nvfp4_jax._src.core.seed import SRSeed
 from nvfp4_jax._src.core.spec import QuantSpec, check_dequantize_call, rotation_words
+from nvfp4_jax._src.core.sr_seed import SRSeed
 
 _F32 = jnp.float32
 

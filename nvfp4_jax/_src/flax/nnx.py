@@ -27,7 +27,7 @@ from flax import nnx
 
 from nvfp4_jax._src.core import checks, formats
 from nvfp4_jax._src.core.array import NVFP4Array
-from nvfp4_jax._src.core.keys import step_key
+from nvfp4_jax._src.core.sr_keys import step_key
 from nvfp4_jax._src.flax import frozen
 from nvfp4_jax._src.flax.frozen import Activations
 from nvfp4_jax._src.training import weight_only

@@ -31,8 +31,8 @@ from nvfp4_jax._src.integrations import maxtext as launcher
 from nvfp4_jax._src.integrations import maxtext_model as mt
 from nvfp4_jax._src.integrations import maxtext_names as names
 from nvfp4_jax._src.integrations import maxtext_plan as plan_module
-from nvfp4_jax._src.io.hf.common import CONFIG_NAME, QUANT_ALGOS
 from nvfp4_jax._src.io.hf.export.main import ExportReport, export_hf_checkpoint
+from nvfp4_jax._src.io.hf.format import CONFIG_NAME, QUANT_ALGOS
 from nvfp4_jax._src.io.hf.load.main import load_hf_checkpoint
 from nvfp4_jax._src.io.hf.names import (
     NameMap,

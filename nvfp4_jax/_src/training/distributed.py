@@ -33,7 +33,7 @@ from nvfp4_jax._src.core.backends import Implementation
 from nvfp4_jax._src.core.interception import opaque
 from nvfp4_jax._src.core.kernels._partition import pmax_keep_nan
 from nvfp4_jax._src.core.ops import fake_quantize, quantize, tensor_amax
-from nvfp4_jax._src.core.seed import SRSeed, as_seed
+from nvfp4_jax._src.core.sr_seed import SRSeed, as_seed
 
 __all__ = [
     "fake_quantize_shard",

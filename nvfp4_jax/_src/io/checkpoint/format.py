@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from nvfp4_jax._src.core.array import is_nvfp4_array
-from nvfp4_jax._src.io.storage import key_name
+from nvfp4_jax._src.io.durable import key_name
 
 FORMAT = "nvfp4_jax.checkpoint/3"
 FORMAT_V2 = "nvfp4_jax.checkpoint/2"

@@ -44,7 +44,7 @@ from nvfp4_jax._src.io.checkpoint.format import (
     read_pointer,
     unstorable,
 )
-from nvfp4_jax._src.io.storage import is_key_array
+from nvfp4_jax._src.io.durable import is_key_array
 
 
 def restore_checkpoint(path: str | os.PathLike, target: Any = None) -> Any:

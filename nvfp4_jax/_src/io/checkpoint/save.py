@@ -54,7 +54,7 @@ from nvfp4_jax._src.io.checkpoint.format import (
     read_pointer,
     unstorable,
 )
-from nvfp4_jax._src.io.storage import (
+from nvfp4_jax._src.io.durable import (
     collective,
     fsync_fd,
     fsync_path,

@@ -29,11 +29,11 @@ kernel quantized along `in` (`quantize(w, axis=0)`) is stored as (out, in): its 
 
 The package, each module importing only the ones listed above it:
 
-* `common`: the format's file names and constants; strict JSON reading, durable writing.
+* `format`: the format's file names and constants; strict JSON reading, durable writing.
 * `names`: `NameRule`, `NameMap`, `llama_name_map`, `qwen3_moe_name_map`,
   `mixtral_name_map` (Flax paths <-> HF tensor names), the default excluded modules.
-* `st_io`: safetensors files, read with every header number checked and written tensor by
-  tensor (`read_safetensors`).
+* `safetensors_files`: safetensors files, read with every header number checked and written
+  tensor by tensor (`read_safetensors`).
 * `export/`: the stages of an export, one concern each (docs/ARCHITECTURE.md gives their
   order), and `export.main`: `export_hf_checkpoint` (its keywords checked into one
   `ExportOptions`, then the stages) and its `ExportReport`.

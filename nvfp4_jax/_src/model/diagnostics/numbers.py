@@ -23,11 +23,11 @@ import jax
 import jax.numpy as jnp
 
 from nvfp4_jax._src.core import formats, ops
-from nvfp4_jax._src.core.keys import ms_eden_randomness, sr_seeds
 from nvfp4_jax._src.core.reference.ms_eden import apply_rotation
 from nvfp4_jax._src.core.reference.ms_eden import encode_scale as ms_eden_encode_scale
 from nvfp4_jax._src.core.reference.quantize import encode_scale
 from nvfp4_jax._src.core.spec import QuantSpec, rotation_words, spec_of_call
+from nvfp4_jax._src.core.sr_keys import ms_eden_randomness, sr_seeds
 from nvfp4_jax._src.flax.layer_info import weight_problem
 from nvfp4_jax._src.model.convert.rules import recipe_from_dict, recipe_to_dict
 from nvfp4_jax._src.training.dot_general import dot_general, pad_tokens

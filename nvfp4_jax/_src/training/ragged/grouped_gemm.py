@@ -18,7 +18,7 @@ from jax.custom_batching import custom_vmap
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from nvfp4_jax._src.core import types
+from nvfp4_jax._src.core import primal_types
 
 _F32 = jnp.float32
 
@@ -32,7 +32,7 @@ def ragged_gemm(lhs_contract: int, rhs_contract: int, rhs_group: int | None, bat
     """
 
     def call(lhs, rhs, group_sizes):
-        mesh = types.mesh_of(lhs, rhs, group_sizes)
+        mesh = primal_types.mesh_of(lhs, rhs, group_sizes)
         explicit = mesh if mesh is not None and mesh.explicit_axes else None
         form = _cached_ragged_gemm(lhs_contract, rhs_contract, rhs_group, batch, explicit)
         return form(lhs, rhs, group_sizes)

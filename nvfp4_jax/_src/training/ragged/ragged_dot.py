@@ -48,10 +48,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from nvfp4_jax._src.core import checks, formats, keys, types
+from nvfp4_jax._src.core import checks, formats, primal_types, sr_keys
 from nvfp4_jax._src.core.formats import decode_scale
 from nvfp4_jax._src.core.interception import opaque
-from nvfp4_jax._src.core.types import PrimalTypes
+from nvfp4_jax._src.core.primal_types import PrimalTypes
 from nvfp4_jax._src.training import gemm, ms_eden
 from nvfp4_jax._src.training.ragged.blocks import block_values, pack, unpack
 from nvfp4_jax._src.training.ragged.grouped_gemm import (
@@ -166,7 +166,7 @@ def _ragged_matmul_bwd(recipe, out_dtype, residuals, dy):
     groups = find_groups(group_sizes, dy.shape[0])
     dgrad_words = wgrad_words = None
     if recipe.stochastic_rounding and (recipe.dgrad or recipe.wgrad):
-        dgrad_words, wgrad_words = keys.group_sr_words(
+        dgrad_words, wgrad_words = sr_keys.group_sr_words(
             key, dy, groups.row_group, g, recipe.implementation, group_ids
         )
     dx = _dgrad(dy, qw, groups, recipe, dgrad_words, x_dtype)
@@ -225,11 +225,11 @@ def _ms_eden_backward(recipe: NVFP4Recipe, residuals, dy):
     groups = find_groups(group_sizes, dy.shape[0])
     dgrad_random = wgrad_random = None
     if recipe.dgrad or recipe.wgrad:
-        dgrad_words, wgrad_words = keys.group_sr_words(
+        dgrad_words, wgrad_words = sr_keys.group_sr_words(
             key, dy, groups.row_group, g, recipe.implementation, group_ids
         )
-        dgrad_random = keys.words_ms_eden_randomness(dgrad_words, recipe.implementation)
-        wgrad_random = keys.words_ms_eden_randomness(wgrad_words, recipe.implementation)
+        dgrad_random = sr_keys.words_ms_eden_randomness(dgrad_words, recipe.implementation)
+        wgrad_random = sr_keys.words_ms_eden_randomness(wgrad_words, recipe.implementation)
     masks = groups.row_group[None, :] == jnp.arange(g, dtype=groups.row_group.dtype)[:, None]
     if recipe.dgrad:
         w_values, d_w = weight_values(qw, recipe)  # (G, N, K)
@@ -403,12 +403,12 @@ def ragged_dot(
         return jnp.zeros((m, n), out_dtype)
     # Under Explicit mesh axes the grouped GEMMs run on whole operands (the groups are rows
     # of the whole lhs): gathered here, the result sharded along M as lhs is.
-    lhs, rhs, group_sizes = (types.replicated(a) for a in (lhs, rhs, group_sizes))
+    lhs, rhs, group_sizes = (primal_types.replicated(a) for a in (lhs, rhs, group_sizes))
     flag = forward_flag(recipe)
     if group_offset is None:
         group_ids = jnp.arange(rhs.shape[0], dtype=jnp.int32)
         y = _ragged(lhs, rhs, group_sizes, group_ids, key, flag, recipe, out_dtype)
-        return types.leading_axis_like(y, lhs)
+        return primal_types.leading_axis_like(y, lhs)
     offset = _check_offset(group_offset)
     start, local_sizes, group_ids = _local_groups(group_sizes, offset, rhs.shape[0], m)
     # The shard's groups as a call of their own: its rows rolled to the top (the rows after
@@ -416,7 +416,7 @@ def ragged_dot(
     y = _ragged(
         jnp.roll(lhs, -start, axis=0), rhs, local_sizes, group_ids, key, flag, recipe, out_dtype
     )
-    return types.leading_axis_like(jnp.roll(y, start, axis=0), lhs)
+    return primal_types.leading_axis_like(jnp.roll(y, start, axis=0), lhs)
 
 
 def _check_offset(group_offset) -> jax.Array:

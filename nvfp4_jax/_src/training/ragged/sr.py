@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from nvfp4_jax._src.core import keys
+from nvfp4_jax._src.core import sr_keys
 from nvfp4_jax._src.training.ragged.groups import Groups, take_group
 
 _U32 = jnp.uint32
@@ -42,7 +42,7 @@ def _random_bytes(words, chunk_group, counter) -> jax.Array:
     """
     table = jnp.concatenate([words, jnp.zeros((1, 2), _U32)])
     k = table[chunk_group]
-    hashed = keys.threefry2x32(k[..., 0], k[..., 1], *counter)
+    hashed = sr_keys.threefry2x32(k[..., 0], k[..., 1], *counter)
     shifts = jnp.arange(0, 32, 8, dtype=_U32)
     parts = [(word[..., None] >> shifts) & _U32(0xFF) for word in hashed]
     return jnp.concatenate(parts, axis=-1).astype(jnp.uint8)

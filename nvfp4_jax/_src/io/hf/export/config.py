@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from nvfp4_jax._src.core import formats
-from nvfp4_jax._src.io.hf.common import (
+from nvfp4_jax._src.io.hf.format import (
     CONFIG_NAME,
     LEGACY_PRODUCER,
     MAX_HEADER,

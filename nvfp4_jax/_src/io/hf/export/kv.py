@@ -19,7 +19,7 @@ import numpy as np
 from nvfp4_jax._src.core.kv_spec import KV_SCALE_DIVISOR
 from nvfp4_jax._src.core.multihost import to_host
 from nvfp4_jax._src.io.hf.export.tensors import Leaves, Tensor
-from nvfp4_jax._src.io.hf.st_io import Unit
+from nvfp4_jax._src.io.hf.safetensors_files import Unit
 
 # The side's projection and the name of its scale: (k_proj, k_scale), (v_proj, v_scale).
 _SIDES = (("k_proj", "k_scale"), ("v_proj", "v_scale"))

@@ -22,7 +22,6 @@ from flax import nnx
 
 from nvfp4_jax._src.core import formats
 from nvfp4_jax._src.flax.walk import DEFAULT_FUSED_GROUPS
-from nvfp4_jax._src.io.hf.common import CONFIG_NAME, QUANT_CONFIG_NAME, write_json
 from nvfp4_jax._src.io.hf.export.config import (
     check_config_against,
     legacy_quant_config,
@@ -44,8 +43,9 @@ from nvfp4_jax._src.io.hf.export.tensors import Leaves, Tensor, collect_leaves, 
 from nvfp4_jax._src.io.hf.export.tokenizer import byte_tokenizer, check_tokenizer
 from nvfp4_jax._src.io.hf.export.units import make_units
 from nvfp4_jax._src.io.hf.export.writer import check_target, write_once, write_weights
+from nvfp4_jax._src.io.hf.format import CONFIG_NAME, QUANT_CONFIG_NAME, write_json
 from nvfp4_jax._src.io.hf.names import DEFAULT_EXCLUDE, NameMap
-from nvfp4_jax._src.io.hf.st_io import Unit
+from nvfp4_jax._src.io.hf.safetensors_files import Unit
 
 __all__ = ["ExportReport", "export_hf_checkpoint"]
 

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from nvfp4_jax._src.core import checks
-from nvfp4_jax._src.io.hf.common import KV_CACHE_ALGOS, QUANT_ALGOS
+from nvfp4_jax._src.io.hf.format import KV_CACHE_ALGOS, QUANT_ALGOS
 from nvfp4_jax._src.io.hf.names import NameMap, as_name_map
 
 # `four_over_six="model"`: quantize each kernel as the training recipe did.

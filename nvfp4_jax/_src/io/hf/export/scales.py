@@ -19,12 +19,12 @@ from nvfp4_jax._src.core import formats
 from nvfp4_jax._src.core.array import is_nvfp4_array
 from nvfp4_jax._src.core.multihost import to_host
 from nvfp4_jax._src.core.ops import tensor_amax
-from nvfp4_jax._src.io.hf.common import FIRST_BAD_SCALE_BYTE
 from nvfp4_jax._src.io.hf.export.plan import (
     compact,
     quantized_sets,
 )
 from nvfp4_jax._src.io.hf.export.tensors import Leaves, Tensor
+from nvfp4_jax._src.io.hf.format import FIRST_BAD_SCALE_BYTE
 
 
 def input_scales(tensors, leaves: Leaves, input_amax) -> dict[str, np.float32]:

@@ -19,11 +19,11 @@ from flax import nnx
 
 from nvfp4_jax._src.core.array import is_nvfp4_array
 from nvfp4_jax._src.flax import nnx as nvfp4_nnx
-from nvfp4_jax._src.io.hf.common import (
+from nvfp4_jax._src.io.durable import is_key_array, key_name
+from nvfp4_jax._src.io.hf.format import (
     KV_SUFFIXES,
 )
 from nvfp4_jax._src.io.hf.names import NameMap, expert_block
-from nvfp4_jax._src.io.storage import is_key_array, key_name
 
 
 @dataclasses.dataclass

@@ -15,7 +15,7 @@ from nvfp4_jax._src.core.array import is_nvfp4_array
 from nvfp4_jax._src.core.multihost import to_host
 from nvfp4_jax._src.core.ops import dequantize, quantize
 from nvfp4_jax._src.io.hf.export.tensors import Tensor
-from nvfp4_jax._src.io.hf.st_io import ST_NAMES, Unit, is_float
+from nvfp4_jax._src.io.hf.safetensors_files import ST_NAMES, Unit, is_float
 
 
 def _quantized_unit(t: Tensor, amax, input_scale, flags: dict, implementation) -> Unit:

@@ -17,15 +17,15 @@ from typing import Any
 
 import jax
 
-from nvfp4_jax._src.io.hf.common import (
+from nvfp4_jax._src.io.durable import collective, fsync_path
+from nvfp4_jax._src.io.hf.format import (
     CONFIG_NAME,
     INDEX_NAME,
     QUANT_CONFIG_NAME,
     WEIGHTS_NAME,
     write_json,
 )
-from nvfp4_jax._src.io.hf.st_io import Unit, write_safetensors
-from nvfp4_jax._src.io.storage import collective, fsync_path
+from nvfp4_jax._src.io.hf.safetensors_files import Unit, write_safetensors
 
 _EXPORT = "export_hf_checkpoint"
 _WEIGHT_FILES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json", ".pt")

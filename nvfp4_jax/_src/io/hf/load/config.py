@@ -13,7 +13,7 @@ import os
 import jax.numpy as jnp
 
 from nvfp4_jax._src.core import formats
-from nvfp4_jax._src.io.hf.common import (
+from nvfp4_jax._src.io.hf.format import (
     CONFIG_NAME,
     QUANT_ALGOS,
     QUANT_CONFIG_NAME,

@@ -22,7 +22,7 @@ from nvfp4_jax._src.io.hf.load.files import (
 )
 from nvfp4_jax._src.io.hf.load.place import reader
 from nvfp4_jax._src.io.hf.names import expert_block
-from nvfp4_jax._src.io.hf.st_io import ST_NAMES
+from nvfp4_jax._src.io.hf.safetensors_files import ST_NAMES
 
 
 @dataclasses.dataclass

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import numpy as np
 
 from nvfp4_jax._src.core import formats
-from nvfp4_jax._src.io.hf.common import (
+from nvfp4_jax._src.io.hf.format import (
     FIRST_BAD_SCALE_BYTE,
     INDEX_NAME,
     KV_SUFFIXES,
@@ -30,7 +30,7 @@ from nvfp4_jax._src.io.hf.load.config import (
     json_field,
 )
 from nvfp4_jax._src.io.hf.names import engine_ignores
-from nvfp4_jax._src.io.hf.st_io import ST_NAMES, Entry, SafetensorsFile, is_float
+from nvfp4_jax._src.io.hf.safetensors_files import ST_NAMES, Entry, SafetensorsFile, is_float
 
 
 def open_checkpoint(directory: str) -> dict[str, SafetensorsFile]:

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from nvfp4_jax._src.core.array import NVFP4Array, validate_nvfp4_array
-from nvfp4_jax._src.io.hf.common import (
+from nvfp4_jax._src.io.hf.format import (
     CONFIG_NAME,
     read_json,
 )
@@ -39,7 +39,7 @@ from nvfp4_jax._src.io.hf.load.files import (
 )
 from nvfp4_jax._src.io.hf.load.place import placer, reader
 from nvfp4_jax._src.io.hf.names import NameMap, as_name_map, engine_ignores, match_hf
-from nvfp4_jax._src.io.hf.st_io import ST_NAMES, is_float
+from nvfp4_jax._src.io.hf.safetensors_files import ST_NAMES, is_float
 
 
 def load_hf_checkpoint(

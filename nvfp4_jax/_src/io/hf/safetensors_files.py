@@ -1,7 +1,7 @@
 """Safetensors files, read and written directly: an 8-byte header length, a JSON header, bytes.
 
 The `safetensors` package cannot read float8 into NumPy, and writing tensor by tensor keeps
-host memory bounded by one layer. A header is strict JSON (`common._loads`) and every number
+host memory bounded by one layer. A header is strict JSON (`format.loads`) and every number
 in it is checked against the file before a tensor is read: nothing is allocated from it.
 """
 
@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from nvfp4_jax._src.io.hf.common import MAX_HEADER, loads, short
-from nvfp4_jax._src.io.storage import fsync_fd
+from nvfp4_jax._src.io.durable import fsync_fd
+from nvfp4_jax._src.io.hf.format import MAX_HEADER, loads, short
 
 _ST_DTYPES = {
     "BOOL": np.dtype(np.bool_),

@@ -12,7 +12,7 @@ import os
 import re
 from typing import Any
 
-from nvfp4_jax._src.io.storage import fsync_fd
+from nvfp4_jax._src.io.durable import fsync_fd
 from nvfp4_jax._version import __version__
 
 CONFIG_NAME = "config.json"

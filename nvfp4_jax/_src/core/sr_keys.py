@@ -34,7 +34,7 @@ from nvfp4_jax._src.core.kernels._threefry import (
     split_bits_words,
 )
 from nvfp4_jax._src.core.kernels._threefry import threefry2x32 as native_threefry2x32
-from nvfp4_jax._src.core.seed import SRSeed, constant_words
+from nvfp4_jax._src.core.sr_seed import SRSeed, constant_words
 
 _F32 = jnp.float32
 _U32 = jnp.uint32
