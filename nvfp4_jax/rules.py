@@ -1,8 +1,9 @@
 """Rules: which layers of a model get which NVFP4 recipe, and `quantize_model`.
 
-The public face of `nvfp4_jax._src.model.convert` (`rules`, `report`, `nnx`, `linen`) and of
-`nvfp4_jax._src.flax` (`einsum`, `layer_info`, `walk`): it re-exports only
-(docs/ARCHITECTURE.md).
+The public face of `nvfp4_jax._src.model.convert` (`rules`, `report`, `nnx`, `linen`): it
+re-exports only (docs/ARCHITECTURE.md). The helpers that walk a model's layers
+(`layer_paths`, `layer_recipe`, `einsum_plan`, ...) have their own face, `nvfp4_jax.layers`;
+this module re-exports them too, as it always has.
 """
 
 from nvfp4_jax._src.flax.einsum import EinsumPlan, NVFP4Einsum, einsum_plan
