@@ -11,8 +11,8 @@ embeddings, the output head and the first and last blocks in high precision (the
 keeps the first 2 and last 8 of 62 blocks of its 12B model), everything else in NVFP4; an
 MoE router (a module named `gate` or `router`) stays in high precision, as engines serve it.
 
-The rules are applied by `quantize_model` (nnx, `convert`), `quantize_linen` (linen,
-`intercept`), `inspect_model` (`diagnostics`) and `quantize_for_export` (`ptq`).
+The rules are applied by `quantize_model` (nnx, `nnx`), `quantize_linen` (linen,
+`linen`), `inspect_model` (`diagnostics`) and `quantize_for_export` (`ptq`).
 """
 
 from __future__ import annotations

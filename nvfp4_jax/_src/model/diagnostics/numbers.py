@@ -226,7 +226,7 @@ def _operands(x, w, dy, key, recipe: NVFP4Recipe) -> dict[str, dict[str, jax.Arr
     if recipe.backward == "ms_eden":
         return _ms_eden_operands(x, w, dy, key, recipe)
     sr, impl = recipe.stochastic_rounding, recipe.implementation
-    # The keys `nvfp4_jax.dot_general` gives dgrad's and wgrad's dy (from core/keys.py).
+    # The keys `nvfp4_jax.dot_general` gives dgrad's and wgrad's dy (from core/sr_keys.py).
     dgrad_key, wgrad_key = sr_seeds(key, impl) if sr else (None, None)
     # The specs of `nvfp4_jax.dot_general`'s operands; the wgrad ones on x and dy (not dy^T).
     spec = recipe.spec

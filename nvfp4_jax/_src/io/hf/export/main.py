@@ -2,13 +2,13 @@
 
 The entry point checks its keywords once into an `ExportOptions`, then runs the stages, each
 in a module of its own: the leaves sorted and mapped to HF names, a stacked (E, in, out)
-experts kernel to E linears (`export_tensors`); each linear's precision decided
-(`exclude=`, the layers the model computed in NVFP4 or `rules=`: `export_precision`) and
-checked with its fused group and its mixture-of-experts block (`export_plan`); the scales
-(`export_scales`); the configs (`export_config`, `export_tokenizer`); the tensors converted,
-quantized and written one module (one expert) at a time (`export_units`) into a temporary
-directory, moved into place when complete (`export_writer`); and the `ExportReport`
-(`export_report`).
+experts kernel to E linears (`tensors`); each linear's precision decided
+(`exclude=`, the layers the model computed in NVFP4 or `rules=`: `precision`) and
+checked with its fused group and its mixture-of-experts block (`plan`); the scales
+(`scales`); the configs (`config`, `tokenizer`); the tensors converted,
+quantized and written one module (one expert) at a time (`units`) into a temporary
+directory, moved into place when complete (`writer`); and the `ExportReport`
+(`report`).
 """
 
 from __future__ import annotations

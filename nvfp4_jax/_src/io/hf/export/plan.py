@@ -1,7 +1,7 @@
 """Export: which linears are quantized and which kept in high precision, checked.
 
 `plan_modules` marks each linear: excluded (`exclude=`, routers always), kept because the
-model computed it in high precision (a `decide` function, see `export_precision`), and
+model computed it in high precision (a `decide` function, see `precision`), and
 checks that engines can load the result: a fused group (q/k/v, gate/up) and a
 mixture-of-experts block are quantized whole or kept whole, every quantized kernel can be
 quantized, and no quantized module looks excluded to an engine reading the `ignore` list.

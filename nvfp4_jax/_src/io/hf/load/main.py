@@ -1,10 +1,10 @@
 """Import: a ModelOpt NVFP4 (or plain) Hugging Face checkpoint as a Flax tree.
 
-`load_hf_checkpoint` reads the quantization config (`load_config`), opens every safetensors
+`load_hf_checkpoint` reads the quantization config (`config`), opens every safetensors
 file and checks them against the index, checks the tensors of each NVFP4 linear
-(`load_files`), gathers the experts of a mixture-of-experts layer into one stacked array
-(`load_experts`), and places every array with `jax.make_array_from_callback`, so each
-process reads only the slices its devices hold (`load_place`).
+(`files`), gathers the experts of a mixture-of-experts layer into one stacked array
+(`experts`), and places every array with `jax.make_array_from_callback`, so each
+process reads only the slices its devices hold (`place`).
 """
 
 from __future__ import annotations
