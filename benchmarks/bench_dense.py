@@ -26,8 +26,7 @@ import jax
 import jax.numpy as jnp
 from bench_kernels import median_seconds  # this folder is on sys.path when run as a script
 
-from nvfp4_jax import NVFP4Recipe, dot_general
-from nvfp4_jax._src.core import kernels
+from nvfp4_jax import NVFP4Recipe, dot_general, kernels
 
 DENSE = (((1,), (0,)), ((), ()))
 

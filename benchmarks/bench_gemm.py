@@ -40,8 +40,9 @@ import numpy as np
 from roofline import ISA_CHOICES, ISA_HELP, force_kernel_isa  # this folder is on sys.path
 
 import nvfp4_jax
-from nvfp4_jax import NVFP4Recipe, dot_general
-from nvfp4_jax._src.core import kernels, ops
+from nvfp4_jax import NVFP4Recipe, dot_general, kernels
+from nvfp4_jax._src.core import ops
+from nvfp4_jax._src.core.kernels import _library
 from nvfp4_jax._src.training import gemm, weight_only
 
 DENSE = (((1,), (0,)), ((), ()))
@@ -120,7 +121,7 @@ def bench_gemm(size: int, iters: int):
     a16, b16 = a32.astype(jnp.bfloat16), b32.astype(jnp.bfloat16)
     native = jax.jit(lambda p, q: gemm.scaled_matmul(p, q, backend="emulated"))
     before = compiled_emulated(lambda p, q: gemm.scaled_matmul(p, q, backend="emulated"), qa, qb)
-    module = kernels._library.module("cpu")
+    module = _library.module("cpu")
     has_amx = module is not None and module.set_gemm_amx(True)
     if module is not None:
         module.set_gemm_amx(False)

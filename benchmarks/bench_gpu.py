@@ -40,7 +40,7 @@ from bench_kernels import heavy_tailed, median_seconds
 from roofline import header_lines
 
 import nvfp4_jax
-from nvfp4_jax._src.core import kernels
+from nvfp4_jax import kernels
 
 CPU_MAX_SIZE = 1024
 NO_GPU_EXIT = 2

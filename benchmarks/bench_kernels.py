@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 import nvfp4_jax
-from nvfp4_jax._src.core import kernels
+from nvfp4_jax import kernels
 
 
 def heavy_tailed(shape, key) -> jax.Array:

@@ -59,7 +59,8 @@ import numpy as np
 from bench_kernels import heavy_tailed  # this folder is on sys.path when run as a script
 
 import nvfp4_jax
-from nvfp4_jax._src.core import kernels
+from nvfp4_jax import kernels
+from nvfp4_jax._src.core.kernels import _library
 
 SHAPES = {
     "example": [(1024, 352), (1024, 128)],
@@ -282,7 +283,7 @@ ISA_HELP = (
 def force_kernel_isa(parser: argparse.ArgumentParser, isa: str | None) -> None:
     """Runs the native CPU kernels of x86 level `isa` (None: the best), or exits naming it."""
     if isa:
-        module = kernels._library.module("cpu")
+        module = _library.module("cpu")
         if module is None or not module.set_isa(isa):
             parser.error(f"--isa {isa}: this CPU or this build cannot run those kernels")
 

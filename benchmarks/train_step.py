@@ -107,7 +107,7 @@ def main() -> None:
     force_kernel_isa(parser, args.isa)
     if args.jax_threefry:
         # The one place that picks the SR keys' hash (docs/ARCHITECTURE.md).
-        sys.modules["nvfp4_jax._src.core.keys"].native_hash = lambda implementation: False
+        sys.modules["nvfp4_jax._src.core.sr_keys"].native_hash = lambda implementation: False
     if args.reuse_memory:
         restart_reusing_memory()
     example = train_lm.parse_args(args.example_flags)

@@ -20,6 +20,7 @@ from nvfp4_jax import (
     hf,
     kernels,
     kv_cache,
+    layers,
     layout,
     linen,
     nnx,
@@ -40,32 +41,33 @@ from nvfp4_jax._src.core.layout import (
     unswizzle_scales,
 )
 from nvfp4_jax._src.core.ops import apply_rht, dequantize, fake_quantize, quantize, tensor_amax
-from nvfp4_jax._src.core.reference import (
+from nvfp4_jax._src.core.reference.hadamard import (
     get_hadamard_matrix,
     get_rht_matrix,
     get_sign_from_vector,
     get_wgrad_sign_vector,
 )
-from nvfp4_jax._src.core.seed import SRSeed
 from nvfp4_jax._src.core.spec import QuantSpec
+from nvfp4_jax._src.core.sr_seed import SRSeed
 from nvfp4_jax._src.flax.einsum import NVFP4Einsum
-from nvfp4_jax._src.io.checkpoint import restore_checkpoint, save_checkpoint
-from nvfp4_jax._src.io.hf import (
-    export_hf_checkpoint,
-    load_hf_checkpoint,
-    mixtral_name_map,
-    qwen3_moe_name_map,
-)
-from nvfp4_jax._src.model.convert import quantize_model
-from nvfp4_jax._src.model.diagnostics import ModelReport, analyze_layer, inspect_model
-from nvfp4_jax._src.model.intercept import quantize_linen, quantized
-from nvfp4_jax._src.model.ptq import PTQReport, quantize_for_export
-from nvfp4_jax._src.model.report import QuantizeReport
-from nvfp4_jax._src.model.rules import Rule, default_rules, keep_bf16
+from nvfp4_jax._src.io.checkpoint.restore import restore_checkpoint
+from nvfp4_jax._src.io.checkpoint.save import save_checkpoint
+from nvfp4_jax._src.io.hf.export.main import export_hf_checkpoint
+from nvfp4_jax._src.io.hf.load.main import load_hf_checkpoint
+from nvfp4_jax._src.io.hf.names import mixtral_name_map, qwen3_moe_name_map
+from nvfp4_jax._src.model.convert.linen import quantize_linen, quantized
+from nvfp4_jax._src.model.convert.nnx import quantize_model
+from nvfp4_jax._src.model.convert.report import QuantizeReport
+from nvfp4_jax._src.model.convert.rules import Rule, default_rules, keep_bf16
+from nvfp4_jax._src.model.diagnostics.inspection import inspect_model
+from nvfp4_jax._src.model.diagnostics.numbers import analyze_layer
+from nvfp4_jax._src.model.diagnostics.report import ModelReport
+from nvfp4_jax._src.model.ptq.freeze import quantize_for_export
+from nvfp4_jax._src.model.ptq.report import PTQReport
 from nvfp4_jax._src.training.distributed import quantize_master_weights
 from nvfp4_jax._src.training.dot_general import dot_general, nvfp4_dot_general
 from nvfp4_jax._src.training.gemm import scaled_matmul
-from nvfp4_jax._src.training.ragged import ragged_dot
+from nvfp4_jax._src.training.ragged.ragged_dot import ragged_dot
 from nvfp4_jax._src.training.recipe import NVFP4Recipe, high_precision_forward
 from nvfp4_jax._src.training.scaled_matmul import (
     from_scaled_matmul_operands,
@@ -105,6 +107,7 @@ __all__ = [
     "keep_bf16",
     "kernels",
     "kv_cache",
+    "layers",
     "layout",
     "linen",
     "load_hf_checkpoint",

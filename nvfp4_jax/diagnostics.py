@@ -1,20 +1,19 @@
 """Per-layer NVFP4 error of a model's three GEMMs, and the rules it suggests.
 
-The public face of `nvfp4_jax._src.model.diagnostics`: it re-exports only (docs/ARCHITECTURE.md).
+The public face of `nvfp4_jax._src.model.diagnostics` (`numbers`, `report`, `inspection`): it
+re-exports only (docs/ARCHITECTURE.md).
 """
 
-from nvfp4_jax._src.model.diagnostics import (
+from nvfp4_jax._src.model.diagnostics.inspection import inspect_model
+from nvfp4_jax._src.model.diagnostics.numbers import (
     OPERANDS,
-    SCORES,
-    SHORT_NAMES,
     LayerStats,
-    ModelReport,
     OperandStats,
     analyze_layer,
     angle_degrees,
-    inspect_model,
     operand_stats,
 )
+from nvfp4_jax._src.model.diagnostics.report import SCORES, SHORT_NAMES, ModelReport
 
 __all__ = [
     "analyze_layer",

@@ -1,11 +1,11 @@
 """The NVFP4 GEMM: emulated, native, and `jax.nn.scaled_matmul` operands.
 
-The public face of `nvfp4_jax._src.training.gemm`, `.scaled_matmul` and `.weight_only`: it
+The public face of `nvfp4_jax._src.training.gemm`, `.recipe` (`GEMM_BACKENDS`), `.scaled_matmul`
+and `.weight_only`: it
 re-exports only (docs/ARCHITECTURE.md).
 """
 
 from nvfp4_jax._src.training.gemm import (
-    GEMM_BACKENDS,
     SCALED_MATMUL_MIN_CAPABILITY,
     NativeBlocks,
     Operand,
@@ -18,6 +18,7 @@ from nvfp4_jax._src.training.gemm import (
     transpose_2d_blocks,
     uses_native_gemm,
 )
+from nvfp4_jax._src.training.recipe import GEMM_BACKENDS
 from nvfp4_jax._src.training.scaled_matmul import (
     ScaledMatmulOperands,
     from_scaled_matmul_operands,

@@ -1,30 +1,32 @@
 """Hugging Face / ModelOpt NVFP4 checkpoints (what vLLM, SGLang and TensorRT-LLM load).
 
-The public face of `nvfp4_jax._src.io.hf`: it re-exports only (docs/ARCHITECTURE.md).
+The public face of `nvfp4_jax._src.io.hf` (`format`, `names`, `safetensors_files`,
+`export.main`, `load.main`): it re-exports only (docs/ARCHITECTURE.md).
 """
 
-from nvfp4_jax._src.io.hf import (
+from nvfp4_jax._src.flax.walk import DEFAULT_FUSED_GROUPS
+from nvfp4_jax._src.io.hf.export.main import ExportReport, export_hf_checkpoint
+from nvfp4_jax._src.io.hf.format import (
     CONFIG_NAME,
-    DEFAULT_EXCLUDE,
-    DEFAULT_FUSED_GROUPS,
     INDEX_NAME,
-    KINDS,
     LEGACY_PRODUCER,
     PRODUCER,
     QUANT_ALGOS,
     QUANT_CONFIG_NAME,
     REQUIRED_CONFIG_KEYS,
     WEIGHTS_NAME,
-    ExportReport,
+)
+from nvfp4_jax._src.io.hf.load.main import load_hf_checkpoint
+from nvfp4_jax._src.io.hf.names import (
+    DEFAULT_EXCLUDE,
+    KINDS,
     NameMap,
     NameRule,
-    export_hf_checkpoint,
     llama_name_map,
-    load_hf_checkpoint,
     mixtral_name_map,
     qwen3_moe_name_map,
-    read_safetensors,
 )
+from nvfp4_jax._src.io.hf.safetensors_files import read_safetensors
 
 __all__ = [
     "CONFIG_NAME",

@@ -1,8 +1,9 @@
 """Rules: which layers of a model get which NVFP4 recipe, and `quantize_model`.
 
-The public face of `nvfp4_jax._src.model` (`rules`, `report`, `convert`, `intercept`) and of
-`nvfp4_jax._src.flax` (`einsum`, `layer_info`, `walk`): it re-exports only
-(docs/ARCHITECTURE.md).
+The public face of `nvfp4_jax._src.model.convert` (`rules`, `report`, `nnx`, `linen`): it
+re-exports only (docs/ARCHITECTURE.md). The helpers that walk a model's layers
+(`layer_paths`, `layer_recipe`, `einsum_plan`, ...) have their own face, `nvfp4_jax.layers`;
+this module re-exports them too, as it always has.
 """
 
 from nvfp4_jax._src.flax.einsum import EinsumPlan, NVFP4Einsum, einsum_plan
@@ -17,10 +18,10 @@ from nvfp4_jax._src.flax.layer_info import (
     weight_problem,
 )
 from nvfp4_jax._src.flax.walk import NNX_LAYERS, layer_paths, named_layers, replace_layers
-from nvfp4_jax._src.model.convert import quantize_model
-from nvfp4_jax._src.model.intercept import quantize_linen, quantized
-from nvfp4_jax._src.model.report import LayerDecision, QuantizeReport
-from nvfp4_jax._src.model.rules import (
+from nvfp4_jax._src.model.convert.linen import quantize_linen, quantized
+from nvfp4_jax._src.model.convert.nnx import quantize_model
+from nvfp4_jax._src.model.convert.report import LayerDecision, QuantizeReport
+from nvfp4_jax._src.model.convert.rules import (
     DEFAULT_RNG_COLLECTION,
     EMBED_AND_HEAD,
     LAYER_PATTERN,

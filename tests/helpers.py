@@ -21,7 +21,7 @@ import pytest
 import xla_setup
 
 import nvfp4_jax
-from nvfp4_jax._src.core import kernels
+from nvfp4_jax import kernels
 
 DTYPE_NAMES = {"f32": np.float32, "bf16": ml_dtypes.bfloat16, "f16": np.float16}
 DENSE = (((1,), (0,)), ((), ()))

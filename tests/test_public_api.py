@@ -31,6 +31,7 @@ FACES = (
     "nvfp4_jax.hf",
     "nvfp4_jax.kernels",
     "nvfp4_jax.kv_cache",
+    "nvfp4_jax.layers",
     "nvfp4_jax.layout",
     "nvfp4_jax.linen",
     "nvfp4_jax.maxtext",

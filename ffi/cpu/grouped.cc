@@ -1,6 +1,6 @@
 // nvfp4_grouped_quantize: the grouped quantization of ragged_dot (docs/NUMERICS.md section
 // 12), CPU only. Python twin: nvfp4_jax/_src/core/kernels/_grouped.py; reference: the jnp
-// block math of nvfp4_jax/_src/training/group_operands.py (`quantize_rows`,
+// block math of nvfp4_jax/_src/training/ragged/operands.py (`quantize_rows`,
 // `quantize_tokens`); tests: tests/training/test_ragged.py.
 //
 // x (R, C) is quantized along C in 1x16 blocks. Group g is its own tensor, with its own

@@ -19,7 +19,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from nvfp4_jax._src.core import kernels
+from nvfp4_jax import kernels
 from nvfp4_jax._src.core.kernels import _library
 
 if not kernels.is_available("cpu"):  # registers the targets

@@ -34,7 +34,7 @@ from helpers import (
 from jax.sharding import NamedSharding, PartitionSpec
 
 import nvfp4_jax
-from nvfp4_jax._src.core import reference
+from nvfp4_jax import reference
 from nvfp4_jax._src.core.array import validate_nvfp4_array
 
 F32 = np.float32

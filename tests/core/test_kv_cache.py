@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from nvfp4_jax import kernels
 from nvfp4_jax import kv_cache as kc
-from nvfp4_jax._src.core import kernels as native
+from nvfp4_jax._src.core.kernels import _kv_cache as native
 
 
 def _native_cpu() -> None:

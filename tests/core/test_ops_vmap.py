@@ -19,9 +19,9 @@ import pytest
 from helpers import DENSE, assert_same_bits, skip_eager_reference
 
 import nvfp4_jax
-from nvfp4_jax import NVFP4Recipe
-from nvfp4_jax._src.core import kernels, ops
-from nvfp4_jax._src.core.keys import fold_in
+from nvfp4_jax import NVFP4Recipe, kernels
+from nvfp4_jax._src.core import ops
+from nvfp4_jax._src.core.sr_keys import fold_in
 from nvfp4_jax._src.training import weight_only
 
 B = 3

@@ -18,7 +18,7 @@ from helpers import assert_same_bits, assert_same_q, heavy_tailed
 
 import nvfp4_jax
 from nvfp4_jax import QuantSpec, kernels, reference
-from nvfp4_jax._src.core.seed import SRSeed
+from nvfp4_jax._src.core.sr_seed import SRSeed
 
 KEY = jax.random.key(3)
 

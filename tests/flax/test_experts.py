@@ -17,7 +17,7 @@ from flax import nnx
 from helpers import assert_same_bits
 
 import nvfp4_jax
-from nvfp4_jax._src.training.groups import group_amax
+from nvfp4_jax._src.training.ragged.groups import group_amax
 
 G, K, N = 4, 64, 32
 SIZES = np.array([5, 0, 27, 12], np.int32)  # 44 of 48 rows: the last 4 belong to no expert

@@ -29,9 +29,9 @@ from nvfp4_jax import NVFP4Recipe, Rule, inspect_model, quantize_model
 from nvfp4_jax._src.core import ops
 from nvfp4_jax._src.flax import layer_info
 from nvfp4_jax._src.flax.layer_info import layer_recipe
-from nvfp4_jax._src.model.intercept import quantize_linen
+from nvfp4_jax._src.model.convert.linen import quantize_linen
 from nvfp4_jax._src.training import weight_only
-from nvfp4_jax._src.training.groups import group_amax
+from nvfp4_jax._src.training.ragged.groups import group_amax
 
 G, K, N = 3, 64, 32
 ROWS = [

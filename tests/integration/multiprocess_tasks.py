@@ -151,22 +151,22 @@ MODELOPT_FIXTURE = os.path.join(TESTS, "fixtures", "modelopt_llama_nvfp4")
 def hf_load_task(workdir: str) -> dict[str, np.ndarray]:
     """The ModelOpt fixture loaded with one sharding over all devices: its leaves, and the
     bytes of distinct tensor slices each process read from the files."""
-    from nvfp4_jax._src.io import hf  # noqa: PLC0415
+    from nvfp4_jax._src.io.hf import safetensors_files  # noqa: PLC0415
 
     slices: dict[tuple, int] = {}
-    original = hf.st_io.SafetensorsFile.read
+    original = safetensors_files.SafetensorsFile.read
 
     def read(self, name, index=None):
         array = original(self, name, index)
         slices[(self.path, name, repr(index))] = array.nbytes
         return array
 
-    hf.st_io.SafetensorsFile.read = read
+    safetensors_files.SafetensorsFile.read = read
     try:
         sharding = NamedSharding(mesh(), P(None, AXIS))
         tree = nvfp4_jax.load_hf_checkpoint(MODELOPT_FIXTURE, sharding=sharding)
     finally:
-        hf.st_io.SafetensorsFile.read = original
+        safetensors_files.SafetensorsFile.read = original
     flat, _ = jax.tree_util.tree_flatten_with_path(tree)
     out = {jax.tree_util.keystr(path): gather(value) for path, value in flat}
     read_bytes = np.array([sum(slices.values())], np.int64)

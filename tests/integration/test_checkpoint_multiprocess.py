@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from nvfp4_jax._src.core.array import NVFP4Array
-from nvfp4_jax._src.io.checkpoint import restore_checkpoint, save_checkpoint
+from nvfp4_jax.checkpoint import restore_checkpoint, save_checkpoint
 
 PROCESSES, LOCAL_DEVICES = 2, 4
 KILLED = 37  # the exit code of the process that dies in the middle of a save
@@ -121,7 +121,7 @@ def child(process_id: int, port: int, workdir: str, mode: str = "save") -> None:
     if mode == "kill":
         save_checkpoint(path, sharded_tree(full_values(0), mesh))
         if process_id == 1:
-            from nvfp4_jax._src.io import checkpoint_save  # noqa: PLC0415
+            from nvfp4_jax._src.io.checkpoint import save as checkpoint_save  # noqa: PLC0415
 
             checkpoint_save.fsync_tree = lambda top: os._exit(KILLED)
         save_checkpoint(path, sharded_tree(full_values(1), mesh), force=True)

@@ -38,7 +38,7 @@ import ml_dtypes
 import numpy as np
 
 from nvfp4_jax._src.core.array import NVFP4Array
-from nvfp4_jax._src.io.checkpoint import save_checkpoint
+from nvfp4_jax.checkpoint import save_checkpoint
 
 KILLED = 9
 _FS_CALLS = [

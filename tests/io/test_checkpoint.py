@@ -22,8 +22,8 @@ import nvfp4_jax.checkpoint
 import nvfp4_jax.nnx
 from nvfp4_jax import quantize
 from nvfp4_jax._src.core.array import NVFP4Array, is_nvfp4_array, validate_nvfp4_array
-from nvfp4_jax._src.io import checkpoint_save
-from nvfp4_jax._src.io.checkpoint import restore_checkpoint, save_checkpoint
+from nvfp4_jax._src.io.checkpoint import save as checkpoint_save
+from nvfp4_jax.checkpoint import restore_checkpoint, save_checkpoint
 
 
 def same_leaf(a, b):

@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 from helpers import same_bits
 
-from nvfp4_jax._src.io.checkpoint import restore_checkpoint, save_checkpoint
+from nvfp4_jax.checkpoint import restore_checkpoint, save_checkpoint
 
 # The ml_dtypes types that tensorstore (orbax's writer) stores.
 STORABLE = [

@@ -29,8 +29,9 @@ from flax import nnx
 from helpers import assert_same_bits
 
 import nvfp4_jax
+from nvfp4_jax import hf
 from nvfp4_jax._src.core.array import NVFP4Array
-from nvfp4_jax._src.io import hf
+from nvfp4_jax._src.io.hf import safetensors_files
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "modelopt_llama_nvfp4"
 REFERENCE = FIXTURE / "reference"
@@ -623,7 +624,7 @@ def test_load_onto_a_sharding_reads_only_slices(monkeypatch, exports):
     assert len(devices) == 8
     mesh = jax.sharding.Mesh(np.array(devices), ("x",))
     reads = []
-    original = hf.st_io.SafetensorsFile.read
+    original = safetensors_files.SafetensorsFile.read
 
     def spy(self, name, index=None):
         reads.append((name, index))
@@ -634,7 +635,7 @@ def test_load_onto_a_sharding_reads_only_slices(monkeypatch, exports):
         return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
 
     plain = hf.load_hf_checkpoint(exports["NVFP4"])
-    monkeypatch.setattr(hf.st_io.SafetensorsFile, "read", spy)
+    monkeypatch.setattr(safetensors_files.SafetensorsFile, "read", spy)
     tree = hf.load_hf_checkpoint(exports["sharded"], sharding=rows)
     jax.tree.map(lambda x, y: assert_same_bits(x, y), tree, plain)
     q = leaf(tree, "model.layers.0.mlp.gate_proj")
@@ -704,14 +705,14 @@ def test_export_memory_stays_about_one_layer(monkeypatch, tmp_path):
     hf.export_hf_checkpoint(tmp_path / "warm", tree, quant_algo="W4A16_NVFP4", config=config)
     baseline = sum(a.nbytes for a in jax.live_arrays())
     samples = []
-    original = hf.st_io._write_array
+    original = safetensors_files._write_array
 
     def sample(file, name, array, dtype, shape):
         live = sum(a.nbytes for a in jax.live_arrays()) - baseline
         samples.append((tracemalloc.get_traced_memory()[0], live))
         return original(file, name, array, dtype, shape)
 
-    monkeypatch.setattr(hf.st_io, "_write_array", sample)
+    monkeypatch.setattr(safetensors_files, "_write_array", sample)
     tracemalloc.start()
     try:
         report = hf.export_hf_checkpoint(
@@ -854,7 +855,7 @@ def test_existing_directory_needs_force_and_failures_leave_it(monkeypatch, tmp_p
     def boom(*args):
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(hf.st_io, "_write_array", boom)
+    monkeypatch.setattr(safetensors_files, "_write_array", boom)
     with pytest.raises(RuntimeError, match="disk full"):
         hf.export_hf_checkpoint(target, small_tree(), quant_algo="W4A16_NVFP4", force=True)
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # no temporary directory left

@@ -1,5 +1,5 @@
 """The checkpoint loader against hostile and malformed input (the reading side,
-nvfp4_jax/_src/io/hf/load.py).
+nvfp4_jax/_src/io/hf/load/main.py).
 
 Every safetensors header, JSON file and scale that a checkpoint can get wrong gives a
 `ValueError` naming the file (and the tensor or field), raised before the loader allocates
@@ -24,7 +24,7 @@ from helpers import assert_same_bits
 from test_hf import FIXTURE, LINEARS, copy_fixture, leaf, model_config, write_st
 
 import nvfp4_jax
-from nvfp4_jax._src.io import hf
+from nvfp4_jax import hf
 
 P = jax.sharding.PartitionSpec
 F32_16 = {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}

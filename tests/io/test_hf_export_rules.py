@@ -20,7 +20,7 @@ import pytest
 from flax import nnx
 
 import nvfp4_jax
-from nvfp4_jax._src.io import hf
+from nvfp4_jax import hf
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))

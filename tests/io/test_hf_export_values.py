@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 import nvfp4_jax
-from nvfp4_jax._src.io import hf
+from nvfp4_jax import hf
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures"
 RCP2688 = np.float32(1) / np.float32(2688)

@@ -25,8 +25,8 @@ from flax import nnx
 from helpers import assert_same_bits
 
 import nvfp4_jax
+from nvfp4_jax import hf
 from nvfp4_jax._src.core.array import NVFP4Array
-from nvfp4_jax._src.io import hf
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "modelopt_qwen3moe_nvfp4"
 REFERENCE = FIXTURE / "reference"

@@ -21,9 +21,9 @@ from rich.console import Console
 
 import nvfp4_jax
 from nvfp4_jax import NVFP4Recipe
-from nvfp4_jax._src.model.convert import quantize_model
-from nvfp4_jax._src.model.diagnostics import ModelReport, analyze_layer, inspect_model
-from nvfp4_jax._src.model.rules import Rule, check_rules
+from nvfp4_jax._src.model.convert.nnx import quantize_model
+from nvfp4_jax._src.model.convert.rules import Rule, check_rules
+from nvfp4_jax.diagnostics import ModelReport, analyze_layer, inspect_model
 
 FLT_MAX = np.float32(np.finfo(np.float32).max)
 RULES = [Rule("^c$", None), Rule(".*", NVFP4Recipe())]

@@ -22,9 +22,9 @@ import pytest
 from flax import nnx
 
 import nvfp4_jax
+from nvfp4_jax import hf, ptq
 from nvfp4_jax._src.core import formats
-from nvfp4_jax._src.io import hf
-from nvfp4_jax._src.model import ptq
+from nvfp4_jax._src.model.ptq import methods as ptq_methods
 from nvfp4_jax._src.model.ptq.methods import gptq_codes
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -425,14 +425,14 @@ def test_gptq_says_raise_gptq_damp_only_for_an_ill_conditioned_hessian():
     indefinite = np.array([[1.0, 1e4], [1e4, 1.0]])  # (f32 rounding makes X^T X so, mildly)
     hessian = np.kron(indefinite, np.eye(8))
     with pytest.raises(ValueError, match="'layers/3/up' is not positive definite.*gptq_damp"):
-        ptq.methods.inverse_hessian_factor(hessian, 0.01, "layers/3/up")
-    upper, relative = ptq.methods.inverse_hessian_factor(np.eye(16) * 2.0, 0.01, "x")
+        ptq_methods.inverse_hessian_factor(hessian, 0.01, "layers/3/up")
+    upper, relative = ptq_methods.inverse_hessian_factor(np.eye(16) * 2.0, 0.01, "x")
     assert relative == 0.01 and np.allclose(upper.T @ upper, np.eye(16) / 2.02)
     for value in (np.nan, np.inf):
         hessian = np.eye(16)
         hessian[2, 3] = value
         with pytest.raises(ValueError, match="'layers/3/up' is not finite") as info:
-            ptq.methods.inverse_hessian_factor(hessian, 0.01, "layers/3/up")
+            ptq_methods.inverse_hessian_factor(hessian, 0.01, "layers/3/up")
         assert "gptq_damp" not in str(info.value)
 
 

@@ -26,9 +26,15 @@ from nvfp4_jax import NVFP4Recipe
 from nvfp4_jax._src.core import backends
 from nvfp4_jax._src.flax.einsum import NVFP4Einsum, einsum_plan
 from nvfp4_jax._src.flax.walk import named_layers
-from nvfp4_jax._src.model.convert import quantize_model
-from nvfp4_jax._src.model.intercept import quantize_linen, quantized
-from nvfp4_jax._src.model.rules import Rule, check_rules, default_rules, keep_bf16, match_rule
+from nvfp4_jax._src.model.convert.linen import quantize_linen, quantized
+from nvfp4_jax._src.model.convert.nnx import quantize_model
+from nvfp4_jax._src.model.convert.rules import (
+    Rule,
+    check_rules,
+    default_rules,
+    keep_bf16,
+    match_rule,
+)
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "examples"))
 import lm_model

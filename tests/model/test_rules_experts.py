@@ -20,9 +20,9 @@ from helpers import assert_same_bits
 
 import nvfp4_jax
 from nvfp4_jax import NVFP4Recipe, Rule, default_rules, inspect_model, quantize_model
-from nvfp4_jax._src.model.diagnostics import analyze_layer
-from nvfp4_jax._src.model.intercept import quantize_linen
-from nvfp4_jax._src.model.rules import ROUTER
+from nvfp4_jax._src.model.convert.linen import quantize_linen
+from nvfp4_jax._src.model.convert.rules import ROUTER
+from nvfp4_jax._src.model.diagnostics.numbers import analyze_layer
 
 G, K, N, TOP_K = 4, 32, 64, 2
 RTN = NVFP4Recipe(stochastic_rounding=False)

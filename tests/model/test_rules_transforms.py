@@ -20,10 +20,10 @@ from flax import nnx
 
 import nvfp4_jax
 from nvfp4_jax import NVFP4Recipe, nvfp4_dot_general
-from nvfp4_jax._src.model.convert import quantize_model
-from nvfp4_jax._src.model.diagnostics import inspect_model
-from nvfp4_jax._src.model.intercept import quantize_linen
-from nvfp4_jax._src.model.rules import Rule
+from nvfp4_jax._src.model.convert.linen import quantize_linen
+from nvfp4_jax._src.model.convert.nnx import quantize_model
+from nvfp4_jax._src.model.convert.rules import Rule
+from nvfp4_jax._src.model.diagnostics.inspection import inspect_model
 
 RTN = NVFP4Recipe(stochastic_rounding=False)
 ALL_RTN = [Rule(".*", RTN)]

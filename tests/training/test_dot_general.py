@@ -25,12 +25,11 @@ import numpy as np
 import pytest
 from helpers import DENSE, assert_same_bits, bits, normal
 
-from nvfp4_jax import NVFP4Recipe, dequantize, dot_general, nvfp4_dot_general, quantize
-from nvfp4_jax._src.core import kernels
-from nvfp4_jax._src.core.keys import fold_in, sr_seeds
-from nvfp4_jax._src.core.reference import block_values
-from nvfp4_jax._src.core.reference import decode_scale as global_decode_scale
-from nvfp4_jax._src.core.seed import SRSeed, as_seed
+from nvfp4_jax import NVFP4Recipe, dequantize, dot_general, kernels, nvfp4_dot_general, quantize
+from nvfp4_jax._src.core.formats import decode_scale as global_decode_scale
+from nvfp4_jax._src.core.reference.quantize import block_values
+from nvfp4_jax._src.core.sr_keys import fold_in, sr_seeds
+from nvfp4_jax._src.core.sr_seed import SRSeed, as_seed
 from nvfp4_jax._src.flax.einsum import NVFP4Einsum
 
 F32_EPS = 2.0**-24

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from helpers import assert_same_bits, assert_same_q, heavy_tailed, normal, same_bits
 
-from nvfp4_jax import NVFP4Recipe, dequantize, dot_general, quantize
-from nvfp4_jax._src.core import ops, reference
+from nvfp4_jax import NVFP4Recipe, dequantize, dot_general, quantize, reference
+from nvfp4_jax._src.core import ops
 from nvfp4_jax._src.training import gemm, scaled_matmul
 
 # E2M1 code -> value, straight from docs/NUMERICS.md section 1 (bit 3 = sign).

@@ -15,7 +15,7 @@ import pytest
 from helpers import DENSE, assert_same_bits, heavy_tailed
 
 import nvfp4_jax
-from nvfp4_jax._src.core import kernels
+from nvfp4_jax import kernels
 from nvfp4_jax._src.core.kernels import _library
 from nvfp4_jax._src.training import gemm
 from nvfp4_jax._src.training.dot_general import dot_general

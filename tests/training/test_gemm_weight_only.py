@@ -25,7 +25,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import nvfp4_jax
-from nvfp4_jax._src.core import kernels, ops
+from nvfp4_jax import kernels
+from nvfp4_jax._src.core import ops
 from nvfp4_jax._src.core.kernels import _gemm, _library
 from nvfp4_jax._src.training import weight_only
 
@@ -202,13 +203,13 @@ def test_bad_operands_are_named():
 @pytest.fixture
 def spy(monkeypatch):
     calls = []
-    original = kernels.w4a16
+    original = weight_only.native_w4a16
 
     def counting(*args):
         calls.append(args[0].shape)
         return original(*args)
 
-    monkeypatch.setattr(kernels, "w4a16", counting)
+    monkeypatch.setattr(weight_only, "native_w4a16", counting)
     return calls
 
 

@@ -26,14 +26,13 @@ from helpers import DENSE, assert_same_bits, skip_eager_reference
 from jax.extend.random import threefry_2x32
 
 import nvfp4_jax
-from nvfp4_jax import NVFP4Recipe, QuantSpec, dot_general, ragged_dot
-from nvfp4_jax._src.core import backends, kernels
-from nvfp4_jax._src.core import keys as sr_keys
-from nvfp4_jax._src.core.reference import decode_scale
-from nvfp4_jax._src.training.group_blocks import block_values
-from nvfp4_jax._src.training.group_operands import quantize_rows, quantize_tokens
-from nvfp4_jax._src.training.group_sr import padded_random, row_random
-from nvfp4_jax._src.training.groups import Groups, find_groups, padded_rows
+from nvfp4_jax import NVFP4Recipe, QuantSpec, dot_general, kernels, ragged_dot
+from nvfp4_jax._src.core import backends, sr_keys
+from nvfp4_jax._src.core.formats import decode_scale
+from nvfp4_jax._src.training.ragged.blocks import block_values
+from nvfp4_jax._src.training.ragged.groups import Groups, find_groups, padded_rows
+from nvfp4_jax._src.training.ragged.operands import quantize_rows, quantize_tokens
+from nvfp4_jax._src.training.ragged.sr import padded_random, row_random
 
 IMPLEMENTATIONS = ["reference"] + (["ffi"] if kernels.is_available("cpu") else [])
 RECIPES = {
@@ -764,8 +763,8 @@ def test_sr_numbering_past_2_to_the_32_counters_is_section_7():
     section 7: the high word is its own, no wrap), past 2**35 elements as below: the bytes
     the dense reference gives those elements (`random_bytes` from the counter offset of the
     row, or of the padded layout's chunk)."""
-    from nvfp4_jax._src.core.reference import random_bytes  # noqa: PLC0415
-    from nvfp4_jax._src.core.seed import SRSeed  # noqa: PLC0415
+    from nvfp4_jax._src.core.reference.stochastic import random_bytes  # noqa: PLC0415
+    from nvfp4_jax._src.core.sr_seed import SRSeed  # noqa: PLC0415
 
     words = jnp.array([[0x12345678, 0x9ABCDEF0]], jnp.uint32)
 

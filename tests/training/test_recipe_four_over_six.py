@@ -22,11 +22,10 @@ from test_ragged import assert_equals_group_loop
 
 import nvfp4_jax
 import nvfp4_jax.nnx as nvfp4_nnx
-from nvfp4_jax import NVFP4Recipe, ragged_dot
-from nvfp4_jax._src.core import kernels
+from nvfp4_jax import NVFP4Recipe, kernels, ragged_dot
 from nvfp4_jax._src.flax.layer_info import layer_recipe
-from nvfp4_jax._src.model.convert import quantize_model
-from nvfp4_jax._src.model.rules import Rule, recipe_from_dict, recipe_to_dict
+from nvfp4_jax._src.model.convert.nnx import quantize_model
+from nvfp4_jax._src.model.convert.rules import Rule, recipe_from_dict, recipe_to_dict
 from nvfp4_jax._src.training.dot_general import pad_tokens
 
 dot_general_module = importlib.import_module("nvfp4_jax._src.training.dot_general")

@@ -19,9 +19,8 @@ from flax import nnx
 from helpers import DENSE, assert_same_bits
 
 import nvfp4_jax
-from nvfp4_jax import NVFP4Array, NVFP4Recipe, QuantSpec, dot_general, ragged_dot
-from nvfp4_jax._src.core import kernels
-from nvfp4_jax._src.core.keys import gradient_key, ms_eden_randomness
+from nvfp4_jax import NVFP4Array, NVFP4Recipe, QuantSpec, dot_general, kernels, ragged_dot
+from nvfp4_jax._src.core.sr_keys import gradient_key, ms_eden_randomness
 from nvfp4_jax._src.training import dot_general as dot_general_module
 
 IMPLEMENTATIONS = ["reference"] + (["ffi"] if kernels.is_available("cpu") else [])

@@ -22,7 +22,7 @@ import nvfp4_jax
 import nvfp4_jax.nnx as nvfp4_nnx
 from nvfp4_jax import NVFP4Recipe, dot_general, ragged_dot
 from nvfp4_jax._src.core.array import NVFP4Array
-from nvfp4_jax._src.model.rules import Rule, recipe_from_dict, recipe_to_dict
+from nvfp4_jax._src.model.convert.rules import Rule, recipe_from_dict, recipe_to_dict
 
 DIMS = (((1,), (0,)), ((), ()))
 # `nvfp4_jax.dot_general` is the function; its module holds the custom_vjp.

@@ -31,12 +31,21 @@ from typing import Literal, Protocol
 import jax
 import jax.numpy as jnp
 
-from nvfp4_jax._src.core import checks, kernels, reference
+from nvfp4_jax._src.core import checks
 from nvfp4_jax._src.core.array import NVFP4Array
+from nvfp4_jax._src.core.kernels._amax import amax as native_amax
+from nvfp4_jax._src.core.kernels._dequantize import dequantize as native_dequantize
+from nvfp4_jax._src.core.kernels._library import cpu_isa, current_platform, unavailable_reason
+from nvfp4_jax._src.core.kernels._quantize import fake_quantize as native_fake_quantize
+from nvfp4_jax._src.core.kernels._quantize import quantize as native_quantize
+from nvfp4_jax._src.core.kernels._rht import rht as native_rht
 from nvfp4_jax._src.core.reference import ms_eden
+from nvfp4_jax._src.core.reference.hadamard import apply_rht as reference_apply_rht
+from nvfp4_jax._src.core.reference.quantize import dequantize as reference_dequantize
 from nvfp4_jax._src.core.reference.quantize import fake_quantize_stored, quantize_stored
-from nvfp4_jax._src.core.seed import SRSeed
+from nvfp4_jax._src.core.reference.quantize import tensor_amax as reference_tensor_amax
 from nvfp4_jax._src.core.spec import QuantSpec
+from nvfp4_jax._src.core.sr_seed import SRSeed
 
 Implementation = Literal["reference", "ffi"]
 # The ops whose native kernels run only on some platforms, or for some arguments.
@@ -121,7 +130,7 @@ class ReferenceBackend:
         """`reference.tensor_amax`, or of MS-EDEN's rotated x."""
         if rotation is not None:
             return ms_eden.tensor_amax_stored(x, rotation)
-        return reference.tensor_amax(x, rht=rht)
+        return reference_tensor_amax(x, rht=rht)
 
     def quantize(self, x, amax, seed, rotation, spec):
         """(codes, scales, stored amax): `reference.quantize` of the stored layout."""
@@ -141,11 +150,11 @@ class ReferenceBackend:
         """`reference.dequantize` of the stored layout."""
         amax = decode_scale * 2688  # unused: the decode scale is given
         q = NVFP4Array(codes, scales, amax, dtype, -1, False, rht, decode_scale=decode_scale)
-        return reference.dequantize(q, dtype)
+        return reference_dequantize(q, dtype)
 
     def rht(self, x, *, inverse):
         """`reference.apply_rht`."""
-        return reference.apply_rht(x, inverse=inverse)
+        return reference_apply_rht(x, inverse=inverse)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,7 +165,7 @@ class FfiBackend:
 
     def unavailable_reason(self) -> str:
         """Why the native kernels cannot run on the current platform ("" when they can)."""
-        return kernels.unavailable_reason()
+        return unavailable_reason()
 
     def runs_natively(self, op, **args):
         """Whether the native kernels run `op` here (see the module docstring).
@@ -171,10 +180,10 @@ class FfiBackend:
             return False
         if op == "quantize":
             return True
-        if kernels.current_platform() != "cpu":  # the other kernels are CPU-only
+        if current_platform() != "cpu":  # the other kernels are CPU-only
             return False
         if op == "gemm":
-            return kernels.cpu_isa() != "baseline"
+            return cpu_isa() != "baseline"
         if op == "weight_only_gemm":
             return _weight_only_fits(**args)
         if op == "kv_attention":
@@ -183,7 +192,7 @@ class FfiBackend:
 
     def amax(self, x, rotation=None, *, rht):
         """The `nvfp4_amax` kernel (`nvfp4_amax_ms_eden` with a rotation)."""
-        return kernels.amax(x, rht=rht, rotation=rotation)
+        return native_amax(x, rht=rht, rotation=rotation)
 
     def quantize(self, x, amax, seed, rotation, spec):
         """The `nvfp4_quantize` kernel, after `nvfp4_amax` when no amax is given.
@@ -192,8 +201,8 @@ class FfiBackend:
         `nvfp4_quantize_ms_eden`.
         """
         if amax is None:
-            amax = kernels.amax(x, rht=spec.rht, rotation=rotation)
-        return kernels.quantize(x, amax, seed, spec, rotation=rotation)
+            amax = native_amax(x, rht=spec.rht, rotation=rotation)
+        return native_quantize(x, amax, seed, spec, rotation=rotation)
 
     def fake_quantize(self, x, amax, seed, rotation, spec):
         """The `nvfp4_fake_quantize` kernel, after `nvfp4_amax` when no amax is given.
@@ -202,16 +211,16 @@ class FfiBackend:
         `nvfp4_fake_quantize_ms_eden`.
         """
         if amax is None:
-            amax = kernels.amax(x, rht=spec.rht, rotation=rotation)
-        return kernels.fake_quantize(x, amax, seed, spec, rotation=rotation)
+            amax = native_amax(x, rht=spec.rht, rotation=rotation)
+        return native_fake_quantize(x, amax, seed, spec, rotation=rotation)
 
     def dequantize(self, codes, scales, decode_scale, *, rht, dtype):
         """The `nvfp4_dequantize` kernel."""
-        return kernels.dequantize(codes, scales, decode_scale, rht=rht, dtype=dtype)
+        return native_dequantize(codes, scales, decode_scale, rht=rht, dtype=dtype)
 
     def rht(self, x, *, inverse):
         """The `nvfp4_rht` kernel."""
-        return kernels.rht(x, inverse=inverse)
+        return native_rht(x, inverse=inverse)
 
 
 def _weight_only_fits(*, x_shape, x_dtype, q: NVFP4Array) -> bool:
@@ -254,7 +263,7 @@ def runs_natively(op: NativeOp, implementation: Implementation | None, **args) -
 
 def scaled_matmul_unavailable_reason() -> str | None:
     """Why `jax.nn.scaled_matmul` (cuDNN) cannot run NVFP4 GEMMs here, or None if it can."""
-    platform = kernels.current_platform()
+    platform = current_platform()
     if platform != "cuda":
         return f"the default platform is {platform!r}, not a CUDA GPU"
     device = jax.devices()[0]

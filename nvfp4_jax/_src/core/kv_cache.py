@@ -32,9 +32,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nvfp4_jax._src.core import backends, checks, kernels
+from nvfp4_jax._src.core import backends, checks
 from nvfp4_jax._src.core.backends import Implementation
 from nvfp4_jax._src.core.interception import opaque
+from nvfp4_jax._src.core.kernels._kv_cache import kv_attention as native_kv_attention
+from nvfp4_jax._src.core.kernels._kv_cache import kv_cache_read as native_kv_cache_read
+from nvfp4_jax._src.core.kernels._kv_cache import kv_cache_write as native_kv_cache_write
+from nvfp4_jax._src.core.kernels._library import current_platform
 from nvfp4_jax._src.core.kv_spec import KV_SCALE_DIVISOR, KVCacheConfig
 from nvfp4_jax._src.core.reference import kv_cache as ref
 
@@ -197,7 +201,7 @@ def _native(implementation: Implementation | None, op: str, **args) -> bool:
         if not backends.runs_natively("kv_cache", "ffi"):
             raise ValueError(
                 f"{op}: implementation='ffi' was requested, but the native KV cache kernels "
-                f"run on the CPU only (platform {kernels.current_platform()!r})"
+                f"run on the CPU only (platform {current_platform()!r})"
             )
         return True
     native_op = "kv_attention" if op == "attention" else "kv_cache"
@@ -210,7 +214,7 @@ def _native(implementation: Implementation | None, op: str, **args) -> bool:
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _append(config: KVCacheConfig, native: bool, pages, k_scale, v_scale, k, v, positions):
     if native:
-        return kernels.kv_cache_write(config, pages, k_scale, v_scale, k, v, positions)
+        return native_kv_cache_write(config, pages, k_scale, v_scale, k, v, positions)
     return ref.write(config, pages, k_scale, v_scale, k, v, positions)
 
 
@@ -251,7 +255,7 @@ def append(
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
 def _read(config: KVCacheConfig, native: bool, dtype, pages, k_scale, v_scale):
     if native:
-        return kernels.kv_cache_read(config, pages, k_scale, v_scale, dtype)
+        return native_kv_cache_read(config, pages, k_scale, v_scale, dtype)
     return ref.read(config, pages, k_scale, v_scale, dtype)
 
 
@@ -278,7 +282,7 @@ def read(
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _attention(config, native, q, pages, k_scale, v_scale, lengths, softmax_scale):
     if native:
-        out = kernels.kv_attention(config, q, pages, k_scale, v_scale, lengths, softmax_scale)
+        out = native_kv_attention(config, q, pages, k_scale, v_scale, lengths, softmax_scale)
     else:
         out = ref.attention(config, q, pages, k_scale, v_scale, lengths, softmax_scale)
     return out.astype(q.dtype)

@@ -28,12 +28,17 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from nvfp4_jax._src.core import backends, checks, formats, reference
+from nvfp4_jax._src.core import backends, checks, formats
 from nvfp4_jax._src.core.array import NVFP4Array, bind_dequantize
 from nvfp4_jax._src.core.backends import Backend, Implementation
 from nvfp4_jax._src.core.interception import opaque
-from nvfp4_jax._src.core.seed import SRSeed
+from nvfp4_jax._src.core.reference.hadamard import apply_rht as reference_apply_rht
+from nvfp4_jax._src.core.reference.ms_eden import apply_rotation
+from nvfp4_jax._src.core.reference.ms_eden import encode_scale as ms_eden_encode_scale
+from nvfp4_jax._src.core.reference.quantize import dequantize as reference_dequantize
+from nvfp4_jax._src.core.reference.quantize import encode_scale
 from nvfp4_jax._src.core.spec import QuantSpec, check_dequantize_call, rotation_words
+from nvfp4_jax._src.core.sr_seed import SRSeed
 
 _F32 = jnp.float32
 
@@ -94,7 +99,7 @@ def _rht(x, inverse: bool, backend: Backend):
 @opaque
 def _rht_jvp(inverse, backend, primals, tangents):
     (x,), (dx,) = primals, tangents
-    return _rht(x, inverse, backend), reference.apply_rht(dx, inverse=inverse)
+    return _rht(x, inverse, backend), reference_apply_rht(dx, inverse=inverse)
 
 
 # --- tensor_amax ----------------------------------------------------------------------------
@@ -137,9 +142,9 @@ def _amax(x, rotation, rht: bool, backend: Backend):
 
 def _max_abs(x, rotation, rht: bool):
     """`max |x|` (of the RHT or the rotation of x) in jnp: the function `_amax` differentiates."""
-    y = reference.apply_rht(x) if rht else x
+    y = reference_apply_rht(x) if rht else x
     if rotation is not None:
-        y = reference.apply_rotation(x, rotation)
+        y = apply_rotation(x, rotation)
     return jnp.max(jnp.abs(y.astype(_F32)), initial=_F32(0))
 
 
@@ -438,9 +443,9 @@ def _fake_quantize(x, amax, seed, rotation, spec: QuantSpec, backend: Backend):
 def _transform(x, rotation, spec: QuantSpec):
     """The basis the values of `spec` are in: the RHT or MS-EDEN's rotation of x, or x."""
     if spec.rht:
-        return reference.apply_rht(x)
+        return reference_apply_rht(x)
     if spec.ms_eden:
-        return reference.apply_rotation(x, rotation)
+        return apply_rotation(x, rotation)
     return x
 
 
@@ -458,9 +463,9 @@ def _fake_quantize_jvp(spec: QuantSpec, backend: Backend, primals, tangents):
         # value(code) * s_b approximates x * S_enc.
         used = amax if amax is not None else backend.amax(x, rht=spec.rht, rotation=rotation)
         if spec.ms_eden:
-            s_enc = reference.ms_eden_encode_scale(used)
+            s_enc = ms_eden_encode_scale(used)
         else:
-            s_enc = reference.encode_scale(used, spec.e4m3_max)
+            s_enc = encode_scale(used, spec.e4m3_max)
         d_out = d_out.astype(_F32) * s_enc
     return out, d_out.astype(spec.dtype)
 
@@ -516,7 +521,7 @@ def _dequantize_jvp(backend, rht, dtype, primals, tangents):
 
     def decode(s, d):
         q = NVFP4Array(codes, s, d * 2688, dtype, -1, False, rht, decode_scale=d)
-        return reference.dequantize(q, dtype)
+        return reference_dequantize(q, dtype)
 
     _, d_out = jax.jvp(decode, (scales, decode_scale), (d_scales, d_decode))
     return _dequantize(codes, scales, decode_scale, backend, rht, dtype), d_out

@@ -27,7 +27,7 @@ import numpy as np
 
 from nvfp4_jax._src.core import checks, formats
 from nvfp4_jax._src.core.array import NVFP4Array
-from nvfp4_jax._src.core.seed import as_seed
+from nvfp4_jax._src.core.sr_seed import as_seed
 
 # The FFI targets a spec names (`ffi_target`): the plain ones, whose attributes are the flags,
 # and under Four Over Six their `_4over6` twins, which take `error` and `e4m3_max` too.

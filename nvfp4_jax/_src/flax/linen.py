@@ -26,8 +26,8 @@ from nvfp4_jax._src.core.array import NVFP4Array
 from nvfp4_jax._src.flax import frozen
 from nvfp4_jax._src.training import weight_only
 from nvfp4_jax._src.training.dot_general import dot_general
-from nvfp4_jax._src.training.groups import group_amax
-from nvfp4_jax._src.training.ragged import ragged_dot
+from nvfp4_jax._src.training.ragged.groups import group_amax
+from nvfp4_jax._src.training.ragged.ragged_dot import ragged_dot
 from nvfp4_jax._src.training.recipe import NVFP4Recipe
 
 

@@ -27,13 +27,13 @@ from flax import nnx
 
 from nvfp4_jax._src.core import checks, formats
 from nvfp4_jax._src.core.array import NVFP4Array
-from nvfp4_jax._src.core.keys import step_key
+from nvfp4_jax._src.core.sr_keys import step_key
 from nvfp4_jax._src.flax import frozen
 from nvfp4_jax._src.flax.frozen import Activations
 from nvfp4_jax._src.training import weight_only
 from nvfp4_jax._src.training.dot_general import constrain_output, dot_general
-from nvfp4_jax._src.training.groups import group_amax
-from nvfp4_jax._src.training.ragged import ragged_dot
+from nvfp4_jax._src.training.ragged.groups import group_amax
+from nvfp4_jax._src.training.ragged.ragged_dot import ragged_dot
 from nvfp4_jax._src.training.recipe import NVFP4Recipe
 
 # The names the messages of a frozen layer give: the constructors users call.

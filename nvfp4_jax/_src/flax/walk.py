@@ -17,6 +17,10 @@ from nvfp4_jax._src.flax import nnx as nvfp4_nnx
 
 # The nnx layers rules decide: linears, einsums and mixture-of-experts layers.
 NNX_LAYERS = (nnx.Linear, nnx.Einsum, nvfp4_nnx.Experts)
+# The sibling linears engines fuse into one layer, which share one global amax (the export
+# and post-training quantization both default to them; Mixtral's experts call gate and up
+# `w1` and `w3`).
+DEFAULT_FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"))
 
 
 def path_str(path: tuple) -> str:

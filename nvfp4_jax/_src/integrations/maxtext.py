@@ -35,7 +35,7 @@ from typing import Any
 
 import jax
 
-from nvfp4_jax._src.model.rules import Rule, check_rules
+from nvfp4_jax._src.model.convert.rules import Rule, check_rules
 from nvfp4_jax._src.training.recipe import NVFP4Recipe
 
 # MaxText's `quantization` is a closed enum: the launcher runs under its `fp4` value (the one

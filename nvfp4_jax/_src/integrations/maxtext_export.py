@@ -32,9 +32,9 @@ from nvfp4_jax._src.integrations import maxtext as launcher
 from nvfp4_jax._src.integrations import maxtext_model as mt
 from nvfp4_jax._src.integrations import maxtext_names as names
 from nvfp4_jax._src.integrations import maxtext_plan as plan_module
-from nvfp4_jax._src.io.hf.common import CONFIG_NAME, QUANT_ALGOS, QuantAlgo
-from nvfp4_jax._src.io.hf.export import ExportReport, export_hf_checkpoint
-from nvfp4_jax._src.io.hf.load import load_hf_checkpoint
+from nvfp4_jax._src.io.hf.export.main import ExportReport, export_hf_checkpoint
+from nvfp4_jax._src.io.hf.format import CONFIG_NAME, QUANT_ALGOS, QuantAlgo
+from nvfp4_jax._src.io.hf.load.main import load_hf_checkpoint
 from nvfp4_jax._src.io.hf.names import (
     NameMap,
     expert_block,
@@ -42,7 +42,7 @@ from nvfp4_jax._src.io.hf.names import (
     mixtral_name_map,
     qwen3_moe_name_map,
 )
-from nvfp4_jax._src.model.rules import Rule, check_rules
+from nvfp4_jax._src.model.convert.rules import Rule, check_rules
 from nvfp4_jax._src.training.recipe import NVFP4Recipe
 
 PROG = "python -m nvfp4_jax.maxtext.export"

@@ -31,8 +31,8 @@ from nvfp4_jax._src.integrations import maxtext_model as mt
 from nvfp4_jax._src.integrations import maxtext_names as names
 from nvfp4_jax._src.integrations.maxtext_export import check_out, name_map_of
 from nvfp4_jax._src.integrations.maxtext_plan import to_maxtext_tree
-from nvfp4_jax._src.io.hf.common import CONFIG_NAME
-from nvfp4_jax._src.io.hf.load import load_hf_checkpoint
+from nvfp4_jax._src.io.hf.format import CONFIG_NAME
+from nvfp4_jax._src.io.hf.load.main import load_hf_checkpoint
 
 PROG = "python -m nvfp4_jax.maxtext.load"
 

@@ -28,7 +28,7 @@ from nvfp4_jax._src.integrations.maxtext import (
     provider_hook,
     rules_from_config,
 )
-from nvfp4_jax._src.model.rules import Rule
+from nvfp4_jax._src.model.convert.rules import Rule
 from nvfp4_jax._src.training.recipe import NVFP4Recipe
 
 MAXTEXT = "MaxText (pip package maxtext 0.2.5, Python >= 3.12)"

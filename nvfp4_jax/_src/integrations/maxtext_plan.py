@@ -47,7 +47,7 @@ import numpy as np
 from nvfp4_jax._src.core.array import is_nvfp4_array
 from nvfp4_jax._src.core.ops import dequantize, quantize_with_spec, tensor_amax
 from nvfp4_jax._src.integrations import maxtext_names as names
-from nvfp4_jax._src.io.hf.common import KV_SUFFIXES, QUANT_OPTIONAL
+from nvfp4_jax._src.io.hf.format import KV_SUFFIXES, QUANT_OPTIONAL
 from nvfp4_jax._src.training.recipe import NVFP4Recipe
 
 LINEARS = ("linear", "experts", "router", "head")

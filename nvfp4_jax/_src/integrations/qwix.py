@@ -38,10 +38,10 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
 
 from nvfp4_jax._src.core import formats
 from nvfp4_jax._src.flax.einsum import einsum_plan
-from nvfp4_jax._src.model.report import LayerDecision, QuantizeReport
-from nvfp4_jax._src.model.rules import Rule
+from nvfp4_jax._src.model.convert.report import LayerDecision, QuantizeReport
+from nvfp4_jax._src.model.convert.rules import Rule
 from nvfp4_jax._src.training.dot_general import constrain_output, dot_general
-from nvfp4_jax._src.training.ragged import ragged_dot
+from nvfp4_jax._src.training.ragged.ragged_dot import ragged_dot
 from nvfp4_jax._src.training.recipe import NVFP4Recipe
 
 _BLOCK = formats.BLOCK_SIZE

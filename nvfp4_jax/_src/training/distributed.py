@@ -27,12 +27,13 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from nvfp4_jax._src.core import checks, formats, kernels
+from nvfp4_jax._src.core import checks, formats
 from nvfp4_jax._src.core.array import NVFP4Array
 from nvfp4_jax._src.core.backends import Implementation
 from nvfp4_jax._src.core.interception import opaque
+from nvfp4_jax._src.core.kernels._partition import pmax_keep_nan
 from nvfp4_jax._src.core.ops import fake_quantize, quantize, tensor_amax
-from nvfp4_jax._src.core.seed import SRSeed, as_seed
+from nvfp4_jax._src.core.sr_seed import SRSeed, as_seed
 
 __all__ = [
     "fake_quantize_shard",
@@ -72,7 +73,7 @@ def global_amax(
       The f32 amax of the whole tensor on every device; NaN if any shard holds NaN/inf.
     """
     local = tensor_amax(x_local, axis=axis, rht=rht, implementation=implementation)
-    return kernels.pmax_keep_nan(local, _names(axis_names))
+    return pmax_keep_nan(local, _names(axis_names))
 
 
 def shard_offset(x_local: jax.Array, row_axis_names) -> jax.Array:

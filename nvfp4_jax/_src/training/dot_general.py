@@ -32,12 +32,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from nvfp4_jax._src.core import checks, formats, types
+from nvfp4_jax._src.core import checks, formats, primal_types
 from nvfp4_jax._src.core.interception import opaque
-from nvfp4_jax._src.core.keys import element_keys, gradient_key, ms_eden_randomness, sr_seeds
 from nvfp4_jax._src.core.ops import quantize_with_spec
+from nvfp4_jax._src.core.primal_types import PrimalTypes
 from nvfp4_jax._src.core.spec import QuantSpec
-from nvfp4_jax._src.core.types import PrimalTypes
+from nvfp4_jax._src.core.sr_keys import element_keys, gradient_key, ms_eden_randomness, sr_seeds
 from nvfp4_jax._src.training import gemm, ms_eden
 from nvfp4_jax._src.training.recipe import NVFP4Recipe, forward_flag
 
@@ -441,20 +441,20 @@ def _batched_matmul(x, w, key, flag, recipe: NVFP4Recipe, out_dtype) -> jax.Arra
     def run(x, w, keys):
         return jax.vmap(one, in_axes=(0, 0, None if keys is None else 0))(x, w, keys)
 
-    sharding = types.explicit_spec(jax.typeof(x))
-    batch = None if sharding is None else types.spec_entries(x)[0]
+    sharding = primal_types.explicit_spec(jax.typeof(x))
+    batch = None if sharding is None else primal_types.spec_entries(x)[0]
     if batch is None:
         return run(x, w, keys)
     # B sharded over Explicit mesh axes (e.g. expert parallelism): each device runs its own
     # elements, w and the keys sharded along B as x is; the other axes keep their types.
-    w = types.leading_axis_like(w, x)
-    operands = (x, w) if keys is None else (x, w, types.leading_axis_like(keys, x))
+    w = primal_types.leading_axis_like(w, x)
+    operands = (x, w) if keys is None else (x, w, primal_types.leading_axis_like(keys, x))
     mapped = jax.shard_map(
         lambda x, w, *keys: run(x, w, keys[0] if keys else None),
         mesh=sharding.mesh,
         in_specs=(P(batch),) * len(operands),
         out_specs=P(batch),
-        axis_names=set(types.axis_names(batch)),
+        axis_names=set(primal_types.axis_names(batch)),
     )
     return mapped(*operands)
 

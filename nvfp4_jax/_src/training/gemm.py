@@ -37,16 +37,16 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from nvfp4_jax._src.core import backends, checks, formats, kernels, layout, ops, types
+from nvfp4_jax._src.core import backends, checks, formats, layout, ops, primal_types
 from nvfp4_jax._src.core.array import NVFP4Array
 from nvfp4_jax._src.core.backends import (  # the registry's constant, here for nvfp4_jax.gemm
     SCALED_MATMUL_MIN_CAPABILITY as SCALED_MATMUL_MIN_CAPABILITY,
 )
 from nvfp4_jax._src.core.backends import Implementation
 from nvfp4_jax._src.core.interception import opaque
-from nvfp4_jax._src.core.seed import SRSeed
+from nvfp4_jax._src.core.kernels._gemm import gemm as native_gemm
 from nvfp4_jax._src.core.spec import QuantSpec, spec_of_call
-from nvfp4_jax._src.training.recipe import GEMM_BACKENDS as GEMM_BACKENDS  # for nvfp4_jax.gemm
+from nvfp4_jax._src.core.sr_seed import SRSeed
 from nvfp4_jax._src.training.recipe import GemmBackend
 from nvfp4_jax._src.training.scaled_matmul import to_scaled_matmul_operands
 
@@ -221,7 +221,7 @@ def matmul(a: Operand, b: Operand) -> jax.Array:
     if isinstance(a.data, NativeBlocks) and isinstance(b.data, NativeBlocks):
         # The same `product * alpha`, the product summed in the kernel's fixed order.
         qa, qb = a.data.q, b.data.q
-        return kernels.gemm(qa.codes, qa.scales, qb.codes, qb.scales, a.decode, b.decode)
+        return native_gemm(qa.codes, qa.scales, qb.codes, qb.scales, a.decode, b.decode)
     # The barrier keeps XLA from reassociating the product with the constant inside each
     # `D = amax * RCP2688`, which it does where a factor is broadcast (under `vmap`).
     d_a, d_b = jax.lax.optimization_barrier((a.decode, b.decode))
@@ -246,9 +246,11 @@ def _whole_contraction(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array
     K is constrained to be unsharded and XLA picks the rest. Without a mesh in the context
     XLA's partitioner decides, and may split K (f32 sums in another order).
     """
-    sharding = types.explicit_spec(jax.typeof(a)) or types.explicit_spec(jax.typeof(b))
+    sharding = primal_types.explicit_spec(jax.typeof(a)) or primal_types.explicit_spec(
+        jax.typeof(b)
+    )
     if sharding is None:
-        mesh = types.mesh_of(a, b)
+        mesh = primal_types.mesh_of(a, b)
         if mesh is None or not mesh.auto_axes:
             return a, b
         return tuple(
@@ -257,10 +259,10 @@ def _whole_contraction(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array
             )
             for x in (a, b)
         )
-    spec_a, spec_b = (types.spec_entries(x) for x in (a, b))
+    spec_a, spec_b = (primal_types.spec_entries(x) for x in (a, b))
     spec_a[-1] = spec_b[-1] = None
     spec_b[:-2] = spec_a[:-2]
-    if set(types.axis_names(spec_a[-2])) & set(types.axis_names(spec_b[-2])):
+    if set(primal_types.axis_names(spec_a[-2])) & set(primal_types.axis_names(spec_b[-2])):
         spec_b[-2] = None
     return (
         jax.sharding.reshard(a, NamedSharding(sharding.mesh, P(*spec_a))),

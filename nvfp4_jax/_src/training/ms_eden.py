@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from nvfp4_jax._src.core import formats, ops
 from nvfp4_jax._src.core.array import NVFP4Array
-from nvfp4_jax._src.core.keys import GemmRandomness
+from nvfp4_jax._src.core.sr_keys import GemmRandomness
 from nvfp4_jax._src.training import gemm
 from nvfp4_jax._src.training.recipe import NVFP4Recipe
 

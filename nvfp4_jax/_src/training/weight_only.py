@@ -18,13 +18,14 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from nvfp4_jax._src.core import backends, kernels, ops, types
+from nvfp4_jax._src.core import backends, ops, primal_types
 from nvfp4_jax._src.core.array import NVFP4Array
 from nvfp4_jax._src.core.backends import (  # the registry's constant, here for nvfp4_jax.gemm
     WEIGHT_ONLY_MAX_ROWS as WEIGHT_ONLY_MAX_ROWS,
 )
 from nvfp4_jax._src.core.backends import Implementation
 from nvfp4_jax._src.core.interception import opaque
+from nvfp4_jax._src.core.kernels._gemm import w4a16 as native_w4a16
 
 
 def uses_native_weight_only(
@@ -152,13 +153,13 @@ def lax_ragged_dot(x, w, group_sizes, precision=None) -> jax.Array:
     JAX infers no sharding for a ragged dot under Explicit axes: there the operands are
     gathered (the groups are rows of the whole x) and the result sharded along M as x is.
     """
-    mesh = types.mesh_of(x, w, group_sizes)
+    mesh = primal_types.mesh_of(x, w, group_sizes)
     if mesh is None or not mesh.explicit_axes:
         return jax.lax.ragged_dot(x, w, group_sizes, precision=precision)
-    gathered = [types.replicated(a) for a in (x, w, group_sizes)]
+    gathered = [primal_types.replicated(a) for a in (x, w, group_sizes)]
     out_sharding = NamedSharding(mesh, P())
     y = jax.lax.ragged_dot(*gathered, precision=precision, out_sharding=out_sharding)
-    return types.leading_axis_like(y, x)
+    return primal_types.leading_axis_like(y, x)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4))
@@ -171,7 +172,7 @@ def _native_product(x, q, group_sizes, preferred_element_type, implementation):
     """
     if group_sizes is None:
         k, n = q.shape
-        out = kernels.w4a16(jnp.reshape(x, (-1, k)), q.codes, q.scales, q.global_scale)
+        out = native_w4a16(jnp.reshape(x, (-1, k)), q.codes, q.scales, q.global_scale)
         dtype = jnp.result_type(x) if preferred_element_type is None else preferred_element_type
         return jnp.reshape(out, (*jnp.shape(x)[:-1], n)).astype(dtype)
     ends = jnp.cumsum(jnp.asarray(group_sizes).astype(jnp.int32))

@@ -24,7 +24,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from nvfp4_jax._src.core import formats, types
+from nvfp4_jax._src.core import formats, primal_types
 
 _F32 = jnp.float32
 # SR counters of a partitioned tensor are 32-bit offsets here: fewer than 2**35 elements.
@@ -122,10 +122,10 @@ def vary_like(outputs, *inputs):
     claim to vary over nothing, which would defeat that check; this restores what jnp code
     would have: the results vary wherever the operands do. Outside `shard_map`, a no-op.
     """
-    axes = frozenset().union(*(types.varying(a) for a in jax.tree.leaves(inputs)))
+    axes = frozenset().union(*(primal_types.varying(a) for a in jax.tree.leaves(inputs)))
 
     def mark(out):
-        missing = tuple(sorted(axes - types.varying(out)))
+        missing = tuple(sorted(axes - primal_types.varying(out)))
         return lax.pcast(out, missing, to="varying") if missing else out
 
     return jax.tree.map(mark, outputs)
@@ -151,7 +151,7 @@ def explicit_mesh(operands):
     Auto axes: it would run the kernel on each shard and call the result global.
     """
     for operand in jax.tree.leaves(operands):
-        sharding = types.explicit_spec(jax.typeof(operand))
+        sharding = primal_types.explicit_spec(jax.typeof(operand))
         if sharding is not None:
             return sharding.mesh
     return None
@@ -206,7 +206,7 @@ def _explicit_vmap(raw, mesh, in_axes, args):
     stay sharded along the batch axis.
     """
     first = next(a for a, axis in zip(args, in_axes, strict=True) if axis == 0)
-    batch = types.spec_entries(first)[0]
+    batch = primal_types.spec_entries(first)[0]
     manual = set(axes(batch))
     if not manual:  # sharded, but not along the batch axis: gather, one device's loop
         specs = [P() for _ in args]

@@ -35,8 +35,8 @@ from jax import lax
 from nvfp4_jax._src.core import formats
 from nvfp4_jax._src.core.kernels import _library
 from nvfp4_jax._src.core.kernels import _partition as part
-from nvfp4_jax._src.core.seed import SRSeed, constant_words
 from nvfp4_jax._src.core.spec import QuantSpec, spec_of_call
+from nvfp4_jax._src.core.sr_seed import SRSeed, constant_words
 
 _F32 = jnp.float32
 _BLOCK = formats.BLOCK_SIZE

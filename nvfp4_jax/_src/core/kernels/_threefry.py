@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from nvfp4_jax._src.core.kernels import _library
-from nvfp4_jax._src.core.seed import constant_words
+from nvfp4_jax._src.core.sr_seed import constant_words
 
 _U32 = jnp.uint32
 

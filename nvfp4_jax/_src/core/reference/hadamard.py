@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nvfp4_jax._src.core import checks, formats, types
+from nvfp4_jax._src.core import checks, formats, primal_types
 
 _WGRAD_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
 
@@ -128,7 +128,7 @@ def apply_rht(x: jax.Array, *, inverse: bool = False) -> jax.Array:
     """
     x = checks.check_rht_input(x)
     inverse = checks.check_flag(inverse, "apply_rht", "inverse")
-    x = types.whole_blocks(x, (-1,), formats.BLOCK_SIZE)  # shards of whole 16-groups
+    x = primal_types.whole_blocks(x, (-1,), formats.BLOCK_SIZE)  # shards of whole 16-groups
     lead = x.shape[:-1]
     groups = x.shape[-1] // formats.BLOCK_SIZE  # explicit: -1 is ambiguous for zero-size x
     blocks = x.astype(jnp.float32).reshape(*lead, groups, formats.BLOCK_SIZE)

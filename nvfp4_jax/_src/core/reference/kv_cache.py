@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from nvfp4_jax._src.core import formats, types
+from nvfp4_jax._src.core import formats, primal_types
 from nvfp4_jax._src.core.kv_spec import KVCacheConfig
 
 _F32 = jnp.float32
@@ -167,10 +167,10 @@ def _batch_like(x: jax.Array, pages: jax.Array) -> jax.Array:
 
     `vmap` over the sequences needs the axis sharded alike on every operand.
     """
-    sharding = types.explicit_spec(jax.typeof(pages))
+    sharding = primal_types.explicit_spec(jax.typeof(pages))
     if sharding is None:
         return x
-    entry = types.spec_entries(pages)[0]
+    entry = primal_types.spec_entries(pages)[0]
     return jax.sharding.reshard(x, P(entry, *([None] * (x.ndim - 1))))
 
 

@@ -28,8 +28,8 @@ import jax
 import jax.numpy as jnp
 from jax.extend.random import threefry_2x32
 
-from nvfp4_jax._src.core import formats, types
-from nvfp4_jax._src.core.seed import SRSeed
+from nvfp4_jax._src.core import formats, primal_types
+from nvfp4_jax._src.core.sr_seed import SRSeed
 
 _F32 = jnp.float32
 _U32 = jnp.uint32
@@ -239,7 +239,7 @@ def _codes_and_scales(ys, used, bad, seed: SRSeed):
 
 def _whole_groups(xs):
     """The stored layout with whole 128-groups on every shard (`types.whole_blocks`)."""
-    return types.whole_blocks(xs, (-1,), _GROUP)
+    return primal_types.whole_blocks(xs, (-1,), _GROUP)
 
 
 def quantize_stored(xs, amax, seed: SRSeed, rotation: jax.Array):

@@ -30,12 +30,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from nvfp4_jax._src.core import formats, types
+from nvfp4_jax._src.core import formats, primal_types
 from nvfp4_jax._src.core.array import NVFP4Array
 from nvfp4_jax._src.core.formats import decode_scale
 from nvfp4_jax._src.core.reference import hadamard, ms_eden, stochastic
-from nvfp4_jax._src.core.seed import SRSeed
 from nvfp4_jax._src.core.spec import QuantSpec, check_dequantize_call, spec_of_call
+from nvfp4_jax._src.core.sr_seed import SRSeed
 
 _F32 = jnp.float32
 
@@ -292,7 +292,7 @@ def fake_quantize(
 
 def _whole_blocks(xs, block_2d: bool):
     """The stored layout with whole blocks (1x16 or 16x16) on every shard: `types.whole_blocks`."""
-    return types.whole_blocks(xs, (-2, -1) if block_2d else (-1,), formats.BLOCK_SIZE)
+    return primal_types.whole_blocks(xs, (-2, -1) if block_2d else (-1,), formats.BLOCK_SIZE)
 
 
 def quantize_stored(xs, amax, seed: SRSeed | None, spec: QuantSpec):
@@ -322,7 +322,7 @@ def _code_blocks(q: NVFP4Array) -> tuple[jax.Array, jax.Array]:
     Under Explicit mesh axes the codes' last dim is first gathered where its shards hold
     fewer than 16 codes (`types.whole_blocks`), as the native kernel's rule gathers it.
     """
-    codes = types.whole_blocks(formats.unpack_nibbles(q.codes), (-1,), formats.BLOCK_SIZE)
+    codes = primal_types.whole_blocks(formats.unpack_nibbles(q.codes), (-1,), formats.BLOCK_SIZE)
     return codes, codes.reshape(*q.scales.shape, formats.BLOCK_SIZE)
 
 

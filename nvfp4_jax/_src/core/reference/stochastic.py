@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from jax.extend.random import threefry_2x32
 
 from nvfp4_jax._src.core import formats
-from nvfp4_jax._src.core.seed import SRSeed
+from nvfp4_jax._src.core.sr_seed import SRSeed
 
 _F32 = jnp.float32
 # The counters of one call are 32-bit offsets from the seed's: fewer than 2**35 elements.

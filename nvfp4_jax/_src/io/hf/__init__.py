@@ -29,57 +29,16 @@ kernel quantized along `in` (`quantize(w, axis=0)`) is stored as (out, in): its 
 
 The package, each module importing only the ones listed above it:
 
-* `common`: the format's file names and constants; strict JSON reading, durable writing.
+* `format`: the format's file names and constants; strict JSON reading, durable writing.
 * `names`: `NameRule`, `NameMap`, `llama_name_map`, `qwen3_moe_name_map`,
-  `mixtral_name_map` (Flax paths <-> HF tensor names), the default excluded modules and
-  fused groups.
-* `st_io`: safetensors files, read with every header number checked and written tensor by
-  tensor (`read_safetensors`).
-* `export_options`, `export_tensors`, `export_plan`, `export_precision`, `export_scales`,
-  `export_units`, `export_config`, `export_tokenizer`, `export_writer`, `export_report`:
-  the stages of an export, one concern each (docs/ARCHITECTURE.md gives their order).
-* `export`: `export_hf_checkpoint` (its keywords checked into one `ExportOptions`, then the
-  stages) and its `ExportReport`.
-* `load_config`, `load_files`, `load_place`, `load_experts`: the stages of an import.
-* `load`: `load_hf_checkpoint`.
+  `mixtral_name_map` (Flax paths <-> HF tensor names), the default excluded modules.
+* `safetensors_files`: safetensors files, read with every header number checked and written
+  tensor by tensor (`read_safetensors`).
+* `export/`: the stages of an export, one concern each (docs/ARCHITECTURE.md gives their
+  order), and `export.main`: `export_hf_checkpoint` (its keywords checked into one
+  `ExportOptions`, then the stages) and its `ExportReport`.
+* `load/`: the stages of an import, and `load.main`: `load_hf_checkpoint`.
 
-This module only re-exports their public names.
+The face `nvfp4_jax.hf` re-exports their public names; this package holds no names of its
+own.
 """
-
-# The constants outside `__all__` are public too (the `as` marks them re-exported).
-from nvfp4_jax._src.io.hf.common import CONFIG_NAME as CONFIG_NAME
-from nvfp4_jax._src.io.hf.common import INDEX_NAME as INDEX_NAME
-from nvfp4_jax._src.io.hf.common import LEGACY_PRODUCER as LEGACY_PRODUCER
-from nvfp4_jax._src.io.hf.common import PRODUCER as PRODUCER
-from nvfp4_jax._src.io.hf.common import QUANT_ALGOS
-from nvfp4_jax._src.io.hf.common import QUANT_CONFIG_NAME as QUANT_CONFIG_NAME
-from nvfp4_jax._src.io.hf.common import REQUIRED_CONFIG_KEYS as REQUIRED_CONFIG_KEYS
-from nvfp4_jax._src.io.hf.common import WEIGHTS_NAME as WEIGHTS_NAME
-from nvfp4_jax._src.io.hf.export import ExportReport, export_hf_checkpoint
-from nvfp4_jax._src.io.hf.load import load_hf_checkpoint
-from nvfp4_jax._src.io.hf.names import (
-    DEFAULT_EXCLUDE,
-    DEFAULT_FUSED_GROUPS,
-    NameMap,
-    NameRule,
-    llama_name_map,
-    mixtral_name_map,
-    qwen3_moe_name_map,
-)
-from nvfp4_jax._src.io.hf.names import KINDS as KINDS
-from nvfp4_jax._src.io.hf.st_io import read_safetensors
-
-__all__ = [
-    "DEFAULT_EXCLUDE",
-    "DEFAULT_FUSED_GROUPS",
-    "QUANT_ALGOS",
-    "ExportReport",
-    "NameMap",
-    "NameRule",
-    "export_hf_checkpoint",
-    "llama_name_map",
-    "load_hf_checkpoint",
-    "mixtral_name_map",
-    "qwen3_moe_name_map",
-    "read_safetensors",
-]

@@ -21,8 +21,6 @@ from typing import Literal, get_args
 from nvfp4_jax._src.core import checks
 
 DEFAULT_EXCLUDE = ("lm_head", "model.embed_tokens")
-# (Mixtral's experts call gate and up `w1` and `w3`.)
-DEFAULT_FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"))
 # What a rule maps: a quantized linear, an embedding, a norm, a plain tensor, stacked
 # experts, a router.
 Kind = Literal["linear", "embedding", "norm", "plain", "experts", "router"]

@@ -22,29 +22,6 @@ the summed relative error of the operands: `ModelReport.scores`).
 
 The modules, each importing only those before it: `numbers` (one layer's numbers,
 `analyze_layer`, and the definitions) < `capture` (the operands of a model's layers),
-`report` (`ModelReport`) < `inspection` (`inspect_model`).
+`report` (`ModelReport`) < `inspection` (`inspect_model`). The face `nvfp4_jax.diagnostics`
+re-exports their public names; this package holds no names of its own.
 """
-
-from nvfp4_jax._src.model.diagnostics.inspection import inspect_model
-from nvfp4_jax._src.model.diagnostics.numbers import (
-    OPERANDS,
-    LayerStats,
-    OperandStats,
-    analyze_layer,
-    angle_degrees,
-    operand_stats,
-)
-from nvfp4_jax._src.model.diagnostics.report import SCORES, SHORT_NAMES, ModelReport
-
-__all__ = [
-    "analyze_layer",
-    "angle_degrees",
-    "inspect_model",
-    "LayerStats",
-    "ModelReport",
-    "operand_stats",
-    "OPERANDS",
-    "OperandStats",
-    "SCORES",
-    "SHORT_NAMES",
-]

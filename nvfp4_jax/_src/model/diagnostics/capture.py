@@ -24,7 +24,7 @@ from nvfp4_jax._src.flax.layer_info import (
     linear_problem,
 )
 from nvfp4_jax._src.flax.walk import layer_paths, named_layers, replace_layers
-from nvfp4_jax._src.model.rules import match_layer
+from nvfp4_jax._src.model.convert.rules import match_layer
 from nvfp4_jax._src.training.recipe import NVFP4Recipe
 
 _F32 = jnp.float32

@@ -9,11 +9,11 @@ from typing import Any
 import jax
 from flax import nnx
 
-from nvfp4_jax._src.core.keys import fold_in
+from nvfp4_jax._src.core.sr_keys import fold_in
+from nvfp4_jax._src.model.convert.rules import Rule, check_rules
 from nvfp4_jax._src.model.diagnostics.capture import capture, default_loss, select_targets
 from nvfp4_jax._src.model.diagnostics.numbers import analyze_layer, as_key
 from nvfp4_jax._src.model.diagnostics.report import ModelReport
-from nvfp4_jax._src.model.rules import Rule, check_rules
 
 
 def inspect_model(

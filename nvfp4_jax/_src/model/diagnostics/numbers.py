@@ -22,11 +22,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from nvfp4_jax._src.core import formats, ops, reference
-from nvfp4_jax._src.core.keys import ms_eden_randomness, sr_seeds
+from nvfp4_jax._src.core import formats, ops
+from nvfp4_jax._src.core.reference.ms_eden import apply_rotation
+from nvfp4_jax._src.core.reference.ms_eden import encode_scale as ms_eden_encode_scale
+from nvfp4_jax._src.core.reference.quantize import encode_scale
 from nvfp4_jax._src.core.spec import QuantSpec, rotation_words, spec_of_call
+from nvfp4_jax._src.core.sr_keys import ms_eden_randomness, sr_seeds
 from nvfp4_jax._src.flax.layer_info import weight_problem
-from nvfp4_jax._src.model.rules import recipe_from_dict, recipe_to_dict
+from nvfp4_jax._src.model.convert.rules import recipe_from_dict, recipe_to_dict
 from nvfp4_jax._src.training.dot_general import dot_general, pad_tokens
 from nvfp4_jax._src.training.ms_eden import pad_contraction
 from nvfp4_jax._src.training.recipe import NVFP4Recipe
@@ -192,16 +195,16 @@ def operand_stats(
     if spec.rht:
         stored = ops.apply_rht(stored, implementation=implementation)
     if spec.ms_eden:  # MS-EDEN's values are those of the rotated x
-        stored = reference.apply_rotation(stored, rotation_words(rotation, "operand_stats"))
+        stored = apply_rotation(stored, rotation_words(rotation, "operand_stats"))
     exact = jnp.moveaxis(stored, -1, q.axis) if spec.ms_eden else x
     rel_error = _relative(ops.dequantize(q, _F32, implementation=implementation), exact)
     blocks = jnp.abs(stored.astype(_F32)).reshape(*q.scales.shape, formats.BLOCK_SIZE)
     scales = q.scales.astype(_F32)
     underflow = (scales == 0) & (jnp.max(blocks, axis=-1) > 0)
     if spec.ms_eden:
-        s_dec = _F32(1) / reference.ms_eden_encode_scale(q.amax)
+        s_dec = _F32(1) / ms_eden_encode_scale(q.amax)
     else:
-        s_dec = _F32(1) / reference.encode_scale(q.amax, q.e4m3_max)
+        s_dec = _F32(1) / encode_scale(q.amax, q.e4m3_max)
     encode = jnp.minimum(_F32(1) / (scales * s_dec), _F32(formats.FLT_MAX))
     clipped = (blocks * encode[..., None] > formats.FP4_MAX) & (scales > 0)[..., None]
     return dict(
@@ -223,7 +226,7 @@ def _operands(x, w, dy, key, recipe: NVFP4Recipe) -> dict[str, dict[str, jax.Arr
     if recipe.backward == "ms_eden":
         return _ms_eden_operands(x, w, dy, key, recipe)
     sr, impl = recipe.stochastic_rounding, recipe.implementation
-    # The keys `nvfp4_jax.dot_general` gives dgrad's and wgrad's dy (from core/keys.py).
+    # The keys `nvfp4_jax.dot_general` gives dgrad's and wgrad's dy (from core/sr_keys.py).
     dgrad_key, wgrad_key = sr_seeds(key, impl) if sr else (None, None)
     # The specs of `nvfp4_jax.dot_general`'s operands; the wgrad ones on x and dy (not dy^T).
     spec = recipe.spec

@@ -14,8 +14,8 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from nvfp4_jax._src.model.convert.rules import Rule
 from nvfp4_jax._src.model.diagnostics.numbers import OPERANDS, LayerStats
-from nvfp4_jax._src.model.rules import Rule
 from nvfp4_jax._src.training.recipe import NVFP4Recipe
 
 # The operands' names in the table: the wgrad ones are transposed (quantized along M).

@@ -29,26 +29,6 @@ high precision.
 
 The modules, each importing only those before it: `settings` (the checked arguments) <
 `report`, `calibration` (`X^T X` of the inputs), `methods` (the scale search) < `select`
-(which layers) < `freeze` (`quantize_for_export`).
+(which layers) < `freeze` (`quantize_for_export`). The face `nvfp4_jax.ptq` re-exports their
+public names; this package holds no names of its own.
 """
-
-from nvfp4_jax._src.io.hf.names import DEFAULT_FUSED_GROUPS
-from nvfp4_jax._src.model.ptq.freeze import quantize_for_export
-from nvfp4_jax._src.model.ptq.report import PTQLayer, PTQReport
-from nvfp4_jax._src.model.ptq.settings import (
-    ACTIVATIONS,
-    DEFAULT_GPTQ_DAMP,
-    DEFAULT_MSE_GRID,
-    METHODS,
-)
-
-__all__ = [
-    "ACTIVATIONS",
-    "DEFAULT_FUSED_GROUPS",
-    "DEFAULT_GPTQ_DAMP",
-    "DEFAULT_MSE_GRID",
-    "METHODS",
-    "PTQLayer",
-    "PTQReport",
-    "quantize_for_export",
-]

@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from nvfp4_jax._src.core.multihost import to_host
 from nvfp4_jax._src.flax.walk import named_layers, replace_layers
-from nvfp4_jax._src.io.storage import to_host
 from nvfp4_jax._src.model.ptq.settings import OP
 
 _F32 = jnp.float32

@@ -25,10 +25,10 @@ import numpy as np
 from flax import nnx
 
 from nvfp4_jax._src.core import formats, ops
+from nvfp4_jax._src.core.multihost import to_host
 from nvfp4_jax._src.flax import nnx as nvfp4_nnx
-from nvfp4_jax._src.flax.walk import layer_paths, replace_layers
-from nvfp4_jax._src.io.hf.names import DEFAULT_FUSED_GROUPS
-from nvfp4_jax._src.io.storage import to_host
+from nvfp4_jax._src.flax.walk import DEFAULT_FUSED_GROUPS, layer_paths, replace_layers
+from nvfp4_jax._src.model.convert.rules import Rule
 from nvfp4_jax._src.model.ptq.calibration import Calibration, calibrate
 from nvfp4_jax._src.model.ptq.methods import (
     dequantized,
@@ -48,7 +48,6 @@ from nvfp4_jax._src.model.ptq.settings import (
     check_batches,
     check_settings,
 )
-from nvfp4_jax._src.model.rules import Rule
 
 
 def _frozen_dtype(layer: nnx.Linear):

@@ -17,9 +17,9 @@ import numpy as np
 
 from nvfp4_jax._src.core import formats, ops
 from nvfp4_jax._src.core.array import NVFP4Array
+from nvfp4_jax._src.core.multihost import to_host
 from nvfp4_jax._src.core.reference.quantize import block_amax, block_encode, encode_scale
 from nvfp4_jax._src.core.spec import QuantSpec
-from nvfp4_jax._src.io.storage import to_host
 from nvfp4_jax._src.model.ptq.settings import OP
 
 _F32 = jnp.float32

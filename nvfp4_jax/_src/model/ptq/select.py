@@ -8,8 +8,8 @@ from flax import nnx
 
 from nvfp4_jax._src.flax.layer_info import layer_stack, linear_problem
 from nvfp4_jax._src.flax.walk import replace_layers
+from nvfp4_jax._src.model.convert.rules import match_layer
 from nvfp4_jax._src.model.ptq.settings import OP, Settings
-from nvfp4_jax._src.model.rules import match_layer
 
 
 def _layer_problem(layer) -> str:

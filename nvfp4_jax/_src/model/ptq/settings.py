@@ -12,7 +12,7 @@ import numpy as np
 from flax import nnx
 
 from nvfp4_jax._src.core import checks
-from nvfp4_jax._src.model.rules import Rule, check_rules, default_rules
+from nvfp4_jax._src.model.convert.rules import Rule, check_rules, default_rules
 
 # The name of the operation, in error messages.
 OP = "quantize_for_export"
