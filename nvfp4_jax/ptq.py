@@ -4,11 +4,11 @@ The public face of `nvfp4_jax._src.model.ptq` (`freeze`, `report`, `settings`): 
 only (docs/ARCHITECTURE.md).
 """
 
+from nvfp4_jax._src.flax.frozen import ACTIVATIONS
 from nvfp4_jax._src.flax.walk import DEFAULT_FUSED_GROUPS
 from nvfp4_jax._src.model.ptq.freeze import quantize_for_export
 from nvfp4_jax._src.model.ptq.report import PTQLayer, PTQReport
 from nvfp4_jax._src.model.ptq.settings import (
-    ACTIVATIONS,
     DEFAULT_GPTQ_DAMP,
     DEFAULT_MSE_GRID,
     METHODS,

@@ -79,7 +79,7 @@ def activations(m, k, seed, dtype):
 
 
 def native(x, q):
-    return jax.jit(_gemm.w4a16)(x, q.codes, q.scales, q.global_scale)
+    return jax.jit(_gemm.weight_only_matmul)(x, q.codes, q.scales, q.global_scale)
 
 
 def modelled(x, q):
@@ -132,7 +132,7 @@ def test_a_nan_scale_poisons_its_column():
     s[5, 2] = 0x7F
     scales = jnp.asarray(s.view(jnp.float8_e4m3fn))
     x = activations(3, 64, seed=8, dtype=jnp.bfloat16)
-    got = np.asarray(_gemm.w4a16(x, q.codes, scales, q.global_scale))
+    got = np.asarray(_gemm.weight_only_matmul(x, q.codes, scales, q.global_scale))
     assert_same_bits(got, model(x, q.codes, scales, np.float32(q.global_scale)), "NaN scale")
     assert np.isnan(got[:, 5]).all() and np.isfinite(np.delete(got, 5, 1)).all()
 
@@ -156,20 +156,20 @@ def test_same_bits_on_every_isa_and_thread_count(cpu_isa, threads, dtype):
     m, n, k = 11, 203, 16 * 50
     q, x = weight(k, n, seed=13), activations(m, k, seed=14, dtype=DTYPES[dtype])
     # Not jitted: a fresh call on the forced ISA (the kernel is picked at run time anyway).
-    got = _gemm.w4a16(x, q.codes, q.scales, q.global_scale)
+    got = _gemm.weight_only_matmul(x, q.codes, q.scales, q.global_scale)
     assert_same_bits(got, modelled(x, q), f"threads={threads} {dtype}")
 
 
 def test_batch_dims_broadcast_and_vmap():
     q = weight(48, 24, seed=15)
     xs = activations(6, 48, seed=16, dtype=jnp.bfloat16).reshape(3, 2, 48)
-    got = jax.vmap(lambda x: _gemm.w4a16(x, q.codes, q.scales, q.global_scale))(xs)
+    got = jax.vmap(lambda x: _gemm.weight_only_matmul(x, q.codes, q.scales, q.global_scale))(xs)
     for b in range(3):
         assert_same_bits(got[b], modelled(xs[b], q), f"vmap x {b}")
     qs = [weight(48, 24, seed=17 + b) for b in range(2)]
     stacked = jax.tree.map(lambda *a: jnp.stack(a), *qs)
     x = activations(2, 48, seed=20, dtype=jnp.bfloat16)
-    got = jax.vmap(lambda c, s, d: _gemm.w4a16(x, c, s, d))(
+    got = jax.vmap(lambda c, s, d: _gemm.weight_only_matmul(x, c, s, d))(
         stacked.codes, stacked.scales, stacked.global_scale
     )
     for b in range(2):
@@ -203,13 +203,13 @@ def test_bad_operands_are_named():
 @pytest.fixture
 def spy(monkeypatch):
     calls = []
-    original = weight_only.native_w4a16
+    original = weight_only.native_weight_only_matmul
 
     def counting(*args):
         calls.append(args[0].shape)
         return original(*args)
 
-    monkeypatch.setattr(weight_only, "native_w4a16", counting)
+    monkeypatch.setattr(weight_only, "native_weight_only_matmul", counting)
     return calls
 
 
@@ -341,9 +341,9 @@ def call_operand_shapes(hlo: str) -> list[str]:
 def test_sharded_equals_unsharded(case, mode):
     _, _, x_spec, w_spec, out_spec, gathers = SHARDED_CASES[case]
     x, codes, scales, decode = sharded_operands(case)
-    expected = jax.jit(_gemm.w4a16)(x, codes, scales, decode)  # one device
+    expected = jax.jit(_gemm.weight_only_matmul)(x, codes, scales, decode)  # one device
     args = (put(x, x_spec, mode), put(codes, w_spec, mode), put(scales, w_spec, mode), decode)
-    fn = jax.jit(_gemm.w4a16)
+    fn = jax.jit(_gemm.weight_only_matmul)
     with mesh_context(mesh(mode), mode):
         got = fn(*args)
         hlo = fn.lower(*args).compile().as_text()
@@ -364,7 +364,7 @@ def test_the_n_sharded_weight_is_never_gathered():
     """Tensor parallelism: each device decodes its N/4 rows of the weight, nothing moves."""
     x, codes, scales, decode = sharded_operands("n")
     args = (put(x, P()), put(codes, P("model")), put(scales, P("model")), decode)
-    hlo = jax.jit(_gemm.w4a16).lower(*args).compile().as_text()
+    hlo = jax.jit(_gemm.weight_only_matmul).lower(*args).compile().as_text()
     assert call_operand_shapes(hlo)[1:3] == [
         f"u8[{N // 4},{K // 2}]",
         f"f8e4m3fn[{N // 4},{K // 16}]",
@@ -377,7 +377,7 @@ def test_the_n_sharded_weight_is_never_gathered():
 def test_vmap_under_a_mesh():
     q = weight(K, N, seed=43)
     xs = activations(B * M, K, seed=44, dtype=jnp.float16).reshape(B, M, K)
-    fn = jax.jit(jax.vmap(lambda x: _gemm.w4a16(x, q.codes, q.scales, q.global_scale)))
+    fn = jax.jit(jax.vmap(lambda x: _gemm.weight_only_matmul(x, q.codes, q.scales, q.global_scale)))
     got = fn(put(xs, P("data")))
     for b in range(B):
         assert_same_bits(got[b], modelled(xs[b], q), f"vmap {b}")

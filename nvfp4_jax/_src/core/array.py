@@ -118,7 +118,7 @@ class NVFP4Array:
         """The static fields as JSON values (dtype by name); `_from_metadata` reads them back.
 
         Four Over Six's fields only when set: a plain array's metadata is that of earlier
-        versions. The checkpoint's writer and reader (`nvfp4_jax/_src/io/checkpoint_*.py`)
+        versions. The checkpoint's writer and reader (`nvfp4_jax/_src/io/checkpoint/`)
         store and compare this dict.
         """
         meta = {name: getattr(self, name) for name in self._static_fields()}

@@ -19,7 +19,7 @@ quantize of `ragged_dot`, the hash of the SR keys and the NVFP4 KV cache's write
 (`kv_cache`) and attention (`kv_attention`) only on the CPU (the GEMM with AVX2 or AVX-512,
 the weight-only GEMM for small bf16/f16 batches, the attention for up to
 `KV_ATTENTION_MAX_TOKENS` new tokens); `jax.nn.scaled_matmul`'s cuDNN GEMM
-on Blackwell GPUs (`scaled_matmul_unavailable_reason`). Callers never ask the platform.
+on Blackwell GPUs (`scaled_matmul_unsupported_reason`). Callers never ask the platform.
 """
 
 from __future__ import annotations
@@ -229,7 +229,7 @@ def _weight_only_fits(*, x_shape, x_dtype, q: NVFP4Array) -> bool:
     A 2-D `(in, out)` weight quantized along `in` without the RHT, activations in bf16 or
     f16, and at most `WEIGHT_ONLY_MAX_ROWS` rows. f32 activations keep XLA's f32 dot of the
     dequantized weight, bit for bit as before (the kernel computes them too,
-    `kernels._gemm.w4a16`, in its own summation order).
+    `_gemm.weight_only_matmul`, in its own summation order).
     """
     rows = 1
     for d in x_shape[:-1]:
@@ -261,7 +261,7 @@ def runs_natively(op: NativeOp, implementation: Implementation | None, **args) -
     return resolve(implementation, op).runs_natively(op, **args)
 
 
-def scaled_matmul_unavailable_reason() -> str | None:
+def scaled_matmul_unsupported_reason() -> str | None:
     """Why `jax.nn.scaled_matmul` (cuDNN) cannot run NVFP4 GEMMs here, or None if it can."""
     platform = current_platform()
     if platform != "cuda":

@@ -10,18 +10,18 @@ linen `Dense` (with an `NVFP4Array` kernel) share these.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nvfp4_jax._src.core import ops
+from nvfp4_jax._src.core import checks, ops
 from nvfp4_jax._src.core.array import NVFP4Array, validate_nvfp4_array
 from nvfp4_jax._src.training import weight_only
 
 Activations = Literal["high_precision", "nvfp4"]
-ACTIVATIONS = ("high_precision", "nvfp4")
+ACTIVATIONS = get_args(Activations)
 
 
 def check_linear(kernel: NVFP4Array, activations: str, input_scale, op: str) -> None:
@@ -36,10 +36,7 @@ def check_linear(kernel: NVFP4Array, activations: str, input_scale, op: str) -> 
             f"{op}: kernel must be an (in, out) NVFP4Array quantized along axis 0 (in), got "
             f"{kernel!r}"
         )
-    if activations not in ACTIVATIONS:
-        raise ValueError(
-            f"{op}: activations must be 'high_precision' or 'nvfp4', got {activations!r}"
-        )
+    checks.check_choice(f"{op}: activations", activations, Activations)
     if activations == "nvfp4" and input_scale is None:
         raise ValueError(f"{op}: activations='nvfp4' (W4A4) needs input_scale")
 

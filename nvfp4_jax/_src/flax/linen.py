@@ -16,12 +16,13 @@ mixture-of-experts layer, each expert's GEMMs in NVFP4 (`recipe=None`: high prec
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from nvfp4_jax._src.core import checks
 from nvfp4_jax._src.core.array import NVFP4Array
 from nvfp4_jax._src.flax import frozen
 from nvfp4_jax._src.training import weight_only
@@ -55,7 +56,7 @@ class Dense(nn.Dense):
     recipe: NVFP4Recipe = NVFP4Recipe()
     rng_collection: str = "quantize"
     calibrate: bool = False
-    activations: Literal["high_precision", "nvfp4"] = "high_precision"
+    activations: frozen.Activations = "high_precision"
 
     def _record(self, inputs: jax.Array) -> None:
         amax = self.variable("calibration", "input_amax", jnp.zeros, (), jnp.float32)
@@ -84,11 +85,9 @@ class Dense(nn.Dense):
         """Applies the quantized linear map along the last axis of `inputs`."""
         if self.dot_general is not None or self.dot_general_cls is not None:
             raise TypeError("nvfp4_jax.linen.Dense: dot_general is fixed to the NVFP4 one")
-        if self.activations not in frozen.ACTIVATIONS:
-            raise ValueError(
-                "nvfp4_jax.linen.Dense: activations must be 'high_precision' or 'nvfp4', got "
-                f"{self.activations!r}"
-            )
+        checks.check_choice(
+            "nvfp4_jax.linen.Dense: activations", self.activations, frozen.Activations
+        )
         if self.calibrate:
             self._record(inputs)
         kernel = (

@@ -56,9 +56,9 @@ _F32 = jnp.float32
 def scaled_matmul_unsupported_reason() -> str | None:
     """Returns why `jax.nn.scaled_matmul` cannot run NVFP4 here, or None if it can.
 
-    `backends.scaled_matmul_unavailable_reason`: the registry answers it.
+    `backends.scaled_matmul_unsupported_reason`: the registry answers it.
     """
-    return backends.scaled_matmul_unavailable_reason()
+    return backends.scaled_matmul_unsupported_reason()
 
 
 def resolve_gemm_backend(backend: GemmBackend | None, op: str = "scaled_matmul") -> GemmBackend:

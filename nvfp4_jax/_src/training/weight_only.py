@@ -2,7 +2,7 @@
 
 A frozen layer keeps its weight quantized and multiplies it by activations in their own
 dtype: `x @ dequantize(q, x.dtype)`. On the CPU with the native library the weight is
-decoded in registers (`kernels.w4a16`), never dequantized into memory; elsewhere the
+decoded in registers (`_gemm.weight_only_matmul`), never dequantized into memory; elsewhere the
 dequantized weight and XLA's matmul. `weight_only_ragged_dot` is the same for a stack of
 experts' weights (`jax.lax.ragged_dot`), and `lax_ragged_dot` is `jax.lax.ragged_dot` that
 also runs under Explicit mesh axes.
@@ -25,7 +25,7 @@ from nvfp4_jax._src.core.backends import (  # the registry's constant, here for 
 )
 from nvfp4_jax._src.core.backends import Implementation
 from nvfp4_jax._src.core.interception import opaque
-from nvfp4_jax._src.core.kernels._gemm import w4a16 as native_w4a16
+from nvfp4_jax._src.core.kernels._gemm import weight_only_matmul as native_weight_only_matmul
 
 
 def uses_native_weight_only(
@@ -55,7 +55,7 @@ def weight_only_matmul(
 
     `q` is the `(in, out)` weight quantized along `in` (a frozen layer's kernel). On the CPU
     with the native library (`uses_native_weight_only`) the weight is decoded in registers,
-    never dequantized into memory (`kernels.w4a16`): each weight element is the value
+    never dequantized into memory (`_gemm.weight_only_matmul`): each weight element is the value
     `dequantize` gives it in `x.dtype`, the products and their sum are f32 in the kernel's
     fixed order (docs/NUMERICS.md section 9), then cast to `preferred_element_type` (default
     `x.dtype`). Elsewhere, the dequantized weight and XLA's matmul, as before.
@@ -164,7 +164,7 @@ def lax_ragged_dot(x, w, group_sizes, precision=None) -> jax.Array:
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4))
 def _native_product(x, q, group_sizes, preferred_element_type, implementation):
-    """`_dequantized_product` with the weight decoded in registers (`kernels.w4a16`).
+    """`_dequantized_product` with the weight decoded in registers (`_gemm.weight_only_matmul`).
 
     Its derivative is `_dequantized_product`'s: the product is linear in x, and its JVP is
     the XLA expression applied to the tangent of x, so reverse mode transposes that very
@@ -172,7 +172,7 @@ def _native_product(x, q, group_sizes, preferred_element_type, implementation):
     """
     if group_sizes is None:
         k, n = q.shape
-        out = native_w4a16(jnp.reshape(x, (-1, k)), q.codes, q.scales, q.global_scale)
+        out = native_weight_only_matmul(jnp.reshape(x, (-1, k)), q.codes, q.scales, q.global_scale)
         dtype = jnp.result_type(x) if preferred_element_type is None else preferred_element_type
         return jnp.reshape(out, (*jnp.shape(x)[:-1], n)).astype(dtype)
     ends = jnp.cumsum(jnp.asarray(group_sizes).astype(jnp.int32))

@@ -91,7 +91,7 @@ def gemm(a_codes, a_scales, b_codes, b_scales, a_decode, b_decode) -> jax.Array:
     return part.vary_like(_partitioned(len(batch))(*args), *args)
 
 
-def _call_w4a16(x, codes, scales, decode):
+def _call_weight_only(x, codes, scales, decode):
     shape = (
         *jnp.broadcast_shapes(x.shape[:-2], codes.shape[:-2]),
         x.shape[-2],
@@ -118,7 +118,7 @@ def _batch_factors(x_batch_one, w_batch_one) -> tuple[str, str, str]:
 
 
 @functools.cache
-def _partitioned_w4a16(x_batch_one: tuple[bool, ...], w_batch_one: tuple[bool, ...]):
+def _partitioned_weight_only(x_batch_one: tuple[bool, ...], w_batch_one: tuple[bool, ...]):
     """The rule of `nvfp4_w4a16` for batch dims of size 1 (broadcast) where marked True.
 
     Each dim of the result takes one spec entry, and each mesh axis shards one dim at most:
@@ -133,7 +133,7 @@ def _partitioned_w4a16(x_batch_one: tuple[bool, ...], w_batch_one: tuple[bool, .
     never K; the decode table depends on the batch element's D only), so each shard's
     result is the unsharded result's bits.
     """
-    raw = part.positional(_call_w4a16)
+    raw = part.positional(_call_weight_only)
     batch_ndim = len(x_batch_one)
 
     def layout(mesh, arg_shapes):
@@ -168,7 +168,7 @@ def _partitioned_w4a16(x_batch_one: tuple[bool, ...], w_batch_one: tuple[bool, .
     return part.with_rule(raw, partition, infer, rule, need_replication_factors=("k", "h", "s"))
 
 
-def w4a16(x, codes, scales, decode) -> jax.Array:
+def weight_only_matmul(x, codes, scales, decode) -> jax.Array:
     """The weight-only GEMM: `x @ dequantize(W, x.dtype)` in f32, the weight decoded in registers.
 
     Native twin: `W4a16Impl` in ffi/cpu/w4a16.cc, the kernels in ffi/cpu/w4a16_isa.cc (CPU
@@ -179,7 +179,7 @@ def w4a16(x, codes, scales, decode) -> jax.Array:
     sum over K is f32 in 16 slots (k mod 16, ascending k) and a fixed tree over the slots
     (docs/NUMERICS.md section 9). Returns f32 `(..., M, N)`.
 
-    Sharded under `jit` (`_partitioned_w4a16`), the kernel runs on each device's shard: the
+    Sharded under `jit` (`_partitioned_weight_only`), the kernel runs on each device's shard: the
     rows of x (M and the batch dims) and the rows of the weight (N: tensor parallelism over
     the output features, the weight never gathered) keep their sharding, which the result
     takes (one dim per mesh axis; in a conflict one operand is gathered along it). K is
@@ -196,7 +196,7 @@ def w4a16(x, codes, scales, decode) -> jax.Array:
     decode = jnp.broadcast_to(jnp.asarray(decode, _F32), codes.shape[:-2])
     args = (x, codes, scales, decode)
     if x.ndim != codes.ndim:
-        return _call_w4a16(*args)  # the kernel names the mismatch
+        return _call_weight_only(*args)  # the kernel names the mismatch
     x_batch, w_batch = x.shape[:-2], codes.shape[:-2]
-    op = _partitioned_w4a16(tuple(d == 1 for d in x_batch), tuple(d == 1 for d in w_batch))
+    op = _partitioned_weight_only(tuple(d == 1 for d in x_batch), tuple(d == 1 for d in w_batch))
     return part.vary_like(op(*args), *args)

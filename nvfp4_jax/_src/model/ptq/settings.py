@@ -12,13 +12,13 @@ import numpy as np
 from flax import nnx
 
 from nvfp4_jax._src.core import checks
+from nvfp4_jax._src.flax.frozen import ACTIVATIONS
 from nvfp4_jax._src.model.convert.rules import Rule, check_rules, default_rules
 
 # The name of the operation, in error messages.
 OP = "quantize_for_export"
 
 METHODS = ("max", "mse", "four_over_six", "gptq")
-ACTIVATIONS = ("high_precision", "nvfp4")
 # The global-amax factors c the "mse" method tries: 0.70, 0.71, ..., 1.20 (1 is always in).
 DEFAULT_MSE_GRID = tuple(round(0.70 + 0.01 * i, 2) for i in range(51))
 DEFAULT_GPTQ_DAMP = 0.01
