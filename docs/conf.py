@@ -148,7 +148,7 @@ def _warn_on_empty_docstrings(app, what, name, obj, options, lines):
 class RepositoryLinks(SphinxTransform):
     """Links from a page to a file or folder of the repository outside `docs/`.
 
-    The pages are also read on GitHub, where `[the tests](../tests/io/test_hf.py)` opens the
+    The pages are also read on GitHub, where `[the tests](../tests/io/test_hf_export.py)` opens the
     file. In the HTML site MyST makes a plain file a download; this transform does the same
     for a Markdown file outside the docs (MyST would look for a page) and shows a folder as
     its repository path (a site cannot list a folder). A link to something that does not

@@ -53,7 +53,8 @@ if [ "${NVFP4_SKIP_NEWEST:-0}" != 1 ] && [ "$#" = 0 ]; then
         -m "newest or not (integration or distributed)" \
         --ignore tests/core/test_ms_eden_statistics.py \
         tests/core tests/test_public_api.py tests/integration \
-        tests/training/test_distributed.py tests/training/test_recipe_precision.py; then
+        tests/training/test_distributed.py tests/training/test_distributed_training.py \
+        tests/training/test_recipe_precision.py; then
       :
     else
       [ "$status" != 0 ] || status=1

@@ -17,7 +17,7 @@ one compilation cache (`pytest_configure`).
 that start processes, train the example or need optional engines: every test there is
 marked `integration`. The fast inner loop is `pytest -m "not slow"` (about 2 minutes on 2
 cores); `slow` marks, besides the integration tests, the sharding tests of
-`training/test_distributed.py` (marked `distributed`), the training ops' cases on the
+`training/test_distributed*.py` (marked `distributed`), the training ops' cases on the
 reference implementation (`tests/training/`, `impl` or `implementation` "reference": the
 native cases stay, and `tests/core/` shows both implementations quantize to the same bits)
 and the tests marked `@pytest.mark.slow` in their file (several seconds each on 2 cores).
@@ -102,7 +102,7 @@ def pytest_unconfigure(config):
 LONGEST = ("integration", "distributed")
 # The native kernels' training under JAX's default mesh (Explicit axes), which jax 0.12 once
 # broke (`_partition.whole_under_explicit_axes`): marked `newest`, so that scripts/test.sh
-# runs them again in .venv-newest (the rest of test_distributed.py runs on one JAX version).
+# runs them again in .venv-newest (the rest of test_distributed*.py runs on one JAX version).
 NEWEST_DISTRIBUTED = (
     "test_train_step_sharded_equals_one_device",
     "test_layer_data_parallel_equals_one_device",

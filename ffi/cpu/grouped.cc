@@ -1,7 +1,7 @@
 // nvfp4_grouped_quantize: the grouped quantization of ragged_dot (docs/NUMERICS.md section
 // 12), CPU only. Python twin: nvfp4_jax/_src/core/kernels/_grouped.py; reference: the jnp
 // block math of nvfp4_jax/_src/training/ragged/operands.py (`quantize_rows`,
-// `quantize_tokens`); tests: tests/training/test_ragged.py.
+// `quantize_tokens`); tests: tests/training/test_ragged_operands.py.
 //
 // x (R, C) is quantized along C in 1x16 blocks. Group g is its own tensor, with its own
 // stored amax A_g and stochastic-rounding key (k0, k1)_g, numbered from its own first

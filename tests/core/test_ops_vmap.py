@@ -5,7 +5,7 @@ around it: `kernels._partition.with_rule`). Each case below vmaps one public op 
 of B = 3 elements, some operands batched and some shared, and compares every leaf of the
 result bit for bit with a Python loop of the unbatched calls, eagerly and under `jit`, on
 every implementation (the reference needs no rule; it is the control). `ragged_dot`'s
-per-sequence MoE, gradients included, is in tests/training/test_ragged.py.
+per-sequence MoE, gradients included, is in tests/training/test_ragged_dot_vmap.py.
 """
 
 from __future__ import annotations

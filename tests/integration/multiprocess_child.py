@@ -41,8 +41,8 @@ def main(argv: list[str]) -> None:
     )
     assert jax.process_count() == num_processes
     assert jax.local_device_count() == DEVICES_PER_PROCESS
-    # The shared test code (test_distributed reads the device count at import: after the
-    # runtime started, it sees the global 8).
+    # The shared test code (training/distributed_setup.py), imported after the runtime
+    # started: it sees the global 8 devices.
     here = os.path.dirname(os.path.abspath(__file__))
     sys.path[:0] = [here, os.path.dirname(here)]  # tasks, and tests/ (helpers, training/)
     import multiprocess_tasks  # noqa: PLC0415

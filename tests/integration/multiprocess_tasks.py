@@ -90,13 +90,14 @@ def gather_q(prefix: str, q) -> dict[str, np.ndarray]:
 
 
 def _sharded_quantize_cases():
-    from training.test_distributed import JIT_CASES, data  # noqa: PLC0415
+    from training.distributed_setup import JIT_CASES, data  # noqa: PLC0415
 
     return JIT_CASES, data
 
 
 def quantize_task(workdir: str) -> dict[str, np.ndarray]:
-    """test_distributed's JIT_CASES on each implementation (the reference: see `reference_runs`)."""
+    """test_distributed.py's JIT_CASES (in distributed_setup.py) on each implementation (the
+    reference: see `reference_runs`)."""
     cases, data = _sharded_quantize_cases()
     out = {}
     for implementation in IMPLEMENTATIONS:
@@ -119,9 +120,10 @@ def quantize_task(workdir: str) -> dict[str, np.ndarray]:
 
 
 def train_task(workdir: str) -> dict[str, np.ndarray]:
-    """test_distributed's NVFP4 MLP step, data-parallel and FSDP, under Auto and Explicit
-    axes, on each implementation (the reference: see `reference_runs`)."""
-    from training.test_distributed import TRAIN_SPECS, mlp_loss, train_setup  # noqa: PLC0415
+    """test_distributed_training.py's NVFP4 MLP step (in distributed_setup.py), data-parallel
+    and FSDP, under Auto and Explicit axes, on each implementation (the reference: see
+    `reference_runs`)."""
+    from training.distributed_setup import TRAIN_SPECS, mlp_loss, train_setup  # noqa: PLC0415
 
     out = {}
     for implementation, (mode, axis_type) in itertools.product(IMPLEMENTATIONS, MESH_MODES.items()):

@@ -19,7 +19,7 @@ import multiprocess_tasks
 import numpy as np
 import pytest
 from helpers import assert_same_bits, xla_compile_flags
-from training.test_distributed import EXACT_LEAVES, F32_SUM_TOLERANCE
+from training.distributed_setup import EXACT_LEAVES, F32_SUM_TOLERANCE
 
 pytestmark = [
     pytest.mark.multiprocess,

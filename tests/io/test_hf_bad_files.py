@@ -21,7 +21,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from helpers import assert_same_bits
-from test_hf import FIXTURE, LINEARS, copy_fixture, leaf, model_config, write_st
+from hf_fixture import FIXTURE, LINEARS, copy_fixture, leaf, model_config, write_st
 
 import nvfp4_jax
 from nvfp4_jax import hf

@@ -2,7 +2,7 @@
 
 Shape letters: x (M, K) activations, W (K, N) weight, dy (M, N) output gradient.
 
-The oracle for every GEMM is built here from the public quantizer (always
+The oracle for every GEMM (dot_general_oracle.py) is built from the public quantizer (always
 `implementation="reference"`), independently of `dot_general`'s internals: each operand is
 quantized with `quantize`, turned into its per-block values with `block_values` (exact, no
 tensor factor), multiplied in float64 by NumPy and scaled by `alpha = D_a * D_b`
@@ -16,120 +16,30 @@ own, so it may differ from the float64 oracle by the f32 summation-order budget
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import DENSE, assert_same_bits, bits, normal
-
-from nvfp4_jax import NVFP4Recipe, dequantize, dot_general, kernels, nvfp4_dot_general, quantize
-from nvfp4_jax._src.core.formats import decode_scale as global_decode_scale
-from nvfp4_jax._src.core.reference.quantize import block_values
-from nvfp4_jax._src.core.sr_keys import fold_in, sr_seeds
-from nvfp4_jax._src.core.sr_seed import SRSeed, as_seed
-from nvfp4_jax._src.flax.einsum import NVFP4Einsum
-
-F32_EPS = 2.0**-24
-# Unit roundoff of a result cast to the output dtype (on top of the f32 budget).
-CAST_EPS = {np.dtype(np.float32): 0.0, jnp.dtype(jnp.bfloat16): 2.0**-8}
-IMPLEMENTATIONS = ["reference"] + (["ffi"] if kernels.is_available("cpu") else [])
-ALL_OFF = NVFP4Recipe(weight_2d=False, wgrad_rht=False, stochastic_rounding=False)
-RECIPES = {
-    "default": NVFP4Recipe(),
-    "all_off": ALL_OFF,
-    "w1d": NVFP4Recipe(weight_2d=False),
-    "no_rht": NVFP4Recipe(wgrad_rht=False),
-}
-
-
-def with_impl(recipe: NVFP4Recipe, implementation: str) -> NVFP4Recipe:
-    return NVFP4Recipe(
-        weight_2d=recipe.weight_2d,
-        wgrad_rht=recipe.wgrad_rht,
-        stochastic_rounding=recipe.stochastic_rounding,
-        implementation=implementation,
-    )
-
-
-def f64(a) -> np.ndarray:
-    return np.asarray(jnp.asarray(a, jnp.float32), np.float64)
-
-
-def assert_same_up_to_summation_order(actual, expected, k):
-    """Equal but for the GEMM's f32 summation order: a batched GEMM (vmap) or a fused one
-    (jit) may use another CPU kernel than a single one; the quantized operands are equal."""
-    atol = (k + 2) * F32_EPS * np.abs(np.asarray(expected)).max()
-    np.testing.assert_allclose(actual, expected, rtol=0, atol=atol)
-
-
-# --- the oracle -----------------------------------------------------------------------------
-
-
-def operand(x, **kw):
-    """(per-block values as float64 in x's logical layout, D) of `quantize(x, **kw)`."""
-    q = quantize(jnp.asarray(x), implementation="reference", **kw)
-    values = np.moveaxis(f64(block_values(q, jnp.float32)), -1, q.axis)
-    return values, global_decode_scale(q.amax)
-
-
-def alpha_of(d_a, d_b) -> np.float64:
-    """alpha = D_a * D_b, rounded to f32 as the GEMM computes it."""
-    return np.float64(np.float32(d_a) * np.float32(d_b))
-
-
-def assert_gemm_close(actual, a, b, alpha, what, *, contract=((1,), (0,))):
-    """actual ~ alpha * tensordot(a, b), within the f32 summation-order budget."""
-    k = math.prod(a.shape[d] for d in contract[0])
-    expected = alpha * np.tensordot(a, b, contract)
-    budget = (k + 2) * F32_EPS * alpha * np.tensordot(np.abs(a), np.abs(b), contract)
-    budget += CAST_EPS[jnp.dtype(actual.dtype)] * np.abs(expected)
-    err = np.abs(f64(actual) - expected)
-    worst = np.max(err - budget)
-    assert worst <= 0, f"{what}: error exceeds the f32 summation budget by {worst:.3g}"
-
-
-def pad_tokens(a: np.ndarray) -> np.ndarray:
-    return np.pad(a, ((0, -a.shape[0] % 16), (0, 0)))
-
-
-def backward_oracle(x, w, dy, recipe, key):
-    """(dx, dW) of the recipe's dgrad and wgrad GEMMs, from `quantize` and float64 products.
-
-    x (M, K), w (K, N), dy (M, N). The key is split as `dot_general` splits it: the first
-    half rounds dy for dgrad, the second dy for wgrad.
-    """
-    sr = recipe.stochastic_rounding
-    dgrad_key, wgrad_key = jax.random.split(key) if sr else (None, None)
-    dy_n, d_dy = operand(dy, axis=-1, stochastic_rounding=sr, key=dgrad_key)
-    if recipe.weight_2d:
-        w_k, d_w = operand(w, axis=0, block_2d=True)  # the forward's W, (K, N)
-    else:
-        w_k, d_w = operand(w, axis=1)  # 1x16 along N, (K, N)
-    dx = (dy_n, w_k.T, alpha_of(d_dy, d_w))
-
-    rht = recipe.wgrad_rht
-    x_m, d_x = operand(pad_tokens(np.asarray(x)), axis=0, rht=rht)
-    dy_m, d_dy_m = operand(
-        pad_tokens(np.asarray(dy)), axis=0, rht=rht, stochastic_rounding=sr, key=wgrad_key
-    )
-    dw = (x_m.T, dy_m, alpha_of(d_x, d_dy_m))
-    return dx, dw
-
-
-jit_dot_general = jax.jit(
-    dot_general, static_argnames=("dimension_numbers", "preferred_element_type", "recipe")
+from dot_general_oracle import (
+    ALL_OFF,
+    IMPLEMENTATIONS,
+    RECIPES,
+    alpha_of,
+    assert_gemm_close,
+    assert_same_up_to_summation_order,
+    backward_oracle,
+    f64,
+    jit_dot_general,
+    operand,
+    vjp,
+    with_impl,
 )
+from helpers import DENSE, assert_same_bits, normal
 
-
-@functools.partial(jax.jit, static_argnames=("recipe", "dims"))
-def vjp(x, w, dy, recipe, key, dims=DENSE):
-    """(y, dx, dW) of `dot_general` (jitted: the eager reference is slow op by op)."""
-    y, pullback = jax.vjp(lambda a, b: dot_general(a, b, dims, recipe=recipe, key=key), x, w)
-    return (y, *pullback(dy))
-
+from nvfp4_jax import NVFP4Recipe, dequantize, dot_general, nvfp4_dot_general, quantize
+from nvfp4_jax._src.flax.einsum import NVFP4Einsum
 
 # --- forward ---------------------------------------------------------------------------------
 
@@ -373,124 +283,6 @@ def test_full_recipe_is_within_quantization_error_of_exact_gradients():
         rel = np.linalg.norm(a - e) / np.linalg.norm(e)
         assert cosine > 0.97, f"{what}: cosine {cosine:.4f}"
         assert rel < REL_ERROR_BOUND, f"{what}: relative error {rel:.4f}"
-
-
-# --- stochastic rounding keys --------------------------------------------------------------
-
-
-def grads(x, w, dy, key):
-    return vjp(x, w, dy, NVFP4Recipe(), key)[1:]
-
-
-def test_same_key_gives_same_gradients_and_different_keys_differ():
-    x, w, dy = normal((32, 64), 17), normal((64, 32), 18), normal((32, 32), 19)
-    a = grads(x, w, dy, jax.random.key(1))
-    b = grads(x, w, dy, jax.random.key(1))
-    c = grads(x, w, dy, jax.random.key(2))
-    for ga, gb, gc in zip(a, b, c, strict=True):
-        assert_same_bits(ga, gb)
-        assert not np.array_equal(bits(ga), bits(gc))
-
-
-def test_without_key_the_rounding_follows_dy():
-    # Scaling dy by 2 scales every quantization exactly (amax and scales are powers of two
-    # apart), so with a fixed key the gradients double bit for bit; with key=None the key is
-    # derived from dy's bits, and 2*dy gets different rounding.
-    x, w, dy = normal((32, 64), 20), normal((64, 32), 21), normal((32, 32), 22)
-    fixed = jax.random.key(5)
-    for g1, g2 in zip(grads(x, w, dy, fixed), grads(x, w, 2 * dy, fixed), strict=True):
-        assert_same_bits(2 * g1, g2)
-
-    first, again, doubled = (grads(x, w, d, None) for d in (dy, dy, 2 * dy))
-    for g1, g1_again, g2 in zip(first, again, doubled, strict=True):
-        assert_same_bits(g1, g1_again)
-        assert not np.array_equal(bits(2 * g1), bits(g2))
-
-
-@pytest.mark.parametrize(
-    "make_key, partitionable",
-    [
-        (lambda: jax.random.key(7), True),
-        (lambda: jax.random.PRNGKey(7), True),  # a raw uint32[2] key
-        (lambda: jax.random.key(7), False),
-        (lambda: jax.random.key(7, impl="rbg"), True),
-        (lambda: jax.random.key(7, impl="unsafe_rbg"), True),
-    ],
-    ids=["threefry", "raw", "threefry_original", "rbg", "unsafe_rbg"],
-)
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-def test_sr_seeds_are_the_split_keys_seeds(make_key, partitionable, implementation):
-    # The backward hashes both SR seeds together where it can (`keys.sr_seeds`; with "ffi" on the
-    # CPU by the native hash): they must be `SRSeed.from_key` of the two halves of
-    # `jax.random.split(key)`, eagerly, under jit and under vmap, for every kind of key.
-    seeds = functools.partial(sr_seeds, implementation=implementation)
-    with jax.threefry_partitionable(partitionable):
-        key = make_key()
-        want = [SRSeed.from_key(k) for k in jax.random.split(key)]
-        for got in (seeds(key), jax.jit(seeds)(key)):
-            for seed, ref in zip(got, want, strict=True):
-                seed = as_seed(seed, "test")
-                assert_same_bits(seed.key_words, ref.key_words)
-                assert_same_bits(seed.counter_offset, ref.counter_offset)
-        # Under vmap too (a batched dot_general's backward).
-        keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(3, dtype=jnp.uint32))
-        got = jax.vmap(lambda k: [as_seed(s, "test").key_words for s in seeds(k)])(keys)
-        want = jax.vmap(lambda k: [SRSeed.from_key(s).key_words for s in jax.random.split(k)])(keys)
-        for words, ref in zip(got, want, strict=True):
-            assert_same_bits(words, ref)
-
-
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-@pytest.mark.parametrize(
-    "make_key",
-    [lambda: jax.random.key(11), lambda: jax.random.key(11, impl="rbg"), jax.random.PRNGKey],
-    ids=["threefry", "rbg", "raw"],
-)
-def test_fold_in_is_jax_random_fold_in(make_key, implementation):
-    # The layers' key of the step (`fold_in`; with "ffi" on the CPU by the native hash) is
-    # `jax.random.fold_in` bit for bit: eagerly, under jit, under vmap, data up to 2**32 - 1.
-    key = make_key(11) if make_key is jax.random.PRNGKey else make_key()
-    data = np.array([0, 1, 7, 2**31, 2**32 - 1], np.uint32)
-
-    def ours(k, d):
-        return jax.random.key_data(fold_in(k, d, implementation))
-
-    def want(k, d):
-        return jax.random.key_data(jax.random.fold_in(k, d))
-
-    for d in data:
-        assert_same_bits(ours(key, d), want(key, d))
-        assert_same_bits(jax.jit(ours)(key, d), want(key, d))
-    batched = jax.vmap(ours, in_axes=(None, 0))(key, jnp.asarray(data))
-    assert_same_bits(batched, jax.vmap(want, in_axes=(None, 0))(key, jnp.asarray(data)))
-
-
-@pytest.mark.skipif("ffi" not in IMPLEMENTATIONS, reason="the native CPU library is not built")
-def test_native_sr_keys_leave_no_threefry_loop_in_the_program():
-    # What the native hash is for: the backward's SR keys (and a layer's fold_in) compile as
-    # custom calls, not as XLA's rolled threefry loops; the reference keeps JAX's hash.
-    x, w = jnp.ones((32, 32)), jnp.ones((32, 16))
-
-    def grad_text(implementation):
-        recipe = NVFP4Recipe(implementation=implementation)
-
-        def f(x, w, key):
-            key = fold_in(key, jnp.uint32(3), implementation)
-            return jnp.sum(dot_general(x, w, DENSE, recipe=recipe, key=key))
-
-        lowered = jax.jit(jax.grad(f, argnums=(0, 1))).lower(x, w, jax.random.key(0))
-        return lowered.as_text()
-
-    native, reference = grad_text("ffi"), grad_text("reference")
-    assert native.count("nvfp4_threefry2x32") == 3  # fold_in, split, bits
-    assert "threefry2x32" not in native.replace("nvfp4_threefry2x32", "")
-    assert "nvfp4_threefry2x32" not in reference and "threefry2x32" in reference
-    # With key=None (a drop-in dot_general): the key derived from dy's bits, likewise.
-    recipe = NVFP4Recipe(implementation="ffi")
-    no_key = jax.jit(jax.grad(lambda x, w: jnp.sum(dot_general(x, w, DENSE, recipe=recipe))))
-    text = no_key.lower(x, w).as_text()
-    assert text.count("nvfp4_threefry2x32") == 3  # the gradient key's fold_in, split, bits
-    assert "threefry2x32" not in text.replace("nvfp4_threefry2x32", "")
 
 
 # --- transformations -------------------------------------------------------------------------

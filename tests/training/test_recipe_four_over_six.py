@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from test_ragged import assert_equals_group_loop
+from ragged_oracle import assert_equals_group_loop
 
 import nvfp4_jax
 import nvfp4_jax.nnx as nvfp4_nnx

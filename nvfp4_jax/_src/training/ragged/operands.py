@@ -31,7 +31,7 @@ def _native_grouped(recipe: NVFP4Recipe) -> bool:
     """Whether the groups are quantized by the native kernel (`nvfp4_grouped_quantize`).
 
     The backend registry's answer (the ffi implementation on the CPU); it gives the jnp
-    block math's bits (tests/training/test_ragged.py).
+    block math's bits (tests/training/test_ragged_operands.py).
     """
     return backends.runs_natively("grouped_quantize", recipe.implementation)
 
