@@ -152,3 +152,16 @@ def copy_fixture(tmp_path: Path, name="ckpt") -> Path:
     for path in target.iterdir():
         path.chmod(0o644)
     return target
+
+
+def assert_same_config_meaning(ours: Path, theirs: Path) -> None:
+    """config.json and hf_quant_config.json say the same as ModelOpt's, the producer aside."""
+    a, b = (json.loads((d / "config.json").read_text()) for d in (ours, theirs))
+    qa, qb = a.pop("quantization_config"), b.pop("quantization_config")
+    assert a == b
+    for q in (qa, qb):
+        assert set(q.pop("producer")) >= {"name", "version"}
+    assert qa == qb
+    la, lb = (json.loads((d / "hf_quant_config.json").read_text()) for d in (ours, theirs))
+    assert la["quantization"] == lb["quantization"]
+    assert la["producer"]["name"] == lb["producer"]["name"] == "modelopt"

@@ -19,8 +19,8 @@ from pathlib import Path
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-import safetensors
 from helpers import assert_same_bits
+from hf_fixture import write_st
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "modelopt_qwen3moe_nvfp4"
 REFERENCE = FIXTURE / "reference"
@@ -169,50 +169,12 @@ def model_config() -> dict:
     return config
 
 
-def raw_tensors(directory: Path) -> dict[str, tuple[str, tuple, bytes]]:
-    """`{tensor: (dtype, shape, bytes)}` read with `safetensors.deserialize` (raw bytes)."""
-    out = {}
-    for path in sorted(directory.glob("*.safetensors")):
-        for name, entry in safetensors.deserialize(path.read_bytes()):
-            out[name] = (entry["dtype"], tuple(entry["shape"]), bytes(entry["data"]))
-    return out
-
-
-def write_st(path: Path, tensors: dict) -> None:
-    """A safetensors file through the `safetensors` package (raw bytes: float8 included)."""
-    names = {np.dtype(np.uint8): "uint8", np.dtype(np.float32): "float32"}
-    names[np.dtype(ml_dtypes.bfloat16)] = "bfloat16"
-    names[np.dtype(ml_dtypes.float8_e4m3fn)] = "float8_e4m3fn"
-    arrays = {name: np.array(value, order="C") for name, value in tensors.items()}  # kept alive
-    specs = {
-        name: safetensors.TensorSpec(
-            dtype=names[a.dtype], shape=list(a.shape), data_ptr=a.ctypes.data, data_len=a.nbytes
-        )
-        for name, a in arrays.items()
-    }
-    path.write_bytes(safetensors.serialize(specs, metadata={"format": "pt"}))
-    del arrays
-
-
 def checkpoint_dir(tmp_path: Path, tensors: dict, config: dict, name="ckpt") -> Path:
     directory = tmp_path / name
     directory.mkdir()
     write_st(directory / "model.safetensors", tensors)
     (directory / "config.json").write_text(json.dumps(config))
     return directory
-
-
-def assert_same_config_meaning(ours: Path, theirs: Path) -> None:
-    """config.json and hf_quant_config.json say the same as ModelOpt's, the producer aside."""
-    a, b = (json.loads((d / "config.json").read_text()) for d in (ours, theirs))
-    qa, qb = a.pop("quantization_config"), b.pop("quantization_config")
-    assert a == b
-    for q in (qa, qb):
-        assert set(q.pop("producer")) >= {"name", "version"}
-    assert qa == qb
-    la, lb = (json.loads((d / "hf_quant_config.json").read_text()) for d in (ours, theirs))
-    assert la["quantization"] == lb["quantization"]
-    assert la["producer"]["name"] == lb["producer"]["name"] == "modelopt"
 
 
 def to_mixtral_name(name: str) -> str:

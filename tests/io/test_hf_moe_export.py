@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from helpers import assert_same_bits
+from hf_fixture import assert_same_config_meaning, raw_tensors
 from hf_moe_fixture import (
     EXPERT_LINEARS,
     EXPERTS,
@@ -28,7 +29,6 @@ from hf_moe_fixture import (
     SIZE,
     amax,
     assert_same_but_zero_sign,
-    assert_same_config_meaning,
     checkpoint_dir,
     expert_input_amax,
     expert_weight_amax,
@@ -37,7 +37,6 @@ from hf_moe_fixture import (
     model_config,
     modelopt_decode,
     modelopt_encode,
-    raw_tensors,
     with_attention_scales,
 )
 

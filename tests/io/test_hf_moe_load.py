@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import assert_same_bits
+from hf_fixture import assert_same_config_meaning, raw_tensors
 from hf_moe_fixture import (
     ATTN,
     EXPERT_LINEARS,
@@ -25,11 +26,9 @@ from hf_moe_fixture import (
     REFERENCE,
     SIZE,
     assert_same_but_zero_sign,
-    assert_same_config_meaning,
     checkpoint_dir,
     mixtral_config,
     model_config,
-    raw_tensors,
     to_mixtral_name,
     write_st,
 )

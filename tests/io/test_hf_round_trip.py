@@ -5,14 +5,20 @@ config, and the example Llama exports, loads back and exports again.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import jax
 import numpy as np
 from flax import nnx
-from hf_fixture import FIXTURE, LINEARS, REFERENCE, model_config, raw_tensors
+from hf_fixture import (
+    FIXTURE,
+    LINEARS,
+    REFERENCE,
+    assert_same_config_meaning,
+    model_config,
+    raw_tensors,
+)
 
 import nvfp4_jax
 from nvfp4_jax import hf
@@ -35,19 +41,6 @@ def test_round_trip_as_weight_only(tmp_path, imported):
     expected = {k: v for k, v in raw_tensors(FIXTURE).items() if not k.endswith(".input_scale")}
     assert raw_tensors(tmp_path / "rt") == expected
     assert_same_config_meaning(tmp_path / "rt", REFERENCE / "w4a16_variant")
-
-
-def assert_same_config_meaning(ours: Path, theirs: Path) -> None:
-    """config.json and hf_quant_config.json say the same as ModelOpt's, the producer aside."""
-    a, b = (json.loads((d / "config.json").read_text()) for d in (ours, theirs))
-    qa, qb = a.pop("quantization_config"), b.pop("quantization_config")
-    assert a == b
-    for q in (qa, qb):
-        assert set(q.pop("producer")) >= {"name", "version"}
-    assert qa == qb
-    la, lb = (json.loads((d / "hf_quant_config.json").read_text()) for d in (ours, theirs))
-    assert la["quantization"] == lb["quantization"]
-    assert la["producer"]["name"] == lb["producer"]["name"] == "modelopt"
 
 
 # --- the example model ------------------------------------------------------------------------
