@@ -121,6 +121,7 @@ int main(int argc, char** argv) {
   std::vector<float> w_x(8 * wk), w_out(8 * wn), w_tables(256 * 16);
   for (auto& v : w_x) v = normal(rng);
   for (auto& v : w_tables) v = normal(rng);
+  t.to_lookup_table(w_tables.data());
   const W4a16RangeFn w4a16 = PickW4a16(argc > 1 ? argv[1] : "avx512");
   auto gemv = [&](int64_t m, int64_t cols) {
     W4a16Job wj;

@@ -12,16 +12,35 @@
 namespace nvfp4::cpu::NVFP4_ISA {
 namespace {
 
-// The 16 values of one block: lane l is row[code l], the 16 codes 8 bytes at p (element 2i
-// in the low nibble of byte i), row the 16 table entries of the block's scale byte (entry c
-// the value of code c; the rounding to the table's dtype is symmetric, so entry 8 + c is
-// exactly entry c negated, -0 and NaN included).
+// The lookup form of a table row (ToLookupRow, in place): the row's 16 entries are the
+// values of the 16 codes (entry c the value of code c; the rounding to the table's dtype is
+// symmetric, so entry 8 + c is exactly entry c negated, -0 and NaN included). AVX2 reads
+// only the first 8 and keeps entry m as its bits xor (m << 28) (below); the others read the
+// row as it is.
+NVFP4_VINLINE void ToLookupRow(float* row) {
+#if defined(NVFP4_SIMD_AVX2)
+  for (uint32_t m = 0; m < 8; ++m) {
+    uint32_t bits;
+    __builtin_memcpy(&bits, row + m, 4);
+    bits ^= m << 28;
+    __builtin_memcpy(row + m, &bits, 4);
+  }
+#else
+  (void)row;
+#endif
+}
+
+// The 16 values of one block: lane l is the value of code l, the 16 codes 8 bytes at p
+// (element 2i in the low nibble of byte i), row a table row in its lookup form (above).
 //
 // AVX-512: one 16-entry permute. AVX2, whose permute reads 8 lanes: each 8 lanes come from 4
-// code bytes broadcast to every lane; a right shift by 4l puts code l in the low bits (the
-// permute reads 3: the magnitude, an index into the row's positive first half), a left shift
-// by 28 - 4l its sign bit at bit 31, xor-ed in (one broadcast load and no byte shuffles: 1.7x
-// the two-permutes-and-a-blend lookup of all 16 entries on Zen 3).
+// code bytes broadcast to every lane; a right shift by 4l puts code l in the low 4 bits (the
+// permute reads 3: the magnitude m, an index into the row's positive first half), and a left
+// shift of that by 28 puts the 4 code bits at bits 28-31: xor-ed into entry m, whose bits
+// 28-30 hold m already, it restores them and sets the sign (one broadcast load, no byte
+// shuffles and no mask; on Zen 3 the GEMV's block takes 1.73 ns against 1.99 ns with the sign
+// masked in alone, and against the two-permutes-and-a-blend lookup of all 16 entries 1.7x
+// that).
 NVFP4_VINLINE VF LookupBlock(const float* row, const uint8_t* p) {
   VF r;
 #if defined(NVFP4_SIMD_AVX512)
@@ -33,15 +52,12 @@ NVFP4_VINLINE VF LookupBlock(const float* row, const uint8_t* p) {
 #elif defined(NVFP4_SIMD_AVX2)
   const __m256 magnitudes = _mm256_loadu_ps(row);
   const __m256i right = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
-  const __m256i left = _mm256_setr_epi32(28, 24, 20, 16, 12, 8, 4, 0);
-  const __m256i sign = _mm256_set1_epi32(static_cast<int32_t>(0x80000000u));
   for (int j = 0; j < 2; ++j) {
     int32_t word;
     __builtin_memcpy(&word, p + 4 * j, 4);
-    const __m256i codes = _mm256_set1_epi32(word);
-    const __m256 w = _mm256_permutevar8x32_ps(magnitudes, _mm256_srlv_epi32(codes, right));
-    const __m256i s = _mm256_and_si256(_mm256_sllv_epi32(codes, left), sign);
-    r.p[j] = (NF)_mm256_xor_ps(w, _mm256_castsi256_ps(s));
+    const __m256i idx = _mm256_srlv_epi32(_mm256_set1_epi32(word), right);
+    const __m256 w = _mm256_permutevar8x32_ps(magnitudes, idx);
+    r.p[j] = (NF)_mm256_xor_ps(w, _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
   }
 #else
   for (int i = 0; i < 8; ++i) {

@@ -122,11 +122,16 @@ struct KernelTable {
   GemmRangeFn gemm_pack_a;
   GemmRangeFn gemm_pack_b;
   GemmRangeFn gemm_tiles;
+  // Rewrites a [256][16] table of block values (entry c of row b the value of code c under
+  // scale byte b) in place into the form this variant's block lookup reads
+  // (cpu/block_lookup.h): the W4A16 GEMV's and the KV cache attention's tables.
+  void (*to_lookup_table)(float* table);
 };
 
 namespace baseline {
 const KernelTable& Table();
 W4a16RangeFn W4a16Kernel(FloatType x);
+void ToLookupTable(float* table);
 void GemmPackA(const GemmJob& job, int64_t begin, int64_t end);
 void GemmPackB(const GemmJob& job, int64_t begin, int64_t end);
 void GemmTiles(const GemmJob& job, int64_t begin, int64_t end);
@@ -134,6 +139,7 @@ void GemmTiles(const GemmJob& job, int64_t begin, int64_t end);
 namespace avx2 {
 const KernelTable& Table();
 W4a16RangeFn W4a16Kernel(FloatType x);
+void ToLookupTable(float* table);
 void GemmPackA(const GemmJob& job, int64_t begin, int64_t end);
 void GemmPackB(const GemmJob& job, int64_t begin, int64_t end);
 void GemmTiles(const GemmJob& job, int64_t begin, int64_t end);
@@ -141,6 +147,7 @@ void GemmTiles(const GemmJob& job, int64_t begin, int64_t end);
 namespace avx512 {
 const KernelTable& Table();
 W4a16RangeFn W4a16Kernel(FloatType x);
+void ToLookupTable(float* table);
 void GemmPackA(const GemmJob& job, int64_t begin, int64_t end);
 void GemmPackB(const GemmJob& job, int64_t begin, int64_t end);
 void GemmTiles(const GemmJob& job, int64_t begin, int64_t end);

@@ -1002,6 +1002,7 @@ const KernelTable& Table() {
       GemmPackA,
       GemmPackB,
       GemmTiles,
+      ToLookupTable,
   };
   return kTable;
 }

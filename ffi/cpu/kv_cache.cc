@@ -377,6 +377,7 @@ ffi::Error KvAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffe
         table[byte * kBlock + code] = E2m1ToF32(code) * factor;
       }
     }
+    BestTable().to_lookup_table(table);
     job.tables[side] = table;
   }
   job.data_t = offsets.data_t.data();

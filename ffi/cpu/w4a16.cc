@@ -171,6 +171,7 @@ ffi::Error W4a16Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer code
         for (int c = 0; c < kBlock; ++c) tables[byte * kBlock + c] = RoundTo<T>(kE2m1[c] * factor);
       }
     });
+    BestTable().to_lookup_table(tables);
     job.x = xf.data() + xo * s.m * s.k;
     job.codes = c + wo * s.n * (s.k / 2);
     job.scales = sc + wo * s.n * (s.k / kBlock);

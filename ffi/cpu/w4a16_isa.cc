@@ -4,8 +4,9 @@
 // its stored layout (n, k/2) codes and (n, k/16) E4M3 scales, each weight element exactly the
 // value `dequantize(W, dtype)` gives it, w = dtype(f32(value(code)) * (f32(s_b) * D)), but
 // decoded in registers: no copy of the weight in memory. The handler tabulates, for each of
-// the 256 scale bytes, the 16 weight values of the 16 codes (16 KiB, L1-resident); a block's
-// 16 codes are then one lookup in its scale byte's row (cpu/block_lookup.h).
+// the 256 scale bytes, the 16 weight values of the 16 codes (16 KiB, L1-resident, in the
+// variant's lookup form: ToLookupTable); a block's 16 codes are then one lookup in its scale
+// byte's row (cpu/block_lookup.h).
 //
 // Order (the same on every ISA and thread count; the threads split the columns): the
 // activations are f32 (exact from bf16, f16); element k of K goes to slot k mod 16 of the
@@ -91,6 +92,10 @@ void W4a16Range(const W4a16Job& job, int64_t begin, int64_t end) {
 }
 
 }  // namespace
+
+void ToLookupTable(float* table) {
+  for (int b = 0; b < 256; ++b) ToLookupRow(table + kBlock * b);
+}
 
 W4a16RangeFn W4a16Kernel(FloatType x) {
   (void)x;  // the tables hold the weights already rounded to x's dtype
