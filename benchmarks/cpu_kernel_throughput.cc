@@ -12,6 +12,7 @@
 //   g++ $F benchmarks/cpu_kernel_throughput.cc /tmp/*_avx512.o /tmp/*_avx2.o \
 //     /tmp/*_baseline.o -o /tmp/throughput
 //   /tmp/throughput avx512 20     # table: avx512, avx2 or baseline; rounds
+// The GEMM rows time the NVFP4 GEMM's tiles alone, its operands packed beforehand.
 // The Four Over Six rows quantize with M = 256 (6M = 1536), the training recipe's default.
 #include <algorithm>
 #include <chrono>
@@ -135,6 +136,50 @@ int main(int argc, char** argv) {
     wj.out = w_out.data();
     w4a16(wj, 0, cols);
   };
+  // The NVFP4 GEMM's tiles (packed operands, as the handler packs them first) at 1024^3 and at
+  // a shape of the example's layers (1024 tokens, K = 128, N = 352), one thread.
+  struct GemmCase {
+    GemmJob job;
+    std::vector<uint8_t> codes_a, codes_b, scales_a, scales_b, a_pack;
+    std::vector<int8_t> b_pack;
+    std::vector<int32_t> b_corr;
+    std::vector<float> a_scale, b_scale, out;
+  };
+  auto make_gemm = [&](int64_t m, int64_t n, int64_t k) {
+    GemmCase c;
+    c.codes_a.resize(m * k / 2);
+    c.codes_b.resize(n * k / 2);
+    c.scales_a.resize(m * k / 16);
+    c.scales_b.resize(n * k / 16);
+    for (auto& b : c.codes_a) b = static_cast<uint8_t>(rng());
+    for (auto& b : c.codes_b) b = static_cast<uint8_t>(rng());
+    for (auto& b : c.scales_a) b = static_cast<uint8_t>(0x30 + rng() % 16);
+    for (auto& b : c.scales_b) b = static_cast<uint8_t>(0x30 + rng() % 16);
+    GemmJob& j = c.job;
+    j.m = m;
+    j.n = n;
+    j.k = k;
+    c.a_pack.resize(m * k);
+    c.a_scale.resize(m * j.groups());
+    c.b_pack.resize(j.panels() * j.groups() * kGemmNr * kBlock);
+    c.b_corr.resize(j.panels() * j.groups() * kGemmNr);
+    c.b_scale.resize(j.panels() * j.groups() * kGemmNr);
+    c.out.resize(m * n);
+    j.a_codes = c.codes_a.data();
+    j.b_codes = c.codes_b.data();
+    j.a_scales = c.scales_a.data();
+    j.b_scales = c.scales_b.data();
+    j.a_pack = c.a_pack.data();
+    j.a_scale = c.a_scale.data();
+    j.b_pack = c.b_pack.data();
+    j.b_corr = c.b_corr.data();
+    j.b_scale = c.b_scale.data();
+    j.out = c.out.data();
+    t.gemm_pack_a(j, 0, m);
+    t.gemm_pack_b(j, 0, j.panels());
+    return c;
+  };
+  GemmCase gemm_cube = make_gemm(1024, 1024, 1024), gemm_layer = make_gemm(1024, 352, 128);
   std::vector<Op> ops = {
       {"memcpy 2B", [&] { memcpy(copy.data(), x.data(), n * 2); }},
       {"amax", [&] { t.amax[0](x.data(), cols, false, 0, rows); }},
@@ -167,6 +212,8 @@ int main(int argc, char** argv) {
       {"gemv m8 33MB", [&] { gemv(8, wn); }},
       {"gemv m1 2MB", [&] { gemv(1, wn_small); }},
       {"gemv m8 2MB", [&] { gemv(8, wn_small); }},
+      {"gemm 1024^3", [&] { t.gemm_tiles(gemm_cube.job, 0, gemm_cube.job.tiles()); }},
+      {"gemm layer", [&] { t.gemm_tiles(gemm_layer.job, 0, gemm_layer.job.tiles()); }},
   };
 
   // Interleaved rounds; the first two warm up.
@@ -186,6 +233,11 @@ int main(int argc, char** argv) {
     if (i == 0) memcpy_median = median;
     printf("%-12s %7.3f ms  %5.2f ns/elem  x%.2f memcpy\n", ops[i].name, median * 1e3,
            median * 1e9 / n, median / memcpy_median);
+    if (!strncmp(ops[i].name, "gemm", 4)) {  // multiply-adds per second
+      const GemmJob& j = strstr(ops[i].name, "1024^3") ? gemm_cube.job : gemm_layer.job;
+      printf("%-12s %7.2f GMAC/s (%ld x %ld x %ld, the tiles of packed operands)\n", "",
+             double(j.m) * j.n * j.k / median / 1e9, long(j.m), long(j.k), long(j.n));
+    }
     if (!strncmp(ops[i].name, "gemv", 4)) {  // the weight's bytes per second, and per block
       const int64_t cols = strstr(ops[i].name, "33MB") ? wn : wn_small;
       const double bytes = cols * wk * (0.5 + 1.0 / 16), blocks = cols * wk / 16.0;
