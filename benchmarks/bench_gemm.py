@@ -19,7 +19,8 @@ Rows (M = K = N = --size unless said):
   kernel, `gemm.weight_only_matmul`; also with 8 rows), against bf16, and the bandwidth on
   the NVFP4 weight's bytes as a share of a plain copy's (64 MiB of f32, the faster of numpy's
   copy into a preallocated array and XLA's `jnp.copy`, read + written bytes / time) measured
-  in the same process.
+  in the same process. Each GEMV and copy sample is the mean of 5 back-to-back calls, as a
+  decode step runs its GEMVs (a lone call after idle time also times the threads' wake-up).
 * On a host with AMX-INT8 the native GEMM is also timed with its opt-in AMX tiles.
 
 Prints the host's ISA (the CPU kernel variant that runs) and thread count; `uptime`'s load is
@@ -46,15 +47,24 @@ from nvfp4_jax._src.core.kernels import _library
 from nvfp4_jax._src.training import gemm, weight_only
 
 DENSE = (((1,), (0,)), ((), ()))
+GEMV_BURST = 5  # the GEMV rows: each sample the mean of 5 back-to-back calls (medians_ms)
 NT = (((1,), (1,)), ((), ()))  # (M, K) x (N, K): the GEMM's layout, XLA's fastest bf16 form here
 F32 = jnp.float32
 
 
-def medians_ms(cases, iters: int, warmup: int = 2, pause: float = 0.02) -> list[float]:
+def medians_ms(
+    cases, iters: int, warmup: int = 2, pause: float = 0.02, burst: int = 1
+) -> list[float]:
     """Median ms of each (fn, args) case, the cases run round-robin: on a shared host a
     burst of load then falls on every case alike, and the ratios stay fair. Each timed call
     follows a `pause` (s): XLA's own pool threads spin for a while after a long op (the bf16
-    GEMV), and a short native kernel started at once ran up to 2x slower beside them."""
+    GEMV), and a short native kernel started at once ran up to 2x slower beside them.
+
+    With `burst` > 1 a sample is the mean of `burst` back-to-back calls after one untimed
+    call: the steady state of a sequence of calls (a decode step's GEMVs run back to back).
+    A single call after the pause measures the wake-up as well: on a VM whose idle vCPU
+    sleeps, the second thread of a 4 ms kernel joined too late to help (2026-11-29: the
+    1-row GEMV 3.4 ms back to back, 5-7 ms after 20 ms of idle)."""
     for fn, args in cases:
         for _ in range(warmup):
             jax.block_until_ready(fn(*args))
@@ -62,9 +72,12 @@ def medians_ms(cases, iters: int, warmup: int = 2, pause: float = 0.02) -> list[
     for _ in range(iters):
         for (fn, args), out in zip(cases, times, strict=True):
             time.sleep(pause)
+            if burst > 1:
+                jax.block_until_ready(fn(*args))
             start = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            out.append(time.perf_counter() - start)
+            for _ in range(burst):
+                jax.block_until_ready(fn(*args))
+            out.append((time.perf_counter() - start) / burst)
     return [float(np.median(t)) * 1e3 for t in times]
 
 
@@ -221,6 +234,7 @@ def bench_gemv(iters: int, k: int = 4096, n: int = 14336):
             (jax.jit(jnp.copy), (jnp.asarray(src),)),
         ],
         iters,
+        burst=GEMV_BURST,
     )
     copy_ms = min(np_copy_ms, xla_copy_ms)
     copy_gbs = 2 * src.nbytes / copy_ms / 1e6
