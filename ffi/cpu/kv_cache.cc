@@ -231,10 +231,10 @@ ffi::Error KvCacheReadImpl(ffi::ThreadPool pool, ffi::AnyBuffer pages, ffi::AnyB
   return ffi::Error::Success();
 }
 
-// The attention kernel of the variant BestTable() runs (the same choice, by its name).
-KvAttentionItemFn BestKvAttentionKernel() {
+// The attention kernel of the variant `table` is (the same choice, by its name).
+KvAttentionItemFn KvAttentionKernelOf(const KernelTable& table) {
 #if defined(NVFP4_HAVE_X86_VARIANTS)
-  const char* isa = BestTable().isa;
+  const char* isa = table.isa;
   if (std::strcmp(isa, "x86-64-v4") == 0) return avx512::KvAttentionKernel();
   if (std::strcmp(isa, "x86-64-v3") == 0) return avx2::KvAttentionKernel();
 #endif
@@ -368,6 +368,9 @@ ffi::Error KvAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffe
   job.scale[0] = sc[0];
   job.scale[1] = sc[1];
   job.softmax_scale = *static_cast<const float*>(softmax_scale.untyped_data());
+  // One read of the variant for the whole call: the kernel and its tables' form agree even
+  // if a test forces another variant meanwhile.
+  const KernelTable& variant = BestTable();
   std::vector<float> tables(2 * 256 * kBlock);
   for (int side = 0; side < 2; ++side) {
     float* table = tables.data() + side * 256 * kBlock;
@@ -377,7 +380,7 @@ ffi::Error KvAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffe
         table[byte * kBlock + code] = E2m1ToF32(code) * factor;
       }
     }
-    BestTable().to_lookup_table(table);
+    variant.to_lookup_table(table);
     job.tables[side] = table;
   }
   job.data_t = offsets.data_t.data();
@@ -388,7 +391,7 @@ ffi::Error KvAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffe
   job.part_max = part_max.data();
   job.part_sum = part_sum.data();
   job.part_out = part_out.data();
-  const KvAttentionItemFn fn = BestKvAttentionKernel();
+  const KvAttentionItemFn fn = KvAttentionKernelOf(variant);
   ParallelFor(pool, job.items(), 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) fn(job, item);
   });

@@ -99,10 +99,10 @@ namespace {
 
 float* F32Data(ffi::AnyBuffer b) { return static_cast<float*>(b.untyped_data()); }
 
-// The W4A16 kernel of the variant BestTable() runs (the same choice, by its name).
-W4a16RangeFn BestW4a16Kernel(FloatType x) {
+// The W4A16 kernel of the variant `table` is (the same choice, by its name).
+W4a16RangeFn W4a16KernelOf(const KernelTable& table, FloatType x) {
 #if defined(NVFP4_HAVE_X86_VARIANTS)
-  const char* isa = BestTable().isa;
+  const char* isa = table.isa;
   if (std::strcmp(isa, "x86-64-v4") == 0) return avx512::W4a16Kernel(x);
   if (std::strcmp(isa, "x86-64-v3") == 0) return avx2::W4a16Kernel(x);
 #endif
@@ -130,7 +130,10 @@ ffi::Error W4a16Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer code
   }
   if (batch == 0 || s.m == 0 || s.n == 0) return ffi::Error::Success();
   const int64_t threads = GemmMaxThreads();
-  const W4a16RangeFn fn = BestW4a16Kernel(s.x);
+  // One read of the variant for the whole call: the kernel and its tables' form agree even
+  // if a test forces another variant meanwhile.
+  const KernelTable& table = BestTable();
+  const W4a16RangeFn fn = W4a16KernelOf(table, s.x);
   // The activations in f32 (exact), row by row.
   const int64_t rows = x_batch * s.m;
   std::vector<float> xf(static_cast<size_t>(rows * s.k));
@@ -171,7 +174,7 @@ ffi::Error W4a16Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer code
         for (int c = 0; c < kBlock; ++c) tables[byte * kBlock + c] = RoundTo<T>(kE2m1[c] * factor);
       }
     });
-    BestTable().to_lookup_table(tables);
+    table.to_lookup_table(tables);
     job.x = xf.data() + xo * s.m * s.k;
     job.codes = c + wo * s.n * (s.k / 2);
     job.scales = sc + wo * s.n * (s.k / kBlock);
