@@ -347,13 +347,19 @@ NVFP4_VINLINE VF E2m1Value(VI code) {
   r.p[0] = (NF)_mm512_permutexvar_ps((__m512i)code.p[0], table);
   return r;
 #elif defined(NVFP4_SIMD_AVX2)
-  // Magnitude from the low 3 bits (vpermps reads only those), then the sign from bit 3.
-  const __m256 table = _mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f);
+  // The magnitude m from the low 3 bits (vpermps reads only those) in a table whose entry m
+  // is value(m)'s bits xor (m << 28); xor-ing in the code shifted left by 28 (its 4 bits at
+  // 28-31, every higher bit shifted out) restores bits 28-30 and sets the sign: the
+  // lookup of cpu/block_lookup.h, with the table as a constant.
+  const __m256 table = _mm256_castsi256_ps(_mm256_setr_epi32(
+      0x00000000, 0x3F000000 ^ (1 << 28), 0x3F800000 ^ (2 << 28), 0x3FC00000 ^ (3 << 28),
+      0x40000000 ^ (4 << 28), 0x40400000 ^ (5 << 28), 0x40800000 ^ (6 << 28),
+      0x40C00000 ^ (7 << 28)));
   VI mag;
   for (int j = 0; j < 2; ++j) {
     mag.p[j] = (NI)_mm256_permutevar8x32_ps(table, (__m256i)code.p[j]);
   }
-  return AsVF(mag | ((code & 8) << 28));
+  return AsVF(mag ^ (code << 28));
 #else
   const VI m = code & 7;
   const VI normal = ((Srl(m, 1) + 126) << 23) | ((m & 1) << 22);
