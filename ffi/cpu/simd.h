@@ -338,6 +338,22 @@ NVFP4_VINLINE void NarrowStoreU8(void* p, VI v) {
 // ---------------------------------------------------------------------------
 // E2M1 code values.
 
+// The signed 8-entry lookup of AVX2 (vpermps reads 8 lanes): a table of the 8 magnitudes in
+// their lookup form, entry m's bits xor (m << 28) (LookupEntry), is permuted by the index's
+// low 3 bits, then xor-ed with the index shifted left by 28: its 4 low bits land at 28-31
+// (every higher bit shifted out), bits 28-30 cancel m and bit 31 is the code's sign bit 3.
+// Entry 8 + m, the negated entry m, is never stored. One vector op fewer per 8 lanes than a
+// masked sign, with an immediate shift (on Zen 3 vpermps shares its pipes with the shifts and
+// multiplies). The E2M1 values here and the table rows of cpu/block_lookup.h use it.
+constexpr uint32_t LookupEntry(uint32_t bits, uint32_t m) { return bits ^ (m << 28); }
+
+#if defined(NVFP4_SIMD_AVX2)
+NVFP4_VINLINE __m256 PermuteSigned(__m256 table, __m256i idx) {
+  return _mm256_xor_ps(_mm256_permutevar8x32_ps(table, idx),
+                       _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
+}
+#endif
+
 // The signed E2M1 value of each lane's low 4 bits (bit 3 the sign: 0x8 is -0).
 NVFP4_VINLINE VF E2m1Value(VI code) {
 #if defined(NVFP4_SIMD_AVX512)
@@ -347,19 +363,13 @@ NVFP4_VINLINE VF E2m1Value(VI code) {
   r.p[0] = (NF)_mm512_permutexvar_ps((__m512i)code.p[0], table);
   return r;
 #elif defined(NVFP4_SIMD_AVX2)
-  // The magnitude m from the low 3 bits (vpermps reads only those) in a table whose entry m
-  // is value(m)'s bits xor (m << 28); xor-ing in the code shifted left by 28 (its 4 bits at
-  // 28-31, every higher bit shifted out) restores bits 28-30 and sets the sign: the
-  // lookup of cpu/block_lookup.h, with the table as a constant.
   const __m256 table = _mm256_castsi256_ps(_mm256_setr_epi32(
-      0x00000000, 0x3F000000 ^ (1 << 28), 0x3F800000 ^ (2 << 28), 0x3FC00000 ^ (3 << 28),
-      0x40000000 ^ (4 << 28), 0x40400000 ^ (5 << 28), 0x40800000 ^ (6 << 28),
-      0x40C00000 ^ (7 << 28)));
-  VI mag;
-  for (int j = 0; j < 2; ++j) {
-    mag.p[j] = (NI)_mm256_permutevar8x32_ps(table, (__m256i)code.p[j]);
-  }
-  return AsVF(mag ^ (code << 28));
+      LookupEntry(0x00000000, 0), LookupEntry(0x3F000000, 1), LookupEntry(0x3F800000, 2),
+      LookupEntry(0x3FC00000, 3), LookupEntry(0x40000000, 4), LookupEntry(0x40400000, 5),
+      LookupEntry(0x40800000, 6), LookupEntry(0x40C00000, 7)));
+  VF r;
+  for (int j = 0; j < 2; ++j) r.p[j] = (NF)PermuteSigned(table, (__m256i)code.p[j]);
+  return r;
 #else
   const VI m = code & 7;
   const VI normal = ((Srl(m, 1) + 126) << 23) | ((m & 1) << 22);
