@@ -34,22 +34,6 @@ constexpr int kGroup = kMsEdenGroup;
 constexpr int kBlocks = kMsEdenBlocks;
 constexpr int kPair = 2 * kBlocks;  // the blocks of two groups: one per lane
 
-// The lane-wise max of two int32 vectors (here non-negative: |value| bits), in one
-// instruction where the ISA has it (Select's compare and blend elsewhere).
-NVFP4_VINLINE VI MaxV(VI a, VI b) {
-#if defined(NVFP4_SIMD_AVX512)
-  VI r;
-  r.p[0] = (NI)_mm512_max_epi32((__m512i)a.p[0], (__m512i)b.p[0]);
-  return r;
-#elif defined(NVFP4_SIMD_AVX2)
-  VI r;
-  for (int j = 0; j < kParts; ++j) r.p[j] = (NI)_mm256_max_epi32((__m256i)a.p[j], (__m256i)b.p[j]);
-  return r;
-#else
-  return MaxI(a, b);
-#endif
-}
-
 // ---------------------------------------------------------------------------
 // The rotation (Rotate128), a block per vector.
 
@@ -114,7 +98,7 @@ NVFP4_VINLINE uint32_t LoadRotated(const MsEdenJob& job, int64_t group, int grou
       for (int j = 0; j < kBlocks; ++j) rows[h * kBlocks + j] = SplatF(0.0f);
     }
     for (int j = 0; j < kBlocks && kAmax; ++j) {
-      seen = MaxV(seen, AsVI(rows[h * kBlocks + j]) & int32_t{kAbsMask});
+      seen = MaxI(seen, AsVI(rows[h * kBlocks + j]) & int32_t{kAbsMask});
     }
   }
   return static_cast<uint32_t>(MaxLane(seen));
@@ -239,7 +223,7 @@ struct Encoded {
 NVFP4_VINLINE Encoded EncodePair(const MsEdenJob& job, const VF cols[kBlock], int64_t first) {
   const MsEdenScale& g = job.g;
   VI m = SplatI(0);
-  for (int k = 0; k < kBlock; ++k) m = MaxV(m, AsVI(cols[k]) & int32_t{kAbsMask});
+  for (int k = 0; k < kBlock; ++k) m = MaxI(m, AsVI(cols[k]) & int32_t{kAbsMask});
   VI s = F32ToE4m3V(MinNanV(AsVF(m) * g.enc_rcpv, kE4m3Max));
   s = Select(s == 0, SplatI(int32_t{kE4m3One}), s);
   const VF scale_value = E4m3ToF32V(s);

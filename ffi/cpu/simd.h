@@ -191,8 +191,42 @@ NVFP4_VINLINE VF Select(VI m, VF a, VF b) {
   for (int j = 0; j < kParts; ++j) r.p[j] = m.p[j] ? a.p[j] : b.p[j];
   return r;
 }
-NVFP4_VINLINE VI MaxI(VI a, VI b) { return Select(a > b, a, b); }
-NVFP4_VINLINE VI MinI(VI a, VI b) { return Select(a < b, a, b); }
+// Signed max and min: one vpmaxsd / vpminsd per part on AVX2 and AVX-512 (GCC 12 turns only
+// some of the selects into them; the rest stay a compare and a byte blend, two ops).
+NVFP4_VINLINE VI MaxI(VI a, VI b) {
+#if defined(NVFP4_SIMD_AVX512)
+  a.p[0] = (NI)_mm512_max_epi32((__m512i)a.p[0], (__m512i)b.p[0]);
+  return a;
+#elif defined(NVFP4_SIMD_AVX2)
+  for (int j = 0; j < kParts; ++j) a.p[j] = (NI)_mm256_max_epi32((__m256i)a.p[j], (__m256i)b.p[j]);
+  return a;
+#else
+  return Select(a > b, a, b);
+#endif
+}
+NVFP4_VINLINE VI MinI(VI a, VI b) {
+#if defined(NVFP4_SIMD_AVX512)
+  a.p[0] = (NI)_mm512_min_epi32((__m512i)a.p[0], (__m512i)b.p[0]);
+  return a;
+#elif defined(NVFP4_SIMD_AVX2)
+  for (int j = 0; j < kParts; ++j) a.p[j] = (NI)_mm256_min_epi32((__m256i)a.p[j], (__m256i)b.p[j]);
+  return a;
+#else
+  return Select(a < b, a, b);
+#endif
+}
+// a < b ? a : b lane by lane (b where either is NaN): x86's minps is exactly this select.
+NVFP4_VINLINE VF MinF(VF a, VF b) {
+#if defined(NVFP4_SIMD_AVX512)
+  a.p[0] = (NF)_mm512_min_ps((__m512)a.p[0], (__m512)b.p[0]);
+  return a;
+#elif defined(NVFP4_SIMD_AVX2)
+  for (int j = 0; j < kParts; ++j) a.p[j] = (NF)_mm256_min_ps((__m256)a.p[j], (__m256)b.p[j]);
+  return a;
+#else
+  return Select(a < b, a, b);
+#endif
+}
 
 // a + b * s for s = +1 or -1 in each lane: the product is exact, so this is the one rounding
 // of a + b or a - b, bit for bit (NaN payloads aside), in one instruction where the ISA
