@@ -695,10 +695,11 @@ __attribute__((noinline)) VI QuantizeGroup(const QuantizeJob& job, const typenam
                                            Sink& out) {
   Sink sink = out;  // a local copy: its pointers cannot alias the stores
   // Without the RHT a pair is loaded again from L1 for each pass (a load and two bit ops)
-  // rather than held: the group's 16 vectors are 32 ymm, twice AVX2's registers, and
-  // keeping them took 64 stack stores per group, more than the group's own 32 stores
-  // (the fake quantize of bf16 at 4096^2 on one Zen 3 core: 9.0 -> 8.2 ms).
-  constexpr bool kReload = !kRht;
+  // rather than held where the group's 16 vectors outnumber the registers (32 ymm on AVX2,
+  // twice its 16; 64 xmm on the baseline): keeping them took 64 stack stores per group on
+  // AVX2, more than the group's own 32 stores (the fake quantize of bf16 at 4096^2 on one
+  // Zen 3 core: 9.0 -> 8.2 ms). AVX-512's 32 zmm hold the group (16 zmm).
+  constexpr bool kReload = !kRht && kParts > 1;
   VF e[8], o[8];
   VI own = SplatI(0);
   if constexpr (kReload) {
@@ -714,9 +715,10 @@ __attribute__((noinline)) VI QuantizeGroup(const QuantizeJob& job, const typenam
   } else {
     LoadGroup<T, kRht>(x, e, o);
     if (!amax) own = PairMax16(e, o);
-    // The RHT's values stay in memory (L1) between the passes: without this barrier GCC
-    // keeps each of the 32 vectors in registers and spills it, up to three stores apiece.
-    __asm__ volatile("" : : "r"(e), "r"(o) : "memory");
+    // The RHT's values stay in memory (L1) between the passes where they outnumber the
+    // registers: without this barrier GCC keeps each of AVX2's 32 ymm in registers and
+    // spills it, up to three stores apiece (RHT quantize 12.0 -> 11.7 ms, one Zen 3 core).
+    if constexpr (kParts > 1) __asm__ volatile("" : : "r"(e), "r"(o) : "memory");
   }
   VI scale;
   VF enc;
