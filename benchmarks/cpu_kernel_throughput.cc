@@ -6,9 +6,10 @@
 //
 // Build from the repository root, each x86 level's three kernel files as CMake builds them:
 //   F="-Iffi/include -Iffi -O3 -ffp-contract=off -fno-trapping-math -Wno-psabi -std=gnu++17"
-//   for l in "avx512 x86-64-v4" "avx2 x86-64-v3" "baseline x86-64"; do set -- $l
+//   N=--param=sccvn-max-alias-queries-per-access=100   # ffi/CMakeLists.txt's, not for AVX-512
+//   for l in "avx512 x86-64-v4" "avx2 x86-64-v3 $N" "baseline x86-64 $N"; do set -- $l
 //     for f in kernels gemm w4a16; do g++ $F -DNVFP4_ISA=$1 -DNVFP4_ISA_NAME="\"$2\"" \
-//       -march=$2 -c ffi/cpu/${f}_isa.cc -o /tmp/${f}_$1.o; done; done
+//       -march=$2 $3 -c ffi/cpu/${f}_isa.cc -o /tmp/${f}_$1.o; done; done
 //   g++ $F benchmarks/cpu_kernel_throughput.cc /tmp/*_avx512.o /tmp/*_avx2.o \
 //     /tmp/*_baseline.o -o /tmp/throughput
 //   /tmp/throughput avx512 20     # table: avx512, avx2 or baseline; rounds

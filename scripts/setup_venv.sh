@@ -16,4 +16,11 @@ venv=${NVFP4_VENV:-.venv}
 # The build reads the XLA FFI headers from the installed jaxlib, so install the build
 # requirements into the venv and build without isolation (no second jaxlib download).
 "$venv/bin/python" -m pip install -q "scikit-build-core>=0.10" "jax>=0.10" "jaxlib>=0.10"
-"$venv/bin/python" -m pip install -q --no-build-isolation -e ".${1:-}"
+# NVFP4_NO_NATIVE=1: the Python package without the native kernels (the documentation build
+# needs none), in a build folder of its own so that the environments with kernels keep theirs.
+build_args=()
+if [ "${NVFP4_NO_NATIVE:-0}" = 1 ]; then
+  build_args=(-C cmake.define.NVFP4_NATIVE=OFF -C "build-dir=build/python-only/{wheel_tag}")
+fi
+"$venv/bin/python" -m pip install -q --no-build-isolation ${build_args[@]+"${build_args[@]}"} \
+  -e ".${1:-}"
