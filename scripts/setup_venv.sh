@@ -1,7 +1,8 @@
 # Sourced by main.sh and test.sh: makes .venv in the repo root (reused on later runs) and
 # installs nvfp4_jax into it, building the native kernels when a C++ compiler is present.
 # Usage: source scripts/setup_venv.sh [EXTRAS]   e.g. EXTRAS="[test]"
-# PYTHON picks the interpreter, NVFP4_VENV the folder (default .venv).
+# PYTHON picks the interpreter, NVFP4_VENV the folder (default .venv); NVFP4_NO_NATIVE=1 installs
+# the Python package without the native kernels (the documentation build's environment).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 python=${PYTHON:-python3}
