@@ -285,12 +285,14 @@ NVFP4_VINLINE VI PairAbsMax(VF e, VF o) {
   return MaxI(AsVI(e) & 0x7FFFFFFF, AsVI(o) & 0x7FFFFFFF);
 }
 
-// The block maxima (|x| bits) of the 16 blocks of 8 pairs, from each pair's PairAbsMax.
-NVFP4_VINLINE VI MergePairMaxima(const VI pair_max[8]) {
+// The block maxima (|x| bits) of the 16 blocks of 8 pairs, pair_max(p) giving pair p's
+// PairAbsMax (a function, not an array: at the baseline's width GCC kept the array's copies).
+template <class PairMaxFn>
+NVFP4_VINLINE VI MergePairMaxima(PairMaxFn pair_max) {
   NI m[16];
   int n = 0;
   for (int p = 0; p < 8; ++p) {
-    const VI a = pair_max[p];
+    const VI a = pair_max(p);
     if constexpr (kLanes == 16) {
       m[n++] = a.p[0];  // two blocks of 8 partial maxima
     } else {
@@ -310,9 +312,7 @@ NVFP4_VINLINE VI MergePairMaxima(const VI pair_max[8]) {
 
 // The block maxima (|x| bits) of the 16 blocks of 8 pairs.
 NVFP4_VINLINE VI PairMax16(const VF e[8], const VF o[8]) {
-  VI a[8];
-  for (int p = 0; p < 8; ++p) a[p] = PairAbsMax(e[p], o[p]);
-  return MergePairMaxima(a);
+  return MergePairMaxima([&](int p) { return PairAbsMax(e[p], o[p]); });
 }
 
 NVFP4_VINLINE uint32_t HorizontalMax(VI v) {
@@ -704,13 +704,11 @@ __attribute__((noinline)) VI QuantizeGroup(const QuantizeJob& job, const typenam
   VI own = SplatI(0);
   if constexpr (kReload) {
     if (!amax) {
-      VI a[8];
-      for (int p = 0; p < 8; ++p) {
+      own = MergePairMaxima([&](int p) {
         VF pe, po;
         LoadPair<T, false>(x + 2 * kBlock * p, pe, po);
-        a[p] = PairAbsMax(pe, po);
-      }
-      own = MergePairMaxima(a);
+        return PairAbsMax(pe, po);
+      });
     }
   } else {
     LoadGroup<T, kRht>(x, e, o);
