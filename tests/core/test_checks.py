@@ -7,6 +7,7 @@ empty results with amax 0 for zero-size tensors), never a silent wrong number.
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -76,12 +77,32 @@ def test_a_concrete_invalid_amax_is_an_error(impl, amax):
             op(x, amax=amax, implementation=impl.implementation)
 
 
-@pytest.mark.parametrize("amax", [-1.0, np.nan, np.inf], ids=["neg", "nan", "inf"])
-def test_a_traced_invalid_amax_gives_a_nan_tensor(impl, amax):
-    x = heavy_tailed((16, 32), "f32", seed=6)
-    q = impl.quantize(x, amax=jnp.float32(amax))  # jitted: the amax is traced
-    assert_nan_tensor(q)
-    assert np.all(np.isnan(np.asarray(impl.fake_quantize(x, amax=jnp.float32(amax)))))
+# The negative subnormal: the reference once read it as -0 (a valid amax) where XLA's CPU
+# code flushed it in the comparison (the tests' XLA flags), and stored it as its amax.
+TRACED_INVALID = [-1.0, -(2.0**-149), np.nan, np.inf]
+
+
+@pytest.mark.parametrize("ms_eden", [False, True], ids=["nvfp4", "ms_eden"])
+@pytest.mark.parametrize("amax", TRACED_INVALID, ids=["neg", "neg-subnormal", "nan", "inf"])
+def test_a_traced_invalid_amax_gives_a_nan_tensor(impl, amax, ms_eden):
+    x = heavy_tailed((16, 128), "f32", seed=6)
+    # MS-EDEN draws its scales' rounding and its rotation's signs from keys.
+    keys = {"key": jax.random.key(0), "rotation_key": jax.random.key(1)} if ms_eden else {}
+
+    def traced(op):  # jitted: the amax is traced
+        fn = functools.partial(op, implementation=impl.implementation, ms_eden=ms_eden, **keys)
+        return jax.jit(lambda x, a: fn(x, amax=a))(x, jnp.float32(amax))
+
+    assert_nan_tensor(traced(nvfp4_jax.quantize))
+    assert np.all(np.isnan(np.asarray(traced(nvfp4_jax.fake_quantize))))
+
+
+def test_a_traced_subnormal_or_negative_zero_amax_is_valid(impl):
+    x = np.zeros((16, 32), np.float32)
+    for amax in (-0.0, 2.0**-149):
+        q = impl.quantize(x, amax=jnp.float32(amax))
+        assert not np.isnan(np.asarray(q.amax)), amax
+        assert np.all(np.asarray(q.scales).view(np.uint8) != 0x7F), amax
 
 
 def test_amax_must_be_a_float_scalar(impl):

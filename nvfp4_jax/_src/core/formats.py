@@ -87,6 +87,18 @@ def ms_eden_decode_scale(amax) -> jax.Array:
     return jnp.asarray(amax).astype(jnp.float32) * MS_EDEN_RCP_C
 
 
+def invalid_amax(amax: jax.Array) -> jax.Array:
+    """Whether an f32 tensor amax is invalid: NaN, +-inf or negative (-0 is not).
+
+    docs/NUMERICS.md section 8: an invalid amax gives the NaN tensor. Read from the bits, as
+    the native kernels do (`AmaxValid`, ffi/include/nvfp4/numerics.h), never by comparing:
+    XLA on CPU may flush an f32 subnormal to zero in a comparison, so a negative subnormal
+    amax passed `amax >= 0` in some programs and not in others.
+    """
+    bits = jax.lax.bitcast_convert_type(jnp.asarray(amax).astype(jnp.float32), jnp.uint32)
+    return (bits >= jnp.uint32(0x7F800000)) & (bits != jnp.uint32(0x80000000))
+
+
 def e2m1_magnitude_code(magnitude: jax.Array) -> jax.Array:
     """Returns the E2M1 code 0..7 nearest to a non-negative f32 magnitude.
 

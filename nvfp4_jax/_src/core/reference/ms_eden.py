@@ -192,7 +192,7 @@ def _rotated(xs: jax.Array, rotation: jax.Array, amax):
     nonfinite = jnp.any(~jnp.isfinite(ys))
     max_abs = jnp.max(jnp.abs(ys), initial=_F32(0))
     used = max_abs if amax is None else jnp.asarray(amax).astype(_F32)
-    bad = nonfinite | ~(used >= 0) | (used == jnp.inf)
+    bad = nonfinite | formats.invalid_amax(used)
     return ys, used, bad, jnp.where(bad, _F32(jnp.nan), used)
 
 

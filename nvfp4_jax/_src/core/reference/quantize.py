@@ -80,7 +80,7 @@ def _prepare(stored: jax.Array, rht: bool, amax: jax.Array | None):
     max_abs = jnp.max(jnp.abs(xs), initial=_F32(0))
     used = max_abs if amax is None else jnp.asarray(amax).astype(_F32)
     # NaN, inf or a negative amax (a traced caller amax can be any of them) is a NaN tensor.
-    bad = nonfinite | ~(used >= 0) | (used == jnp.inf)
+    bad = nonfinite | formats.invalid_amax(used)
     return xs, used, bad, jnp.where(bad, _F32(jnp.nan), used)
 
 

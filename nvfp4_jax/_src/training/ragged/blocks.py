@@ -35,7 +35,7 @@ def quantize_blocks(xs, amax, random) -> Blocks:
     a non-finite group) broadcast against the blocks (R, C/16): one per row or one per
     block, each its group's. `random`: the SR bytes uint8 (R, C), or None for nearest.
     """
-    bad = ~(amax >= 0) | (amax == jnp.inf)  # a NaN amax: a non-finite group
+    bad = formats.invalid_amax(amax)  # a NaN amax: a non-finite group
     s_enc = encode_scale(amax)
     s_dec = _F32(1) / s_enc
     blocks = xs.reshape(*xs.shape[:-1], xs.shape[-1] // _BLOCK, _BLOCK)
