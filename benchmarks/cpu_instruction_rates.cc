@@ -48,12 +48,19 @@ alignas(64) uint32_t g_mem[512] = {1, 2, 3, 4, 5, 6, 7, 8};  // codes, x, table 
   OP(0) OP(3) OP(4) OP(5) OP(6) OP(7) OP(8) OP(9)
 #define NVFP4_CLOBBER "xmm0", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9"
 
-#define NVFP4_RATE_TEST(NAME, ASM)                                                       \
+alignas(64) float g_stack[64];  // the GEMM loop's spilled sums
+
+// A test: seconds per unit of the loop ASM, which does PER units per iteration (%0 is g_mem,
+// %1 g_stack; the variadic arguments are the registers it writes).
+#define NVFP4_LOOP_TEST(NAME, PER, ASM, ...)                                             \
   __attribute__((noinline)) double NAME(long n) {                                        \
     const double t = Now();                                                              \
-    for (long i = 0; i < n; ++i) asm volatile(ASM : : "r"(g_mem) : NVFP4_CLOBBER);       \
-    return (Now() - t) / (8.0 * n); /* seconds per instruction */                        \
+    for (long i = 0; i < n; ++i) {                                                       \
+      asm volatile(ASM : : "r"(g_mem), "r"(g_stack) : __VA_ARGS__);                      \
+    }                                                                                    \
+    return (Now() - t) / ((PER) * static_cast<double>(n));                               \
   }
+#define NVFP4_RATE_TEST(NAME, ASM) NVFP4_LOOP_TEST(NAME, 8, ASM, NVFP4_CLOBBER)
 
 #define S(x) #x
 #define MULPS(r) "vmulps %%ymm1, %%ymm" S(r) ", %%ymm" S(r) "\n"
@@ -82,12 +89,13 @@ NVFP4_RATE_TEST(Slld, NVFP4_EIGHT(SLLD))
 NVFP4_RATE_TEST(Xorps, NVFP4_EIGHT(XORPS))
 NVFP4_RATE_TEST(Bcastd, NVFP4_EIGHT(BCASTD))
 // Pairs: four of each, alternating (seconds per instruction of the pair).
-NVFP4_RATE_TEST(PermMul, PERMPS(0) MULPS(3) PERMPS(4) MULPS(5) PERMPS(6) MULPS(7) PERMPS(8) MULPS(9))
-NVFP4_RATE_TEST(PermAdd, PERMPS(0) ADDPS(3) PERMPS(4) ADDPS(5) PERMPS(6) ADDPS(7) PERMPS(8) ADDPS(9))
-NVFP4_RATE_TEST(PermShift, PERMPS(0) SLLD(3) PERMPS(4) SLLD(5) PERMPS(6) SLLD(7) PERMPS(8) SLLD(9))
+#define NVFP4_PAIR(A, B) A(0) B(3) A(4) B(5) A(6) B(7) A(8) B(9)
+NVFP4_RATE_TEST(PermMul, NVFP4_PAIR(PERMPS, MULPS))
+NVFP4_RATE_TEST(PermAdd, NVFP4_PAIR(PERMPS, ADDPS))
+NVFP4_RATE_TEST(PermShift, NVFP4_PAIR(PERMPS, SLLD))
 NVFP4_RATE_TEST(ShiftMul, SLLD(0) MULPS(3) SRLVD(4) MULPS(5) SLLD(6) MULPS(7) SRLVD(8) MULPS(9))
-NVFP4_RATE_TEST(MaddubsMul, MADDUBS(0) MULPS(3) MADDUBS(4) MULPS(5) MADDUBS(6) MULPS(7) MADDUBS(8) MULPS(9))
-NVFP4_RATE_TEST(MaddubsAdd, MADDUBS(0) PADDW(3) MADDUBS(4) PADDW(5) MADDUBS(6) PADDW(7) MADDUBS(8) PADDW(9))
+NVFP4_RATE_TEST(MaddubsMul, NVFP4_PAIR(MADDUBS, MULPS))
+NVFP4_RATE_TEST(MaddubsAdd, NVFP4_PAIR(MADDUBS, PADDW))
 
 // The W4A16 GEMV's 16-block for one row of x (cpu/block_lookup.h's AVX2 LookupBlock and
 // the multiply-add), as GCC emits it: per 8 lanes a broadcast of 4 code bytes, the shift
@@ -104,18 +112,12 @@ NVFP4_RATE_TEST(MaddubsAdd, MADDUBS(0) PADDW(3) MADDUBS(4) PADDW(5) MADDUBS(6) P
 #define GEMV_BLOCK(ACC0, ACC1, OFF0, OFF1) \
   GEMV_HALF("0", "12", ACC0, OFF0, "64") GEMV_HALF("3", "13", ACC1, OFF1, "96")
 
-__attribute__((noinline)) double GemvBlock(long n) {
-  const double t = Now();
-  for (long i = 0; i < n; ++i) {
-    asm volatile(GEMV_BLOCK("4", "5", "0", "4") GEMV_BLOCK("6", "7", "8", "12")
-                     GEMV_BLOCK("8", "9", "16", "20") GEMV_BLOCK("11", "14", "24", "28")
-                 :
-                 : "r"(g_mem)
-                 : "xmm0", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm11",
-                   "xmm12", "xmm13", "xmm14");
-  }
-  return (Now() - t) / (4.0 * n);  // seconds per block
-}
+// Seconds per block.
+NVFP4_LOOP_TEST(GemvBlock, 4,
+                GEMV_BLOCK("4", "5", "0", "4") GEMV_BLOCK("6", "7", "8", "12")
+                    GEMV_BLOCK("8", "9", "16", "20") GEMV_BLOCK("11", "14", "24", "28"),
+                "xmm0", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm11",
+                "xmm12", "xmm13", "xmm14")
 
 // The GEMV's 16-block for four rows of x (a pass of the batched form, whose 8 rows take two):
 // the block decoded once (its table row loaded), then each row's two multiplies and adds.
@@ -134,17 +136,11 @@ __attribute__((noinline)) double GemvBlock(long n) {
   GEMV_DECODE(CO) GEMV_ROW("64", "2", "3") GEMV_ROW("128", "4", "5") GEMV_ROW("192", "6", "7") \
       GEMV_ROW("256", "8", "9")
 
-__attribute__((noinline)) double GemvPass4(long n) {
-  const double t = Now();
-  for (long i = 0; i < n; ++i) {
-    asm volatile(GEMV_PASS4("0") GEMV_PASS4("8") GEMV_PASS4("16") GEMV_PASS4("24")
-                 :
-                 : "r"(g_mem)
-                 : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8",
-                   "xmm9", "xmm12", "xmm13");
-  }
-  return (Now() - t) / (4.0 * n);  // seconds per block and pass
-}
+// Seconds per block and pass.
+NVFP4_LOOP_TEST(GemvPass4, 4,
+                GEMV_PASS4("0") GEMV_PASS4("8") GEMV_PASS4("16") GEMV_PASS4("24"),
+                "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9",
+                "xmm12", "xmm13")
 
 // A restructure of the 8-row form, not the kernel's loop: each half of a block decoded once
 // for all 8 rows (slots 0-7 over the whole K, then slots 8-15: each slot still sums in
@@ -161,17 +157,11 @@ __attribute__((noinline)) double GemvPass4(long n) {
   GEMV_HALF8_ROW("320", "12", "6") GEMV_HALF8_ROW("384", "13", "7")                          \
   GEMV_HALF8_ROW("448", "12", "8") GEMV_HALF8_ROW("512", "13", "9")
 
-__attribute__((noinline)) double GemvHalf8(long n) {
-  const double t = Now();
-  for (long i = 0; i < n; ++i) {
-    asm volatile(GEMV_HALF8("0") GEMV_HALF8("8") GEMV_HALF8("16") GEMV_HALF8("24")
-                 :
-                 : "r"(g_mem)
-                 : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8",
-                   "xmm9", "xmm12", "xmm13");
-  }
-  return (Now() - t) / (4.0 * n);  // seconds per half-block
-}
+// Seconds per half-block.
+NVFP4_LOOP_TEST(GemvHalf8, 4,
+                GEMV_HALF8("0") GEMV_HALF8("8") GEMV_HALF8("16") GEMV_HALF8("24"),
+                "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9",
+                "xmm12", "xmm13")
 
 // The NVFP4 GEMM's work for one output row, 8 columns and one 16-block (128 multiply-adds):
 // four byte multiply-adds of a broadcast A quad by B, their 16-bit sums, the pair sum
@@ -191,18 +181,12 @@ __attribute__((noinline)) double GemvHalf8(long n) {
   "vmulps %%ymm1, %%ymm" H ", %%ymm" H "\n"                                                \
   "vfmadd231ps 160(%0), %%ymm" H ", %%ymm" ACC "\n"
 
-__attribute__((noinline)) double GemmSet(long n) {
-  const double t = Now();
-  for (long i = 0; i < n; ++i) {
-    asm volatile(GEMM_SET("0", "3", "4") GEMM_SET("5", "6", "7") GEMM_SET("8", "9", "12")
-                     GEMM_SET("13", "14", "15")
-                 :
-                 : "r"(g_mem)
-                 : "xmm0", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm12",
-                   "xmm13", "xmm14", "xmm15");
-  }
-  return (Now() - t) / (4.0 * n);  // seconds per set of 128 multiply-adds
-}
+// Seconds per set of 128 multiply-adds.
+NVFP4_LOOP_TEST(GemmSet, 4,
+                GEMM_SET("0", "3", "4") GEMM_SET("5", "6", "7") GEMM_SET("8", "9", "12")
+                    GEMM_SET("13", "14", "15"),
+                "xmm0", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm12",
+                "xmm13", "xmm14", "xmm15")
 
 // The GEMM micro-kernel's whole 16-block as GCC 12 compiles it (cpu/gemm_isa.cc's AVX2
 // Micro<2>: 2 rows x 32 columns): the 8 broadcasts of A's quads and 2 of A's scales, the
@@ -223,26 +207,19 @@ __attribute__((noinline)) double GemmSet(long n) {
   GEMM_SET_SPILLED(A0, A1, A2, A3, "64", S, SLOT1)                                           \
   GEMM_SET_SPILLED(A0, A1, A2, A3, "96", S, SLOT2)
 
-alignas(64) float g_stack[64];
-
-__attribute__((noinline)) double GemmBlock(long n) {
-  const double t = Now();
-  for (long i = 0; i < n; ++i) {
-    asm volatile(
-        "vpbroadcastd 640(%0), %%ymm8\n vpbroadcastd 644(%0), %%ymm9\n"
-        "vpbroadcastd 648(%0), %%ymm10\n vpbroadcastd 652(%0), %%ymm11\n"
-        "vpbroadcastd 656(%0), %%ymm2\n vpbroadcastd 660(%0), %%ymm3\n"
-        "vpbroadcastd 664(%0), %%ymm4\n vpbroadcastd 668(%0), %%ymm5\n"
-        "vbroadcastss 672(%0), %%ymm6\n vbroadcastss 676(%0), %%ymm7\n"
-        GEMM_ROW("%%ymm8", "%%ymm9", "%%ymm10", "%%ymm11", "%%ymm6", "%%ymm0", "0", "32", "64")
-        GEMM_ROW("%%ymm2", "%%ymm3", "%%ymm4", "%%ymm5", "%%ymm7", "%%ymm1", "96", "128", "160")
-        :
-        : "r"(g_mem), "r"(g_stack)
-        : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9",
-          "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "memory");
-  }
-  return (Now() - t) / (8.0 * n);  // seconds per set of 128 multiply-adds
-}
+// Seconds per set of 128 multiply-adds (8 per block).
+NVFP4_LOOP_TEST(GemmBlock, 8,
+                "vpbroadcastd 640(%0), %%ymm8\n vpbroadcastd 644(%0), %%ymm9\n"
+                "vpbroadcastd 648(%0), %%ymm10\n vpbroadcastd 652(%0), %%ymm11\n"
+                "vpbroadcastd 656(%0), %%ymm2\n vpbroadcastd 660(%0), %%ymm3\n"
+                "vpbroadcastd 664(%0), %%ymm4\n vpbroadcastd 668(%0), %%ymm5\n"
+                "vbroadcastss 672(%0), %%ymm6\n vbroadcastss 676(%0), %%ymm7\n"
+                GEMM_ROW("%%ymm8", "%%ymm9", "%%ymm10", "%%ymm11", "%%ymm6", "%%ymm0", "0",
+                         "32", "64")
+                GEMM_ROW("%%ymm2", "%%ymm3", "%%ymm4", "%%ymm5", "%%ymm7", "%%ymm1", "96",
+                         "128", "160"),
+                "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9",
+                "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "memory")
 
 // Median over 7 rounds of (test seconds / seconds per cycle), each round's clock measured
 // right before its test.
@@ -272,10 +249,11 @@ int main() {
     const char* name;
     double (*test)(long);
   };
-  const Rate singles[] = {{"vmulps", Mulps},       {"vaddps", Addps},   {"vfmadd231ps", Fma},
-                          {"vpmaddubsw", Maddubs}, {"vpmaddwd", Pmaddwd}, {"vpaddw", Paddw},
-                          {"vcvtdq2ps", Cvt},      {"vpermps", Permps}, {"vpsrlvd", Srlvd},
-                          {"vpslld", Slld},        {"vxorps", Xorps},   {"vpbroadcastd m32", Bcastd}};
+  const Rate singles[] = {
+      {"vmulps", Mulps},         {"vaddps", Addps},     {"vfmadd231ps", Fma},
+      {"vpmaddubsw", Maddubs},   {"vpmaddwd", Pmaddwd}, {"vpaddw", Paddw},
+      {"vcvtdq2ps", Cvt},        {"vpermps", Permps},   {"vpsrlvd", Srlvd},
+      {"vpslld", Slld},          {"vxorps", Xorps},     {"vpbroadcastd m32", Bcastd}};
   std::printf("%-28s %s\n", "instruction (ymm)", "per cycle");
   for (const Rate& r : singles) std::printf("%-28s %5.2f\n", r.name, 1.0 / Cycles(r.test, kN));
   const Rate pairs[] = {{"vpermps + vmulps", PermMul},      {"vpermps + vaddps", PermAdd},
