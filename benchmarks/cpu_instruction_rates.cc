@@ -76,26 +76,34 @@ alignas(64) float g_stack[64];  // the GEMM loop's spilled sums
 #define XORPS(r) "vxorps %%ymm1, %%ymm" S(r) ", %%ymm" S(r) "\n"
 #define BCASTD(r) "vpbroadcastd 4(%0), %%ymm" S(r) "\n"
 
-NVFP4_RATE_TEST(Mulps, NVFP4_EIGHT(MULPS))
-NVFP4_RATE_TEST(Addps, NVFP4_EIGHT(ADDPS))
-NVFP4_RATE_TEST(Fma, NVFP4_EIGHT(FMA))
-NVFP4_RATE_TEST(Maddubs, NVFP4_EIGHT(MADDUBS))
-NVFP4_RATE_TEST(Pmaddwd, NVFP4_EIGHT(PMADDWD))
-NVFP4_RATE_TEST(Paddw, NVFP4_EIGHT(PADDW))
-NVFP4_RATE_TEST(Cvt, NVFP4_EIGHT(CVT))
-NVFP4_RATE_TEST(Permps, NVFP4_EIGHT(PERMPS))
-NVFP4_RATE_TEST(Srlvd, NVFP4_EIGHT(SRLVD))
-NVFP4_RATE_TEST(Slld, NVFP4_EIGHT(SLLD))
-NVFP4_RATE_TEST(Xorps, NVFP4_EIGHT(XORPS))
-NVFP4_RATE_TEST(Bcastd, NVFP4_EIGHT(BCASTD))
-// Pairs: four of each, alternating (seconds per instruction of the pair).
+// Each rate test once: its function, the name it prints, its loop. Singles run eight
+// independent chains of one instruction; pairs alternate four of each (seconds per
+// instruction of the pair).
 #define NVFP4_PAIR(A, B) A(0) B(3) A(4) B(5) A(6) B(7) A(8) B(9)
-NVFP4_RATE_TEST(PermMul, NVFP4_PAIR(PERMPS, MULPS))
-NVFP4_RATE_TEST(PermAdd, NVFP4_PAIR(PERMPS, ADDPS))
-NVFP4_RATE_TEST(PermShift, NVFP4_PAIR(PERMPS, SLLD))
-NVFP4_RATE_TEST(ShiftMul, SLLD(0) MULPS(3) SRLVD(4) MULPS(5) SLLD(6) MULPS(7) SRLVD(8) MULPS(9))
-NVFP4_RATE_TEST(MaddubsMul, NVFP4_PAIR(MADDUBS, MULPS))
-NVFP4_RATE_TEST(MaddubsAdd, NVFP4_PAIR(MADDUBS, PADDW))
+#define NVFP4_SINGLES(X)                                                                   \
+  X(Mulps, "vmulps", NVFP4_EIGHT(MULPS))                                                   \
+  X(Addps, "vaddps", NVFP4_EIGHT(ADDPS))                                                   \
+  X(Fma, "vfmadd231ps", NVFP4_EIGHT(FMA))                                                  \
+  X(Maddubs, "vpmaddubsw", NVFP4_EIGHT(MADDUBS))                                           \
+  X(Pmaddwd, "vpmaddwd", NVFP4_EIGHT(PMADDWD))                                             \
+  X(Paddw, "vpaddw", NVFP4_EIGHT(PADDW))                                                   \
+  X(Cvt, "vcvtdq2ps", NVFP4_EIGHT(CVT))                                                    \
+  X(Permps, "vpermps", NVFP4_EIGHT(PERMPS))                                                \
+  X(Srlvd, "vpsrlvd", NVFP4_EIGHT(SRLVD))                                                  \
+  X(Slld, "vpslld", NVFP4_EIGHT(SLLD))                                                     \
+  X(Xorps, "vxorps", NVFP4_EIGHT(XORPS))                                                   \
+  X(Bcastd, "vpbroadcastd m32", NVFP4_EIGHT(BCASTD))
+#define NVFP4_PAIRS(X)                                                                     \
+  X(PermMul, "vpermps + vmulps", NVFP4_PAIR(PERMPS, MULPS))                                \
+  X(PermAdd, "vpermps + vaddps", NVFP4_PAIR(PERMPS, ADDPS))                                \
+  X(PermShift, "vpermps + vpslld", NVFP4_PAIR(PERMPS, SLLD))                               \
+  X(ShiftMul, "shifts + vmulps",                                                           \
+    SLLD(0) MULPS(3) SRLVD(4) MULPS(5) SLLD(6) MULPS(7) SRLVD(8) MULPS(9))                 \
+  X(MaddubsMul, "vpmaddubsw + vmulps", NVFP4_PAIR(MADDUBS, MULPS))                         \
+  X(MaddubsAdd, "vpmaddubsw + vpaddw", NVFP4_PAIR(MADDUBS, PADDW))
+#define NVFP4_DECLARE_RATE(NAME, LABEL, ASM) NVFP4_RATE_TEST(NAME, ASM)
+NVFP4_SINGLES(NVFP4_DECLARE_RATE)
+NVFP4_PAIRS(NVFP4_DECLARE_RATE)
 
 // The W4A16 GEMV's 16-block for one row of x (cpu/block_lookup.h's AVX2 LookupBlock and
 // the multiply-add), as GCC emits it: per 8 lanes a broadcast of 4 code bytes, the shift
@@ -249,16 +257,11 @@ int main() {
     const char* name;
     double (*test)(long);
   };
-  const Rate singles[] = {
-      {"vmulps", Mulps},         {"vaddps", Addps},     {"vfmadd231ps", Fma},
-      {"vpmaddubsw", Maddubs},   {"vpmaddwd", Pmaddwd}, {"vpaddw", Paddw},
-      {"vcvtdq2ps", Cvt},        {"vpermps", Permps},   {"vpsrlvd", Srlvd},
-      {"vpslld", Slld},          {"vxorps", Xorps},     {"vpbroadcastd m32", Bcastd}};
+#define NVFP4_RATE_ENTRY(NAME, LABEL, ASM) {LABEL, NAME},
+  const Rate singles[] = {NVFP4_SINGLES(NVFP4_RATE_ENTRY)};
+  const Rate pairs[] = {NVFP4_PAIRS(NVFP4_RATE_ENTRY)};
   std::printf("%-28s %s\n", "instruction (ymm)", "per cycle");
   for (const Rate& r : singles) std::printf("%-28s %5.2f\n", r.name, 1.0 / Cycles(r.test, kN));
-  const Rate pairs[] = {{"vpermps + vmulps", PermMul},      {"vpermps + vaddps", PermAdd},
-                        {"vpermps + vpslld", PermShift},    {"shifts + vmulps", ShiftMul},
-                        {"vpmaddubsw + vmulps", MaddubsMul}, {"vpmaddubsw + vpaddw", MaddubsAdd}};
   std::printf("\n%-28s %s\n", "alternating pair", "per cycle (both counted)");
   for (const Rate& r : pairs) std::printf("%-28s %5.2f\n", r.name, 1.0 / Cycles(r.test, kN));
   const double gemv = Cycles(GemvBlock, kN / 2), pass4 = Cycles(GemvPass4, kN / 4);
